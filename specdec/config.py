@@ -1,0 +1,151 @@
+"""Plain dataclasses for every configuration: the model's shape, sampling, and the engine.
+
+Nothing here imports torch modules or models, so every other module can depend on it.
+"""
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import Any
+
+SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+class SpecdecError(ValueError):
+    """A problem with what the user asked for (bad path, bad value); shown without a traceback."""
+
+
+@dataclass(frozen=True)
+class ModelConfig:
+    """The shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3)."""
+
+    model_type: str
+    vocab_size: int
+    hidden_size: int
+    intermediate_size: int
+    num_hidden_layers: int
+    num_attention_heads: int
+    num_key_value_heads: int
+    head_dim: int
+    rms_norm_eps: float = 1e-6
+    rope_theta: float = 10000.0
+    rope_scaling: dict | None = None
+    max_position_embeddings: int = 4096
+    tie_word_embeddings: bool = False
+    attention_bias: bool = False  # Qwen2: biases on q/k/v
+    qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
+    bos_token_id: int | None = None
+    eos_token_id: int | list[int] | None = None
+
+    @classmethod
+    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+        """Build from a Hugging Face config.json dict; refuses architectures we do not implement."""
+        model_type = hf.get("model_type")
+        if model_type not in SUPPORTED_MODEL_TYPES:
+            archs = hf.get("architectures") or [model_type]
+            raise SpecdecError(
+                f"unsupported architecture {archs[0]!r} (model_type={model_type!r}); "
+                f"specdec supports model_type in {list(SUPPORTED_MODEL_TYPES)}"
+            )
+        heads = hf["num_attention_heads"]
+        head_dim = hf.get("head_dim") or hf["hidden_size"] // heads
+        rope_scaling = hf.get("rope_scaling")
+        rope_theta = hf.get("rope_theta")
+        params = hf.get("rope_parameters")  # transformers >= 5 folds theta and scaling in here
+        if params:
+            rope_theta = rope_theta or params.get("rope_theta")
+            if params.get("rope_type", "default") != "default":
+                rope_scaling = rope_scaling or params
+        if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
+            rope_scaling = None
+        return cls(
+            model_type=model_type,
+            vocab_size=hf["vocab_size"],
+            hidden_size=hf["hidden_size"],
+            intermediate_size=hf["intermediate_size"],
+            num_hidden_layers=hf["num_hidden_layers"],
+            num_attention_heads=heads,
+            num_key_value_heads=hf.get("num_key_value_heads") or heads,
+            head_dim=head_dim,
+            rms_norm_eps=hf.get("rms_norm_eps", 1e-6),
+            rope_theta=float(rope_theta or 10000.0),
+            rope_scaling=rope_scaling,
+            max_position_embeddings=hf.get("max_position_embeddings", 4096),
+            tie_word_embeddings=bool(hf.get("tie_word_embeddings", False)),
+            attention_bias=bool(hf.get("attention_bias", model_type == "qwen2")),
+            qk_norm=model_type == "qwen3",
+            bos_token_id=hf.get("bos_token_id"),
+            eos_token_id=hf.get("eos_token_id"),
+        )
+
+
+@dataclass
+class SamplingParams:
+    """Per-request sampling, named as in vLLM. temperature 0 means greedy."""
+
+    temperature: float = 1.0
+    top_p: float = 1.0
+    top_k: int = 0  # 0 or -1: off
+    min_p: float = 0.0
+    seed: int | None = None
+    max_tokens: int = 16
+    stop: list[str] | str | None = None
+    stop_token_ids: list[int] | None = None
+    ignore_eos: bool = False
+
+    def __post_init__(self) -> None:
+        if isinstance(self.stop, str):
+            self.stop = [self.stop]
+        self.stop = list(self.stop or [])
+        self.stop_token_ids = list(self.stop_token_ids or [])
+        if self.top_k == -1:
+            self.top_k = 0
+        self.validate()
+
+    def validate(self) -> None:
+        def bad(name: str, value: Any, rule: str) -> SpecdecError:
+            return SpecdecError(f"invalid {name}={value!r}: {rule}")
+
+        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+            raise bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
+        if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
+            raise bad("top_p", self.top_p, "must be in (0, 1]")
+        if not isinstance(self.top_k, int) or self.top_k < 0:
+            raise bad("top_k", self.top_k, "must be an integer >= 0 (0 or -1 = off)")
+        if not isinstance(self.min_p, (int, float)) or not 0 <= self.min_p <= 1:
+            raise bad("min_p", self.min_p, "must be in [0, 1]")
+        if not isinstance(self.max_tokens, int) or isinstance(self.max_tokens, bool) or self.max_tokens < 1:
+            raise bad("max_tokens", self.max_tokens, "must be an integer >= 1")
+        if self.seed is not None and (not isinstance(self.seed, int) or isinstance(self.seed, bool)):
+            raise bad("seed", self.seed, "must be an integer or None")
+        if any(not isinstance(s, str) or not s for s in self.stop):
+            raise bad("stop", self.stop, "must be non-empty strings")
+
+    @property
+    def greedy(self) -> bool:
+        return self.temperature == 0
+
+
+@dataclass
+class EngineConfig:
+    """How the engine lays out memory and batches work."""
+
+    block_size: int = 16
+    num_kv_blocks: int | None = None  # None: enough for max_num_seqs full-context sequences, capped by memory
+    kv_cache_memory_gb: float = 4.0
+    max_num_seqs: int = 64
+    max_num_batched_tokens: int = 4096  # prefill tokens per step
+    max_model_len: int | None = None  # None: the model's context length
+
+
+def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
+    """Build a dataclass from a dict, refusing unknown keys with the valid ones listed."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    unknown = sorted(set(kwargs) - names)
+    if unknown:
+        raise SpecdecError(f"unknown {cls.__name__} key(s) {unknown}; valid keys: {sorted(names)}")
+    return cls(**kwargs)
+
+
+__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "from_kwargs", "SUPPORTED_MODEL_TYPES"]

@@ -1,0 +1,151 @@
+"""The engine loop: schedule -> run the model -> sample -> bookkeeping, one `step()` at a time."""
+from __future__ import annotations
+
+import itertools
+import time
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import EngineConfig, SamplingParams, SpecdecError
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.scheduler import Scheduler
+from specdec.engine.sequence import Sequence
+from specdec.kv_cache import BlockAllocator, KVPool
+from specdec.models.llama import LlamaModel
+
+
+@dataclass
+class RequestOutput:
+    """What a finished (or streaming) request returns; vLLM-like names."""
+
+    request_id: int
+    prompt: str | None
+    prompt_token_ids: list[int]
+    token_ids: list[int]
+    text: str
+    finish_reason: str | None
+    stop_reason: int | str | None = None
+    metrics: dict = field(default_factory=dict)
+
+    @property
+    def finished(self) -> bool:
+        return self.finish_reason is not None
+
+
+def eos_ids(model: LlamaModel, tokenizer) -> frozenset[int]:
+    ids = model.config.eos_token_id
+    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
+    if getattr(tokenizer, "eos_token_id", None) is not None:
+        ids.add(tokenizer.eos_token_id)
+    return frozenset(ids)
+
+
+class LLMEngine:
+    def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None) -> None:
+        self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()
+        mcfg = model.config
+        self.max_model_len = min(self.cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
+        bs = self.cfg.block_size
+        num_blocks = self.cfg.num_kv_blocks
+        if num_blocks is None:
+            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.dtype))
+            by_need = self.cfg.max_num_seqs * -(-self.max_model_len // bs) + 1
+            num_blocks = max(2, min(by_memory, by_need))
+        self.allocator = BlockAllocator(num_blocks, bs)
+        if (num_blocks - 1) * bs < self.max_model_len:
+            self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
+        self.kv = KVPool(mcfg, num_blocks, bs, model.dtype, model.device)
+        self.scheduler = Scheduler(self.cfg, self.allocator)
+        self.runner = ModelRunner(model, self.kv, self.allocator)
+        self.eos_token_ids = eos_ids(model, tokenizer)
+        self._ids = itertools.count()
+        self._texts: dict[int, str] = {}
+
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+        n = len(prompt_token_ids)
+        if n == 0:
+            raise SpecdecError("prompt is empty: give at least one token")
+        if n >= self.max_model_len:
+            raise SpecdecError(f"prompt has {n} tokens but the model context is {self.max_model_len} tokens; "
+                               f"shorten it to at most {self.max_model_len - 1}")
+        vocab = self.model.config.vocab_size
+        if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
+            raise SpecdecError(f"prompt token ids must be in [0, {vocab})")
+        generator = None
+        if params.seed is not None:
+            generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len,
+                       self.eos_token_ids, generator)
+        self.scheduler.add(seq)
+        return seq
+
+    def abort(self, seq: Sequence) -> None:
+        if not seq.is_finished:
+            self.scheduler.finish(seq, "abort")
+
+    def has_unfinished(self) -> bool:
+        return self.scheduler.has_unfinished()
+
+    def step(self) -> list[tuple[Sequence, list[int]]]:
+        """Advance every scheduled sequence; returns (sequence, tokens it gained this step)."""
+        batch = self.scheduler.schedule()
+        if batch is None:
+            return []
+        sampled = self.runner.step(batch)
+        events = []
+        for seq, token in zip(batch.seqs, sampled):
+            if token is None:
+                continue
+            seq.num_steps += 1
+            accepted = self._commit(seq, [token])
+            events.append((seq, accepted))
+        return events
+
+    def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
+        """Append tokens until a stop condition; finish the sequence if one fired."""
+        kept = []
+        for token in tokens:
+            kept.append(token)
+            if seq.append(token) or self._hit_stop_string(seq):
+                self.scheduler.finish(seq)
+                break
+        return kept
+
+    def _hit_stop_string(self, seq: Sequence) -> bool:
+        if not seq.params.stop:
+            return False
+        text = self.decode(seq.output_token_ids)
+        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
+        if not hits:
+            return False
+        cut, stop = min(hits)
+        seq.finish_reason, seq.stop_reason = "stop", stop
+        self._texts[seq.seq_id] = text[:cut]
+        return True
+
+    def decode(self, token_ids: list[int]) -> str:
+        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
+        text = self._texts.pop(seq.seq_id, None) if seq.is_finished else None
+        if text is None:
+            text = self.decode(seq.output_token_ids)
+        return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids, seq.output_token_ids, text,
+                             seq.finish_reason, seq.stop_reason, request_metrics(seq))
+
+
+def request_metrics(seq: Sequence) -> dict:
+    n = len(seq.output_token_ids)
+    end = seq.finish_time or time.perf_counter()
+    ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
+    decode_s = (end - seq.first_token_time) if seq.first_token_time else 0.0
+    return {
+        "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_generated_tokens": n,
+        "num_steps": seq.num_steps,
+        "ttft_s": ttft,
+        "decode_s": decode_s,
+        "e2e_s": end - seq.arrival_time,
+        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+    }

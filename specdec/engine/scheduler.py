@@ -1,0 +1,104 @@
+"""CPU bookkeeping: which sequences run this step, with how many tokens, and in which KV blocks.
+
+A step is either a prefill step (new or preempted sequences feed their uncached tokens, chunked by a
+token budget) or a decode step (every running sequence feeds its last token). When blocks run out during
+decode, the newest sequence is preempted: its blocks are freed and it is recomputed later.
+"""
+from __future__ import annotations
+
+from collections import deque
+from dataclasses import dataclass
+
+from specdec.config import EngineConfig
+from specdec.engine.sequence import Sequence, Status
+from specdec.kv_cache import BlockAllocator
+
+
+@dataclass
+class ScheduledBatch:
+    seqs: list[Sequence]
+    num_new_tokens: list[int]  # tokens each sequence feeds this step
+    is_prefill: bool
+
+
+class Scheduler:
+    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator) -> None:
+        self.cfg, self.allocator = cfg, allocator
+        self.waiting: deque[Sequence] = deque()
+        self.running: list[Sequence] = []
+        self.num_preemptions = 0
+
+    def add(self, seq: Sequence) -> None:
+        self.waiting.append(seq)
+
+    def has_unfinished(self) -> bool:
+        return bool(self.waiting or self.running)
+
+    def schedule(self) -> ScheduledBatch | None:
+        batch = self._schedule_prefill()
+        return batch if batch is not None else self._schedule_decode()
+
+    def _schedule_prefill(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        counts: list[int] = []
+        budget = self.cfg.max_num_batched_tokens
+        # Sequences part-way through a chunked prefill go first, then new arrivals.
+        candidates = [s for s in self.running if s.num_uncached > 1] + list(self.waiting)
+        num_admitted = 0
+        for seq in candidates:
+            is_new = seq.status == Status.WAITING
+            if is_new and len(self.running) + num_admitted >= self.cfg.max_num_seqs:
+                break
+            # Only the first sequence is chunked; later ones join whole if the padded batch fits.
+            n = min(seq.num_uncached, budget) if not seqs else seq.num_uncached
+            if seqs and max(counts + [n]) * (len(seqs) + 1) > budget:
+                break
+            if not self.allocator.can_allocate(seq.block_table, seq.num_cached + n):
+                break
+            self.allocator.allocate(seq.block_table, seq.num_cached + n)
+            seqs.append(seq)
+            counts.append(n)
+            num_admitted += is_new
+        for seq in seqs:
+            if seq.status == Status.WAITING:
+                self.waiting.remove(seq)
+                seq.status = Status.RUNNING
+                self.running.append(seq)
+        return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _schedule_decode(self) -> ScheduledBatch | None:
+        seqs: list[Sequence] = []
+        for seq in list(self.running):
+            if seq.status != Status.RUNNING:
+                continue
+            while not self.allocator.can_allocate(seq.block_table, seq.num_cached + 1):
+                victim = self.running[-1]
+                self.preempt(victim)
+                if victim is seq:
+                    break
+            if seq.status == Status.RUNNING:
+                self.allocator.allocate(seq.block_table, seq.num_cached + 1)
+                seqs.append(seq)
+        if not seqs and self.waiting and not self.running:
+            seq = self.waiting[0]
+            raise RuntimeError(f"request {seq.seq_id} needs more KV blocks than the cache holds "
+                               f"({len(seq.token_ids)} tokens, {self.allocator.num_free} blocks free)")
+        return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def preempt(self, seq: Sequence) -> None:
+        """Free a sequence's blocks and queue it to be recomputed from its tokens."""
+        self.running.remove(seq)
+        self.allocator.free(seq.block_table)
+        self.num_preemptions += 1
+        seq.num_cached = 0
+        seq.status = Status.WAITING
+        self.waiting.appendleft(seq)
+
+    def finish(self, seq: Sequence, reason: str | None = None) -> None:
+        """Finish (or abort) a sequence and return its blocks."""
+        if seq in self.running:
+            self.running.remove(seq)
+        elif seq in self.waiting:
+            self.waiting.remove(seq)
+        self.allocator.free(seq.block_table)
+        seq.finish(reason)

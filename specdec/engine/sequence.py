@@ -1,0 +1,75 @@
+"""A request's state as it moves through the engine: tokens, cache position, stop checks, timing."""
+from __future__ import annotations
+
+import time
+from dataclasses import dataclass, field
+from enum import Enum, auto
+
+import torch
+
+from specdec.config import SamplingParams
+from specdec.kv_cache import BlockTable
+
+
+class Status(Enum):
+    WAITING = auto()
+    RUNNING = auto()
+    FINISHED = auto()
+
+
+@dataclass
+class Sequence:
+    seq_id: int
+    prompt_token_ids: list[int]
+    params: SamplingParams
+    max_len: int  # the context limit: prompt + output never exceeds it
+    eos_token_ids: frozenset[int] = frozenset()
+    generator: torch.Generator | None = None
+    token_ids: list[int] = field(default_factory=list)  # prompt + output
+    num_cached: int = 0  # tokens whose K/V are in the cache
+    block_table: BlockTable = field(default_factory=BlockTable)
+    status: Status = Status.WAITING
+    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    stop_reason: int | str | None = None
+    arrival_time: float = field(default_factory=time.perf_counter)
+    first_token_time: float | None = None
+    finish_time: float | None = None
+    num_steps: int = 0  # target forwards that produced output tokens
+
+    def __post_init__(self) -> None:
+        if not self.token_ids:
+            self.token_ids = list(self.prompt_token_ids)
+
+    @property
+    def num_prompt_tokens(self) -> int:
+        return len(self.prompt_token_ids)
+
+    @property
+    def output_token_ids(self) -> list[int]:
+        return self.token_ids[self.num_prompt_tokens:]
+
+    @property
+    def num_uncached(self) -> int:
+        return len(self.token_ids) - self.num_cached
+
+    @property
+    def is_finished(self) -> bool:
+        return self.status == Status.FINISHED
+
+    def append(self, token: int) -> bool:
+        """Add one generated token; returns True when the sequence must stop after it."""
+        if self.first_token_time is None:
+            self.first_token_time = time.perf_counter()
+        self.token_ids.append(token)
+        p = self.params
+        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
+            self.finish_reason, self.stop_reason = "stop", token
+        elif len(self.output_token_ids) >= p.max_tokens or len(self.token_ids) >= self.max_len:
+            self.finish_reason = "length"
+        return self.finish_reason is not None
+
+    def finish(self, reason: str | None = None) -> None:
+        if reason is not None:
+            self.finish_reason = reason
+        self.status = Status.FINISHED
+        self.finish_time = time.perf_counter()

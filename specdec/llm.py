@@ -1,0 +1,130 @@
+"""The user-facing API: `LLM(...).generate(prompts, SamplingParams(...))`, vLLM-style."""
+from __future__ import annotations
+
+from collections.abc import Iterator, Sequence as Seq
+from typing import Any
+
+import torch
+
+from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
+from specdec.engine.llm_engine import LLMEngine, RequestOutput
+from specdec.models.loader import DEFAULT_MODEL, load_model, load_tokenizer
+
+_DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
+           "float16": torch.float16, "fp16": torch.float16}
+
+Prompt = str | dict[str, Any]
+
+
+def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
+    if isinstance(dtype, torch.dtype):
+        return dtype
+    if dtype not in _DTYPES:
+        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+    return _DTYPES[dtype]
+
+
+def parse_device(device: str | torch.device) -> torch.device:
+    try:
+        dev = torch.device(device)
+    except RuntimeError as e:
+        raise SpecdecError(f"invalid device {device!r}: {e}") from None
+    if dev.type == "cuda" and not torch.cuda.is_available():
+        raise SpecdecError(f"device {device!r} requested but CUDA is not available here; use device='cpu'")
+    return dev
+
+
+class LLM:
+    """Load a model once, then generate for batches of prompts.
+
+    model: an alias (default `smollm2-135m`), a Hugging Face directory, or a .gguf file.
+    Extra keyword arguments are EngineConfig fields (block_size, max_num_seqs, ...).
+    """
+
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+                 device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
+                 **engine_kwargs: Any) -> None:
+        if speculative_config is not None:
+            raise SpecdecError("speculative_config is not available in this version of specdec yet")
+        engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
+        net, src = load_model(model, parse_dtype(dtype), parse_device(device))
+        self.model_name = str(model)
+        self.tokenizer = load_tokenizer(src)
+        self.engine = LLMEngine(net, self.tokenizer, engine_cfg)
+
+    # -- prompts -------------------------------------------------------------------------------
+    def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
+        """A string is tokenized as is; {"prompt_token_ids": [...]} is used directly."""
+        if isinstance(prompt, str):
+            if not prompt:
+                raise SpecdecError("prompt is empty: give at least one character")
+            return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
+        if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
+            ids = prompt["prompt_token_ids"]
+            if not isinstance(ids, list) or not all(isinstance(t, int) for t in ids):
+                raise SpecdecError("prompt_token_ids must be a list of ints")
+            return prompt.get("prompt"), list(ids)
+        raise SpecdecError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
+
+    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+        if not getattr(self.tokenizer, "chat_template", None):
+            raise SpecdecError(f"model {self.model_name!r} has no chat template; use generate() with plain prompts")
+        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        return self.tokenizer.encode(text, add_special_tokens=False)
+
+    # -- generation ----------------------------------------------------------------------------
+    def generate(self, prompts: Prompt | Seq[Prompt],
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Decode all prompts together (continuous batching); outputs come back in prompt order."""
+        if not isinstance(prompts, (list, tuple)):
+            prompts = [prompts]
+        return self._run([self.encode(p) for p in prompts], sampling_params)
+
+    def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+        """Like generate, with the model's chat template applied to each conversation."""
+        if conversations and isinstance(conversations[0], dict):
+            conversations = [conversations]
+        return self._run([(None, self.apply_chat_template(c)) for c in conversations], sampling_params)
+
+    def stream(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Iterator[str]:
+        """Yield text as it is produced for one request (holds back incomplete UTF-8)."""
+        engine = self.engine
+        seq = engine.add_request(prompt_token_ids, params or SamplingParams())
+        emitted = ""
+        try:
+            while not seq.is_finished:
+                engine.step()
+                text = engine.output(seq).text if seq.is_finished else engine.decode(seq.output_token_ids)
+                if not text.endswith("\ufffd") and len(text) > len(emitted):
+                    yield text[len(emitted):]
+                    emitted = text
+        finally:
+            engine.abort(seq)
+        self.last_output = engine.output(seq)
+
+    def _run(self, encoded: list[tuple[str | None, list[int]]],
+             sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
+        params = self._params_per_prompt(sampling_params, len(encoded))
+        engine = self.engine
+        seqs = []
+        try:
+            for (_, ids), p in zip(encoded, params):
+                seqs.append(engine.add_request(ids, p))
+            while not all(s.is_finished for s in seqs):
+                engine.step()
+        finally:
+            for s in seqs:
+                engine.abort(s)  # frees blocks if we were interrupted
+        return [engine.output(s, prompt) for s, (prompt, _) in zip(seqs, encoded)]
+
+    @staticmethod
+    def _params_per_prompt(sp: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:
+        if sp is None:
+            return [SamplingParams() for _ in range(n)]
+        if isinstance(sp, SamplingParams):
+            return [sp] * n
+        sp = list(sp)
+        if len(sp) != n:
+            raise SpecdecError(f"got {len(sp)} SamplingParams for {n} prompts; pass one, or one per prompt")
+        return sp

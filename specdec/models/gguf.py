@@ -1,0 +1,272 @@
+"""Load llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict.
+
+Weights are dequantized to floats at load time (the engine computes in float), so any type that
+`gguf.quants.dequantize` handles works: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K,
+the IQ*/TQ* families and MXFP4.
+"""
+from __future__ import annotations
+
+import math
+import os
+from pathlib import Path
+from typing import Any
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.quants import dequantize
+
+SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
+
+_HF_ARCHITECTURE = {
+    "llama": "LlamaForCausalLM",
+    "mistral": "MistralForCausalLM",
+    "qwen2": "Qwen2ForCausalLM",
+    "qwen3": "Qwen3ForCausalLM",
+}
+
+# llama.cpp's convert_hf_to_gguf.py interleaves the rotary halves of Q and K for these architectures only.
+_PERMUTED_QK = ("llama", "mistral")
+
+_LAYER_TENSORS = {  # GGUF per-layer suffix -> HF suffix under model.layers.N.
+    "attn_norm.weight": "input_layernorm.weight",
+    "attn_q.weight": "self_attn.q_proj.weight",
+    "attn_k.weight": "self_attn.k_proj.weight",
+    "attn_v.weight": "self_attn.v_proj.weight",
+    "attn_output.weight": "self_attn.o_proj.weight",
+    "ffn_norm.weight": "post_attention_layernorm.weight",
+    "ffn_gate.weight": "mlp.gate_proj.weight",
+    "ffn_up.weight": "mlp.up_proj.weight",
+    "ffn_down.weight": "mlp.down_proj.weight",
+}
+_BIAS_TENSORS = {f"attn_{n}.bias": f"self_attn.{n}_proj.bias" for n in "qkv"}  # Qwen2
+_QK_NORM_TENSORS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
+
+# GGUF rope.scaling.* suffix -> HF rope_scaling key, for files that state their scaling explicitly.
+_ROPE_SCALING_KEYS = {
+    "factor": "factor",
+    "original_context_length": "original_max_position_embeddings",
+    "attn_factor": "attention_factor",
+    "yarn_beta_fast": "beta_fast",
+    "yarn_beta_slow": "beta_slow",
+}
+# Llama 3.x's original context; only the ratios original/low and original/high change frequencies, so a
+# guessed original length still reproduces rope_freqs exactly once low/high are fitted against it.
+_LLAMA3_ORIGINAL_CONTEXT = 8192
+_DEQUANT_CHUNK_BLOCKS = 256
+_REQUIRED = object()
+
+
+class _Reader(GGUFReader):
+    """GGUFReader over a plain ndarray view of its memmap.
+
+    GGUFReader slices its buffer once per metadata item (~250k times for a 49k-token vocabulary) and
+    np.memmap's Python-level __getitem__/__array_finalize__ made that 3x slower; a base-class view shares
+    the same mapped pages.
+    """
+
+    @property
+    def data(self) -> np.ndarray:
+        return self._buffer
+
+    @data.setter
+    def data(self, value: np.ndarray) -> None:
+        self._buffer = value.view(np.ndarray)
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor]]:
+    """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint.
+
+    hf_config mirrors config.json (model_type, architectures, sizes, rope_theta/rope_scaling, token ids);
+    state_dict uses HF parameter names and [out, in] linear shapes, converted to `dtype`. lm_head.weight is
+    present only when the file has its own output.weight (otherwise tie_word_embeddings is True).
+    """
+    path = Path(path)
+    if not path.is_file():
+        raise FileNotFoundError(f"GGUF file not found: {path}")
+    reader = _Reader(path)
+    arch = _field(reader, "general.architecture")
+    if arch not in SUPPORTED_ARCHITECTURES:
+        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    tensors = {t.name: t for t in reader.tensors}
+    config = _hf_config(reader, arch, tensors)
+    expected = _expected_tensors(config)
+    state_dict = {}
+    for name, tensor in tensors.items():
+        if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
+            continue
+        if name not in expected:
+            raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch!r}")
+        hf_name, hf_shape = expected.pop(name)
+        shape = tuple(int(d) for d in reversed(tensor.shape))
+        if shape != hf_shape:
+            raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
+        weights = _dequantize(tensor.data, tensor.tensor_type, name).reshape(shape)
+        if arch in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
+            heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
+            weights = _unpermute_qk(weights, heads)
+        state_dict[hf_name] = _to_torch(weights, dtype)
+    if expected:
+        raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
+    return config, state_dict
+
+
+def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
+    field = reader.get_field(key)
+    if field is None:
+        if default is _REQUIRED:
+            raise ValueError(f"GGUF metadata key {key!r} is missing")
+        return default
+    return field.contents()
+
+
+def _f32(value: float) -> float:
+    """GGUF stores floats as f32; the shortest repr gives back the config.json value (1e-05, not 9.99e-06)."""
+    return float(str(np.float32(value)))
+
+
+def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    if "token_embd.weight" not in tensors:
+        raise ValueError("missing tensor 'token_embd.weight'")
+    hidden = key("embedding_length")
+    heads = key("attention.head_count")
+    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads
+    rope_theta = _f32(key("rope.freq_base", 10000.0))
+    return {
+        "model_type": arch,
+        "architectures": [_HF_ARCHITECTURE[arch]],
+        "hidden_size": hidden,
+        "intermediate_size": key("feed_forward_length"),
+        "num_hidden_layers": key("block_count"),
+        "num_attention_heads": heads,
+        "num_key_value_heads": key("attention.head_count_kv", heads),
+        "head_dim": head_dim,
+        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rope_theta": rope_theta,
+        "rope_scaling": _rope_scaling(reader, arch, tensors, rope_theta, head_dim),
+        "max_position_embeddings": key("context_length", 4096),
+        "vocab_size": int(tensors["token_embd.weight"].shape[1]),
+        "tie_word_embeddings": "output.weight" not in tensors,
+        "attention_bias": arch == "qwen2",
+        "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
+        "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
+    }
+
+
+def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
+    """HF rope_scaling from `<arch>.rope.scaling.*` keys, else from a Llama-3 `rope_freqs.weight` tensor.
+
+    Explicit keys map type -> rope_type and the suffixes in _ROPE_SCALING_KEYS; llama.cpp writes no keys
+    for Llama 3 and stores the per-frequency divisors instead, which _llama3_scaling inverts.
+    """
+    prefix = f"{arch}.rope.scaling."
+    kind = _field(reader, prefix + "type", None)
+    if kind not in (None, "none"):
+        scaling = {"rope_type": kind}
+        for suffix, hf_key in _ROPE_SCALING_KEYS.items():
+            if (value := _field(reader, prefix + suffix, None)) is not None:
+                scaling[hf_key] = _f32(value) if isinstance(value, float) else value
+        return scaling
+    if "rope_freqs.weight" in tensors:
+        factors = _dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type,
+                              "rope_freqs.weight").astype(np.float64).ravel()
+        original = _field(reader, prefix + "original_context_length", _LLAMA3_ORIGINAL_CONTEXT)
+        return _llama3_scaling(factors, rope_theta, head_dim, original)
+    return None
+
+
+def _llama3_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, original: int) -> dict | None:
+    """Recover HF's llama3 rope_scaling from llama.cpp's rope_freqs (inv_freq divisors).
+
+    factor is the largest divisor. In the smoothed band 1/f = (1-s)/factor + s with
+    s = original/wavelen/(high-low) - low/(high-low), which is linear in 1/wavelen: a least-squares line
+    through those frequencies gives low and high. With fewer than two smoothed frequencies the band is
+    unobservable, so Llama 3.1's low=1, high=4 are used.
+    """
+    factor = float(factors.max())
+    if factor <= 1.0 + 1e-6:
+        return None
+    inv_freq = rope_theta ** (-np.arange(0, head_dim, 2, dtype=np.float64) / head_dim)
+    inv_wavelen = inv_freq[: factors.size] / (2 * math.pi)
+    band = (factors > 1.0 + 1e-4) & (factors < factor * (1 - 1e-4))
+    low, high = 1.0, 4.0
+    if band.sum() >= 2:
+        smooth = (1 / factors[band] - 1 / factor) / (1 - 1 / factor)
+        slope, intercept = np.polyfit(inv_wavelen[band], smooth, 1)
+        low = -intercept * original / slope
+        high = low + original / slope
+    return {
+        "rope_type": "llama3",
+        "factor": round(factor, 4),
+        "low_freq_factor": round(float(low), 4),
+        "high_freq_factor": round(float(high), 4),
+        "original_max_position_embeddings": int(original),
+    }
+
+
+def _expected_tensors(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
+    """GGUF name -> (HF name, HF shape) for every tensor the config implies."""
+    hidden, inter = config["hidden_size"], config["intermediate_size"]
+    q_dim = config["num_attention_heads"] * config["head_dim"]
+    kv_dim = config["num_key_value_heads"] * config["head_dim"]
+    shapes = {
+        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
+        "self_attn.q_proj.weight": (q_dim, hidden), "self_attn.k_proj.weight": (kv_dim, hidden),
+        "self_attn.v_proj.weight": (kv_dim, hidden), "self_attn.o_proj.weight": (hidden, q_dim),
+        "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,), "self_attn.v_proj.bias": (kv_dim,),
+        "self_attn.q_norm.weight": (config["head_dim"],), "self_attn.k_norm.weight": (config["head_dim"],),
+        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
+        "mlp.down_proj.weight": (hidden, inter),
+    }
+    per_layer = dict(_LAYER_TENSORS)
+    if config["attention_bias"]:
+        per_layer.update(_BIAS_TENSORS)
+    if config["model_type"] == "qwen3":
+        per_layer.update(_QK_NORM_TENSORS)
+    vocab = config["vocab_size"]
+    expected = {
+        "token_embd.weight": ("model.embed_tokens.weight", (vocab, hidden)),
+        "output_norm.weight": ("model.norm.weight", (hidden,)),
+    }
+    if not config["tie_word_embeddings"]:
+        expected["output.weight"] = ("lm_head.weight", (vocab, hidden))
+    for i in range(config["num_hidden_layers"]):
+        for gguf_suffix, hf_suffix in per_layer.items():
+            expected[f"blk.{i}.{gguf_suffix}"] = (f"model.layers.{i}.{hf_suffix}", shapes[hf_suffix])
+    return expected
+
+
+def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarray:
+    """Dequantize to float32 in row-major element order.
+
+    gguf's dequantize loops in Python over groups of 16 rows; blocks are independent and contiguous, so
+    viewing the bytes as longer rows of _DEQUANT_CHUNK_BLOCKS blocks gives the same values ~3x faster.
+    """
+    if data.dtype == np.uint8:
+        type_size = GGML_QUANT_SIZES[qtype][1]
+        n_blocks = data.size // type_size
+        data = data.reshape(-1, math.gcd(n_blocks, _DEQUANT_CHUNK_BLOCKS) * type_size)
+    try:
+        return dequantize(data, qtype)
+    except NotImplementedError as err:
+        raise ValueError(f"tensor {name!r}: cannot dequantize type {qtype.name}") from err
+
+
+def _unpermute_qk(weights: np.ndarray, n_heads: int) -> np.ndarray:
+    """Undo convert_hf_to_gguf's permute(): per head, rows were reordered [2, half] -> [half, 2]."""
+    half = weights.shape[0] // n_heads // 2
+    return weights.reshape(n_heads, half, 2, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
+    """Own the memory (F32 tensors are read-only views of the file's mapping), then cast."""
+    if not weights.flags.writeable or not weights.flags.c_contiguous:
+        weights = np.array(weights)
+    return torch.from_numpy(weights).to(dtype)
+
+
+__all__ = ["load_gguf", "SUPPORTED_ARCHITECTURES"]

@@ -1,0 +1,217 @@
+"""One Llama-family decoder for Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+
+Performance notes (CPU decode is memory-bound): small-batch matmuls go through our own GEMV kernel
+(`kernels.linear`), which streams weights about twice as fast as torch's; q/k/v and gate/up are fused so
+each layer does four matmuls; logits are only computed for the rows that ask for them.
+"""
+from __future__ import annotations
+
+import math
+from typing import TYPE_CHECKING
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.config import ModelConfig
+from specdec.models.attention import AttentionMetadata, fold_gqa_mask, paged_attention
+from specdec.models.kernels import linear, rms_norm
+
+if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
+    from specdec.kv_cache import KVPool
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)  # as transformers does: normalize in fp32, scale in x's dtype
+
+
+def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
+    """Inverse frequencies, with Llama-3 and linear scaling."""
+    dim = cfg.head_dim
+    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = cfg.rope_scaling
+    if not scaling:
+        return inv_freq
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        return inv_freq / scaling["factor"]
+    if kind == "llama3":
+        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
+        old_len = scaling["original_max_position_embeddings"]
+        wavelen = 2 * math.pi / inv_freq
+        smooth = (old_len / wavelen - low) / (high - low)
+        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
+        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
+        is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
+        return torch.where(is_medium, smoothed, out)
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+
+
+def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
+    """HF 'rotate_half' RoPE in four ops: rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2].
+
+    x: [T, H, D]; cos, signed_sin: [T, 1, D].
+    """
+    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
+
+
+class DecoderLayer(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.o_proj = Linear(self.q_size, H, False, dtype, device)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
+        self.scale = D ** -0.5
+
+    def forward(self, x: torch.Tensor, shape: tuple[int, int], cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, mask: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
+                ) -> torch.Tensor:
+        """x: [T, H] with T = B*S tokens."""
+        B, S = shape
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        if self.q_norm is not None:
+            q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
+            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one pass
+        attn = paged_attention(q.view(B, S, self.num_heads, self.head_dim),
+                               k.view(B, S, self.num_kv_heads, self.head_dim),
+                               v.reshape(B, S, self.num_kv_heads, self.head_dim),
+                               k_pool, v_pool, meta, mask, self.scale)
+        x = x + self.o_proj(attn.reshape(B * S, self.q_size))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
+        return x + self.down_proj(torch.nn.functional.silu(gate) * up)
+
+
+class LlamaModel(nn.Module):
+    """Decoder-only LM. forward(tokens, positions, meta, kv) -> final hidden states (+ chosen layers)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        super().__init__()
+        self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        H, V = cfg.hidden_size, cfg.vocab_size
+        self.embed_tokens = nn.Parameter(torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
+        # Tied models share one [V, H] tensor between the embedding and the LM head.
+        self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
+            torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        self.register_buffer("rope_cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        half = emb.shape[-1] // 2
+        signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
+        self.register_buffer("rope_sin", signed_sin.to(dtype=dtype, device=device), persistent=False)
+
+    def embed(self, tokens: torch.Tensor) -> torch.Tensor:
+        """tokens: [T] -> [T, H]."""
+        return self.embed_tokens[tokens]
+
+    @torch.inference_mode()
+    def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
+                kv: "KVPool", output_layers: tuple[int, ...] = ()
+                ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
+        """tokens, positions: [B, S] (padding positions are -1).
+
+        Returns the final-normed hidden states [B, S, H] and {layer index: that layer's output [B, S, H]}
+        for the layers in `output_layers` (EAGLE-3 reads low/mid/high features from these).
+        """
+        B, S = tokens.shape
+        x = self.embed(tokens.reshape(-1))
+        pos = positions.reshape(-1).clamp(min=0)
+        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
+        mask = fold_gqa_mask(meta.mask, self.config.num_attention_heads // self.config.num_key_value_heads)
+        captured: dict[int, torch.Tensor] = {}
+        for i, layer in enumerate(self.layers):
+            x = layer(x, (B, S), cos, sin, meta, mask, kv.k[i], kv.v[i])
+            if i in output_layers:
+                captured[i] = x.view(B, S, -1)
+        return self.norm(x).view(B, S, -1), captured
+
+    @torch.inference_mode()
+    def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
+        """hidden: [N, H] (only the rows that need logits) -> float32 logits [N, V]."""
+        return linear(hidden, self.lm_head).float()
+
+    def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy Hugging Face-named weights in, fusing q/k/v and gate/up and transposing linears."""
+        cfg, sd = self.config, dict(sd)
+
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise ValueError(f"checkpoint is missing tensor {name!r} required by the config")
+            return sd.pop(name)
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects {tuple(param.shape)}")
+            param.data.copy_(value.to(param.dtype))
+
+        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        if not cfg.tie_word_embeddings:
+            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        sd.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
+        for i, layer in enumerate(self.layers):
+            p = f"model.layers.{i}."
+            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
+            put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv_proj.weight")
+            if cfg.attention_bias:
+                put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+                    p + "self_attn.qkv_proj.bias")
+            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+            if cfg.qk_norm:
+                put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+                put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
+            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
+            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+                p + "post_attention_layernorm.weight")
+        put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
+        leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
+        if leftover:
+            raise ValueError(f"checkpoint has tensors the config does not expect, e.g. {leftover[:3]}")
+
+    def weight_bytes_per_token(self) -> int:
+        """Bytes of weights a single decode step must read (the memory-bandwidth roofline's numerator).
+
+        Every parameter once, except an untied input embedding, of which a step reads a single row.
+        """
+        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        if self.lm_head is not self.embed_tokens:
+            total -= (self.embed_tokens.shape[0] - 1) * self.embed_tokens.shape[1] * self.embed_tokens.element_size()
+        return total
+

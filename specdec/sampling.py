@@ -1,0 +1,126 @@
+"""Turning logits into tokens: temperature, top-k, top-p, min-p, and seeded sampling.
+
+Pure functions over batched tensors, so the verifier can reuse `logits_to_probs` to get the target's
+distribution p. Sampling uses the exponential race (argmax of p / E with E ~ Exp(1)), which draws
+exactly from p, needs no host sync, and lets each seeded request use its own generator.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass
+
+import torch
+
+from specdec.config import SamplingParams
+
+
+@dataclass
+class SamplingTensors:
+    """Per-row sampling parameters of a batch, as tensors. Greedy rows have temperature 0."""
+
+    temperature: torch.Tensor  # [B] float32
+    top_k: torch.Tensor  # [B] long, 0 = off
+    top_p: torch.Tensor  # [B] float32, 1 = off
+    min_p: torch.Tensor  # [B] float32, 0 = off
+    generators: list[torch.Generator | None]
+    all_greedy: bool
+    needs_top_k: bool
+    needs_top_p: bool
+    needs_min_p: bool
+
+    @classmethod
+    def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
+                    device: torch.device | str = "cpu") -> "SamplingTensors":
+        def t(values, dtype):
+            return torch.tensor(values, dtype=dtype, device=device)
+
+        return cls(
+            temperature=t([p.temperature for p in params], torch.float32),
+            top_k=t([p.top_k for p in params], torch.long),
+            top_p=t([p.top_p for p in params], torch.float32),
+            min_p=t([p.min_p for p in params], torch.float32),
+            generators=generators,
+            all_greedy=all(p.greedy for p in params),
+            needs_top_k=any(p.top_k > 0 and not p.greedy for p in params),
+            needs_top_p=any(p.top_p < 1 and not p.greedy for p in params),
+            needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
+        )
+
+    def repeat_interleave(self, n: int) -> "SamplingTensors":
+        """Each row repeated n times (one row per draft position when verifying)."""
+        r = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
+        gens = [g for g in self.generators for _ in range(n)]
+        return SamplingTensors(r(self.temperature), r(self.top_k), r(self.top_p), r(self.min_p), gens,
+                               self.all_greedy, self.needs_top_k, self.needs_top_p, self.needs_min_p)
+
+
+def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:
+    """Keep the k largest logits per row (ties at the k-th value kept); k = 0 keeps all. logits: [B, V]."""
+    V = logits.shape[-1]
+    k = torch.where(top_k <= 0, V, top_k.clamp(max=V))
+    kth = logits.topk(int(k.max()), dim=-1).values.gather(-1, (k - 1)[:, None])  # [B, 1]
+    return logits.masked_fill(logits < kth, float("-inf"))
+
+
+def apply_top_p(probs: torch.Tensor, top_p: torch.Tensor) -> torch.Tensor:
+    """Keep the smallest set of most likely tokens whose mass reaches top_p (unnormalized). probs: [B, V]."""
+    sorted_p, order = probs.sort(dim=-1, descending=True)
+    mass_before = sorted_p.cumsum(-1) - sorted_p  # mass of strictly more likely tokens
+    drop_sorted = mass_before >= top_p[:, None]
+    drop = torch.zeros_like(drop_sorted).scatter_(-1, order, drop_sorted)
+    return probs.masked_fill(drop, 0.0)
+
+
+def apply_min_p(probs: torch.Tensor, min_p: torch.Tensor) -> torch.Tensor:
+    """Drop tokens less likely than min_p times the most likely one. probs: [B, V]."""
+    threshold = probs.amax(dim=-1, keepdim=True) * min_p[:, None]
+    return probs.masked_fill(probs < threshold, 0.0)
+
+
+def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """The distribution each row samples from. Greedy rows become one-hot on the argmax.
+
+    Order: temperature, top-k, softmax, top-p, min-p, renormalize (vLLM's order). logits: [B, V] float32.
+    """
+    greedy = st.temperature == 0
+    x = logits / torch.where(greedy, 1.0, st.temperature)[:, None]
+    if st.needs_top_k:
+        x = apply_top_k(x, st.top_k)
+    probs = torch.softmax(x, dim=-1)
+    if st.needs_top_p:
+        probs = apply_top_p(probs, st.top_p)
+    if st.needs_min_p:
+        probs = apply_min_p(probs, st.min_p)
+    if st.needs_top_p or st.needs_min_p:
+        probs = probs / probs.sum(-1, keepdim=True)
+    if bool(greedy.any()):
+        one_hot = torch.zeros_like(probs).scatter_(-1, logits.argmax(-1, keepdim=True), 1.0)
+        probs = torch.where(greedy[:, None], one_hot, probs)
+    return probs
+
+
+def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
+                      device: torch.device) -> torch.Tensor:
+    """E ~ Exp(1) of `shape` [B, V]; row i drawn from generators[i] (or the global one when None)."""
+    noise = torch.empty(shape, device=device)
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    if unseeded:
+        if len(unseeded) == shape[0]:
+            return noise.exponential_()
+        noise[unseeded] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
+    for i, g in enumerate(generators):
+        if g is not None:
+            noise[i].exponential_(generator=g)
+    return noise
+
+
+def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
+    """One token per row, drawn exactly from `probs` [B, V]. Returns [B] long."""
+    noise = exponential_noise(tuple(probs.shape), generators, probs.device)
+    return (probs / noise).argmax(dim=-1)
+
+
+def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
+    """Next token per row from logits [B, V]. Returns [B] long, still on the device."""
+    if st.all_greedy:
+        return logits.argmax(dim=-1)
+    return sample_from_probs(logits_to_probs(logits, st), st.generators)

@@ -1,0 +1,77 @@
+"""`specdec bench` end to end on a tiny model: the JSON holds every run, and bad inputs fail clearly."""
+from __future__ import annotations
+
+import json
+from pathlib import Path
+
+import pytest
+
+from conftest import save_tiny_model
+from specdec import bench
+from specdec.cli import main
+
+ROWS = [{"question_id": 1, "category": "qa", "turns": ["What is the answer?"]},
+        {"question_id": 2, "category": "math_reasoning", "turns": ["Add 1 2 3 4 5."]},
+        {"question_id": 3, "category": "qa", "turns": ["Hello world, who is the quick brown fox?"]}]
+
+
+@pytest.fixture(scope="module")
+def tiny_model(tmp_path_factory) -> Path:
+    return save_tiny_model(tmp_path_factory.mktemp("bench_model"), "llama")
+
+
+def write_prompts(path: Path, rows: list[dict]) -> Path:
+    path.write_text("".join(json.dumps(r) + "\n" for r in rows))
+    return path
+
+
+def test_bench_writes_runs(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
+    out = tmp_path / "b.json"
+    code = main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "3",
+                 "--max-tokens", "8", "--batch-sizes", "1,2", "--compare-hf", "--out", str(out)])
+    assert code == 0
+    result = json.loads(out.read_text())
+    runs = {(r["config"]["engine"], r["config"]["batch_size"]): r for r in result["runs"]}
+    assert set(runs) == {("specdec", 1), ("transformers", 1), ("specdec", 2)}
+    assert all(r["config"]["method"] == "plain" and r["config"]["dtype"] == "float32" for r in runs.values())
+    for run in runs.values():
+        assert run["summary"]["generated_tokens"] > 0 and run["summary"]["e2e_tokens_per_s"] > 0
+    plain = runs["specdec", 1]
+    assert [r["category"] for r in plain["per_prompt"]] == ["qa", "math_reasoning", "qa"]  # round-robin
+    assert all(0 < r["generated_tokens"] <= 8 and r["ttft_s"] > 0 for r in plain["per_prompt"])
+    assert plain["roofline"]["read_bw_tokens_per_s"] > 0 and plain["roofline"]["fraction_of_read_bw"] > 0
+    assert runs["specdec", 2]["summary"]["num_prompts"] == 4  # 3 prompts cycled into 2 groups of 2
+    (comparison,) = result["comparisons"]
+    assert comparison["baseline"]["engine"] == "transformers" and comparison["e2e_speedup"] > 0
+    assert comparison["identical_prompts"] == 3 and comparison["divergences"] == []
+    assert result["bandwidth"]["read_bytes_per_s"] > 0 and result["machine"]["torch_threads"] >= 1
+    assert "read-BW roofline" in capsys.readouterr().out
+
+
+@pytest.mark.parametrize("name, content, message", [
+    ("missing.jsonl", None, "prompts file {path} does not exist"),
+    ("empty.jsonl", "\n", "prompts file {path} has no prompts"),
+    ("bad.jsonl", "{not json\n", "{path}:1: not valid JSON"),
+    ("no_turns.jsonl", '{"category": "qa"}\n', "{path}:1: expected an object with a non-empty 'turns'"),
+])
+def test_bad_prompts_file(tiny_model: Path, tmp_path: Path, capsys, name, content, message) -> None:
+    path = tmp_path / name
+    if content is not None:
+        path.write_text(content)
+    assert main(["bench", "--model", str(tiny_model), "--prompts", str(path), "--out", str(tmp_path / "b.json")]) == 2
+    assert capsys.readouterr().err.startswith("specdec: error: " + message.format(path=path))
+
+
+def test_missing_default_prompts(tmp_path: Path, monkeypatch, capsys) -> None:
+    monkeypatch.chdir(tmp_path)
+    monkeypatch.setattr(bench, "_REPO_PROMPTS", tmp_path / "elsewhere" / "question.jsonl")
+    assert main(["bench", "--out", str(tmp_path / "b.json")]) == 2
+    err = capsys.readouterr().err
+    assert "no --prompts given" in err and "elsewhere" in err and "pass --prompts" in err
+
+
+def test_unknown_dtype(tiny_model: Path, tmp_path: Path, capsys) -> None:
+    prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
+    assert main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--dtypes", "float32,int3"]) == 2
+    assert "unknown dtype 'int3'" in capsys.readouterr().err

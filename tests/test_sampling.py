@@ -1,0 +1,107 @@
+"""Sampling: exact masks on hand-made tables, exact distributions, and seeded repeatability."""
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.sampling import (SamplingTensors, apply_min_p, apply_top_k, apply_top_p, logits_to_probs,
+                              sample, sample_from_probs)
+
+INF = float("inf")
+
+
+def tensors(params: list[SamplingParams], seeds: list[int | None] | None = None) -> SamplingTensors:
+    gens = [None if s is None else torch.Generator().manual_seed(s) for s in (seeds or [None] * len(params))]
+    return SamplingTensors.from_params(params, gens)
+
+
+def test_top_k_table():
+    logits = torch.tensor([[1.0, 3.0, 2.0, 0.0], [1.0, 3.0, 2.0, 0.0], [5.0, 5.0, 1.0, 0.0]])
+    out = apply_top_k(logits, torch.tensor([2, 0, 1]))
+    assert torch.equal(out[0], torch.tensor([-INF, 3.0, 2.0, -INF]))
+    assert torch.equal(out[1], logits[1])  # k = 0: off
+    assert torch.equal(out[2], torch.tensor([5.0, 5.0, -INF, -INF]))  # ties at the k-th value are kept
+
+
+@pytest.mark.parametrize("top_p, kept", [(0.7, [0.5, 0.3, 0, 0]), (0.5, [0.5, 0, 0, 0]),
+                                         (0.81, [0.5, 0.3, 0.15, 0]), (1.0, [0.5, 0.3, 0.15, 0.05])])
+def test_top_p_table(top_p, kept):
+    probs = torch.tensor([[0.15, 0.5, 0.05, 0.3]])  # unsorted on purpose
+    order = [1, 3, 0, 2]  # positions of 0.5, 0.3, 0.15, 0.05
+    expected = torch.zeros(1, 4)
+    for pos, value in zip(order, kept):
+        expected[0, pos] = value
+    assert torch.allclose(apply_top_p(probs, torch.tensor([top_p])), expected)
+
+
+def test_min_p_table():
+    probs = torch.tensor([[0.5, 0.3, 0.15, 0.05]])
+    assert torch.allclose(apply_min_p(probs, torch.tensor([0.2])), torch.tensor([[0.5, 0.3, 0.15, 0.0]]))
+    assert torch.allclose(apply_min_p(probs, torch.tensor([0.0])), probs)
+
+
+def test_logits_to_probs_combines_and_renormalizes():
+    logits = torch.log(torch.tensor([[0.5, 0.3, 0.15, 0.05], [0.5, 0.3, 0.15, 0.05]]))
+    st = tensors([SamplingParams(temperature=1.0, top_p=0.7), SamplingParams(temperature=0)])
+    probs = logits_to_probs(logits, st)
+    assert torch.allclose(probs[0], torch.tensor([0.625, 0.375, 0.0, 0.0]))
+    assert torch.equal(probs[1], torch.tensor([1.0, 0.0, 0.0, 0.0]))  # greedy row: one-hot argmax
+
+
+def test_temperature_sharpens():
+    logits = torch.tensor([[2.0, 1.0, 0.0]])
+    cold = logits_to_probs(logits, tensors([SamplingParams(temperature=0.5)]))
+    assert torch.allclose(cold, torch.softmax(logits / 0.5, -1))
+
+
+def test_sampling_draws_from_the_distribution():
+    """Chi-square goodness of fit over 40k draws; the threshold is the 0.999 quantile for 4 dof."""
+    p = torch.tensor([0.4, 0.25, 0.2, 0.1, 0.05])
+    n = 40_000
+    g = torch.Generator().manual_seed(1234)
+    draws = sample_from_probs(p.expand(n, 5), [g] * n)
+    counts = torch.bincount(draws, minlength=5).double()
+    chi2 = (((counts - n * p.double()) ** 2) / (n * p.double())).sum().item()
+    assert chi2 < 18.47
+
+
+def test_zero_probability_tokens_are_never_sampled():
+    p = torch.tensor([[0.0, 0.7, 0.0, 0.3]]).expand(5000, 4)
+    draws = sample_from_probs(p, [None] * 5000)
+    assert set(draws.tolist()) <= {1, 3}
+
+
+def test_seeded_rows_repeat_and_ignore_their_neighbours():
+    logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
+    params = [SamplingParams(temperature=1.0, seed=7)] * 3
+    first = sample(logits, tensors(params, [7, None, None]))[0].item()
+    runs = []
+    for _ in range(3):
+        st = tensors(params, [7, None, 11])
+        runs.append(torch.stack([sample(logits, st) for _ in range(20)]))
+    assert torch.equal(runs[0][:, 0], runs[1][:, 0]) and torch.equal(runs[0][:, 2], runs[2][:, 2])
+    assert runs[0][0, 0].item() == first
+
+
+def test_invalid_values_are_refused_with_the_field_named():
+    for kwargs, name in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
+                         ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),
+                         ({"max_tokens": 0}, "max_tokens"), ({"temperature": math.nan}, "temperature")]:
+        with pytest.raises(ValueError, match=name):
+            SamplingParams(**kwargs)
+
+
+def test_seeded_generate_repeats_exactly_even_in_a_batch(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir))
+    p = SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=42, max_tokens=16, ignore_eos=True)
+    alone = llm.generate("Hello world", p)[0].token_ids
+    again = llm.generate("Hello world", p)[0].token_ids
+    other = SamplingParams(temperature=1.0, max_tokens=16, ignore_eos=True)
+    in_batch = llm.generate(["The quick", "Hello world", "1 2 3"], [other, p, other])[1].token_ids
+    different_seed = llm.generate("Hello world", SamplingParams(temperature=1.0, top_p=0.9, top_k=50, seed=43,
+                                                                max_tokens=16, ignore_eos=True))[0].token_ids
+    assert alone == again == in_batch
+    assert different_seed != alone
