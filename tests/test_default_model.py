@@ -37,7 +37,7 @@ def test_logits_match_transformers(llm, hf_model):
     eng.allocator.allocate(seq.block_table, len(ids))
     tokens, positions, meta = eng.runner.prepare([seq], [len(ids)])
     hidden, _ = eng.model(tokens, positions, meta, eng.kv)
-    ours = eng.model.compute_logits(hidden[0])
+    ours = eng.model.compute_logits(hidden)
     eng.abort(seq)
     with torch.no_grad():
         ref = hf_model(torch.tensor([ids])).logits[0]

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models import kernels
-from specdec.models.attention import AttentionMetadata, fold_gqa_mask, paged_attention
+from specdec.models.attention import AttentionMetadata, paged_attention
 
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba not installed")
 
@@ -60,7 +60,8 @@ def ragged_meta(lengths: list[int], new: int, block_size: int = 4, num_blocks: i
         ctx_pos[i, : n + new] = p
         positions[i] = torch.arange(n, n + new)
     slot_mapping = ctx_slots.gather(1, positions).reshape(-1)
-    return AttentionMetadata.causal(positions, ctx_slots, ctx_pos, slot_mapping), num_blocks * block_size
+    meta = AttentionMetadata.causal(positions, ctx_slots, ctx_pos, slot_mapping, [new] * len(lengths))
+    return meta, num_blocks * block_size
 
 
 @pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 4), ([30], 16)])
@@ -68,12 +69,11 @@ def test_paged_attention_matches_sdpa(torch_only, lengths, new):
     meta, num_slots = ragged_meta(lengths, new)
     g = torch.Generator().manual_seed(1)
     B, Hq, Hkv, D = len(lengths), 6, 2, 16
-    q = torch.randn(B, new, Hq, D, generator=g)
-    k, v = torch.randn(B, new, Hkv, D, generator=g), torch.randn(B, new, Hkv, D, generator=g)
+    q = torch.randn(B * new, Hq, D, generator=g)
+    k, v = torch.randn(B * new, Hkv, D, generator=g), torch.randn(B * new, Hkv, D, generator=g)
     pools = [torch.randn(num_slots, Hkv, D, generator=g) for _ in range(2)]
-    mask = fold_gqa_mask(meta.mask, Hq // Hkv)
     ref_pools = [p.clone() for p in pools]
-    ref = torch_only(paged_attention, q, k, v, *ref_pools, meta, mask, D ** -0.5)
-    out = paged_attention(q, k, v, *pools, meta, mask, D ** -0.5)
+    ref = torch_only(paged_attention, q, k, v, *ref_pools, meta, D ** -0.5)
+    out = paged_attention(q, k, v, *pools, meta, D ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes

@@ -54,13 +54,12 @@ class Harness:
         for s, toks in zip(seqs, new):
             s.token_ids = s.token_ids[: s.num_cached] + toks
             self.alloc.allocate(s.block_table, s.num_cached + len(toks))
-        tokens, positions, meta = self.runner.prepare(seqs, [len(t) for t in new])
+        counts = [len(t) for t in new]
+        tokens, positions, meta = self.runner.prepare(seqs, counts)
         hidden, _ = self.model(tokens, positions, meta, self.runner.kv)
-        out = []
-        for i, (s, toks) in enumerate(zip(seqs, new)):
-            s.num_cached += len(toks)
-            out.append(self.model.compute_logits(hidden[i, : len(toks)]))
-        return out
+        for s, n in zip(seqs, counts):
+            s.num_cached += n
+        return [self.model.compute_logits(rows) for rows in hidden.split(counts)]
 
     def rewind(self, seq: Sequence, n: int) -> None:
         seq.num_cached = n

@@ -35,9 +35,9 @@ def run_paged(model, prompts: list[list[int]], continuations: list[list[int]], b
             alloc.allocate(s.block_table, s.num_cached + n)
         tokens, positions, meta = runner.prepare(seqs, num_new)
         hidden, _ = model(tokens, positions, meta, runner.kv)
-        for i, (s, n) in enumerate(zip(seqs, num_new)):
-            logits[i].append(model.compute_logits(hidden[i, :n]))
-            s.num_cached += n
+        for i, rows in enumerate(hidden.split(num_new)):
+            logits[i].append(model.compute_logits(rows))
+            seqs[i].num_cached += num_new[i]
 
     forward([len(p) for p in prompts])
     for step in range(len(continuations[0])):
@@ -80,7 +80,7 @@ def test_output_layers_are_the_residual_stream(tmp_path):
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
     assert set(layers) == {0, 1}
     for i in (0, 1):  # hidden_states[-1] is post-norm in transformers, so not compared
-        assert (layers[i][0] - ref[i + 1][0]).abs().max().item() < 1e-4
+        assert (layers[i] - ref[i + 1][0]).abs().max().item() < 1e-4
 
 
 def test_bfloat16_runs_close_to_float32(tmp_path):

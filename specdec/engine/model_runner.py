@@ -1,7 +1,7 @@
 """Turns a scheduled batch into tensors, runs the model over the paged cache, and samples.
 
-    tokens, positions: [B, S]   each row a sequence's new tokens, right-padded (position -1)
-    context:           [B, L]   every slot the row attends: its cached prefix + this step's tokens
+    tokens, positions: [T]      every sequence's new tokens, flattened (no padding)
+    context:           [B, L]   every slot sequence i attends: its cached prefix + this step's tokens
 """
 from __future__ import annotations
 
@@ -25,32 +25,35 @@ class ModelRunner:
         """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence."""
         B, S = len(seqs), max(num_new)
         bs = self.allocator.block_size
-        tokens = torch.zeros(B, S, dtype=torch.long)
-        positions = torch.full((B, S), -1, dtype=torch.long)
         ends = [s.num_cached + n for s, n in zip(seqs, num_new)]
         L = max(ends)
+        tokens: list[int] = []
+        padded_positions = torch.full((B, S), -1, dtype=torch.long)
         tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
         for i, (seq, n) in enumerate(zip(seqs, num_new)):
             start = seq.num_cached
-            tokens[i, :n] = torch.tensor(seq.token_ids[start:start + n])
-            positions[i, :n] = torch.arange(start, start + n)
+            tokens += seq.token_ids[start:start + n]
+            padded_positions[i, :n] = torch.arange(start, start + n)
             blocks = seq.block_table.blocks[: tables.shape[1]]
             tables[i, : len(blocks)] = torch.tensor(blocks)
         pos = torch.arange(L)
         valid = pos[None, :] < torch.tensor(ends)[:, None]  # [B, L]
         context_slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
         context_positions = torch.where(valid, pos[None, :], -1)
-        slot_mapping = torch.where(positions >= 0, context_slots.gather(1, positions.clamp(min=0)), NULL_BLOCK * bs)
-        meta = AttentionMetadata.causal(positions.to(self.device), context_slots.to(self.device),
-                                        context_positions.to(self.device), slot_mapping.reshape(-1).to(self.device))
-        return tokens.to(self.device), positions.to(self.device), meta
+        is_new = padded_positions >= 0
+        positions = padded_positions[is_new]  # [T], row-major: sequence by sequence
+        slot_mapping = context_slots.gather(1, padded_positions.clamp(min=0))[is_new]
+        dev = self.device
+        meta = AttentionMetadata.causal(padded_positions.to(dev), context_slots.to(dev),
+                                        context_positions.to(dev), slot_mapping.to(dev), num_new)
+        return torch.tensor(tokens, device=dev), positions.to(dev), meta
 
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Run the model; returns the hidden state of each sequence's last new token, [B, H]."""
         tokens, positions, meta = self.prepare(seqs, num_new)
         hidden, _ = self.model(tokens, positions, meta, self.kv)
-        last = torch.tensor(num_new, device=self.device) - 1
-        return hidden[torch.arange(len(seqs), device=self.device), last]
+        last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
+        return hidden[last]
 
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward for the batch; the next token of every sequence whose input is now fully cached."""

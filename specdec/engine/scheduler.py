@@ -49,9 +49,8 @@ class Scheduler:
             is_new = seq.status == Status.WAITING
             if is_new and len(self.running) + num_admitted >= self.cfg.max_num_seqs:
                 break
-            # Only the first sequence is chunked; later ones join whole if the padded batch fits.
-            n = min(seq.num_uncached, budget) if not seqs else seq.num_uncached
-            if seqs and max(counts + [n]) * (len(seqs) + 1) > budget:
+            n = min(seq.num_uncached, budget - sum(counts))  # a prompt over the budget is chunked
+            if n <= 0:
                 break
             if not self.allocator.can_allocate(seq.block_table, seq.num_cached + n):
                 break

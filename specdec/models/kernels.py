@@ -73,50 +73,94 @@ if numba is not None:
                 out[t, i] = w[i] * (x[t, i] * inv)
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, scale, out):
+    def _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, out):
         """Write the new K/V at their slots, then attend each query over its sequence's context slots.
 
-        q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; pools: [N, Hkv, D]; slot_mapping: [B*S];
-        context_slots: [B, L]; mask: [B, S, L] bool; out: [B, S, Hq, D].
+        q: [T, Hq, D]; k, v: [T, Hkv, D] (T = B * S); pools: [N, Hkv, D]; slot_mapping: [T];
+        context_slots: [B, L]; mask: [B, S, L] bool; out: [T, Hq, D].
         """  # pragma: no cover - compiled
-        B, S, Hq, D = q.shape
-        Hkv = k.shape[2]
+        T, Hq, D = q.shape
+        Hkv = k.shape[1]
         group = Hq // Hkv
         L = context_slots.shape[1]
-        for t in range(B * S):
-            slot = slot_mapping[t]
-            for h in range(Hkv):
-                for d in range(D):
-                    k_pool[slot, h, d] = k[t // S, t % S, h, d]
-                    v_pool[slot, h, d] = v[t // S, t % S, h, d]
-        for task in prange(B * S * Hq):
-            b = task // (S * Hq)
-            s = (task // Hq) % S
-            h = task % Hq
-            hk = h // group
-            scores = np.empty(L, np.float32)
-            best = np.float32(-np.inf)
+        for t in range(T):
+            k_pool[slot_mapping[t]] = k[t]
+            v_pool[slot_mapping[t]] = v[t]
+        for task in prange(T * Hq):
+            t, h = task // Hq, task % Hq
+            b, s, hk = t // S, t % S, h // group
+            scores = np.full(L, -np.inf, np.float32)
             for j in range(L):
                 if mask[b, s, j]:
-                    slot = context_slots[b, j]
                     acc = np.float32(0.0)
                     for d in range(D):
-                        acc += q[b, s, h, d] * k_pool[slot, hk, d]
-                    acc *= scale
-                    scores[j] = acc
-                    if acc > best:
-                        best = acc
-            total = np.float32(0.0)
+                        acc += q[t, h, d] * k_pool[context_slots[b, j], hk, d]
+                    scores[j] = acc * scale
+            probs = np.exp(scores - scores.max())
             acc_v = np.zeros(D, np.float32)
             for j in range(L):
                 if mask[b, s, j]:
-                    p = np.exp(scores[j] - best)
-                    total += p
-                    slot = context_slots[b, j]
                     for d in range(D):
-                        acc_v[d] += p * v_pool[slot, hk, d]
-            for d in range(D):
-                out[b, s, h, d] = acc_v[d] / total
+                        acc_v[d] += probs[j] * v_pool[context_slots[b, j], hk, d]
+            out[t, h] = acc_v / probs.sum()
+
+    @njit(fastmath=True, cache=True, nogil=True)
+    def _rope_and_qk_norm(qkv, n_rot, n_heads, q_norm, k_norm, eps, cos, ssin):
+        """In place on qkv [T, heads, D]: per-head RMSNorm of q and k (Qwen3, when given), then RoPE
+        on the first n_rot heads (q and k). HF 'rotate_half' layout; ssin = [-sin, sin] halves."""
+        T, _, D = qkv.shape
+        half = D // 2
+        tmp = np.empty(D, np.float32)
+        for t in range(T):
+            for h in range(n_rot):
+                if q_norm.shape[0] > 0:
+                    w = q_norm if h < n_heads else k_norm
+                    ss = np.float32(0.0)
+                    for d in range(D):
+                        ss += qkv[t, h, d] * qkv[t, h, d]
+                    inv = np.float32(1.0) / np.sqrt(ss / np.float32(D) + np.float32(eps))
+                    for d in range(D):
+                        qkv[t, h, d] = w[d] * (qkv[t, h, d] * inv)
+                for d in range(D):
+                    tmp[d] = qkv[t, h, d]
+                for d in range(D):
+                    qkv[t, h, d] = tmp[d] * cos[t, d] + tmp[(d + half) % D] * ssin[t, d]
+
+    @njit(parallel=True, fastmath=True, cache=True, nogil=True)
+    def _decoder_layer(x, ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, ln2, gate_up_w, down_w, eps, cos, ssin,
+                       k_pool, v_pool, slot_mapping, context_slots, mask, S, n_heads, n_kv, scale):
+        """One whole decoder layer for a few tokens, in place on x [T, H]: the decode fast path.
+
+        Same math as `llama.DecoderLayer.forward`, without a dozen torch dispatches per layer.
+        """  # pragma: no cover - compiled
+        T, H = x.shape
+        D = cos.shape[1]
+        h = np.empty_like(x)
+        _rms_norm(x, ln1, eps, h)
+        qkv = np.empty((T, qkv_w.shape[0]), np.float32)
+        _gemm_rows(qkv_w, h, qkv)
+        if qkv_b.shape[0] > 0:
+            for t in range(T):
+                qkv[t] += qkv_b
+        heads = qkv.reshape(T, n_heads + 2 * n_kv, D)
+        _rope_and_qk_norm(heads, n_heads + n_kv, n_heads, q_norm, k_norm, eps, cos, ssin)
+        attn = np.empty((T, n_heads, D), np.float32)
+        _paged_attention(heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv], heads[:, n_heads + n_kv:],
+                         k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, attn)
+        out = np.empty((T, H), np.float32)
+        _gemm_rows(o_w, attn.reshape(T, n_heads * D), out)
+        x += out
+        _rms_norm(x, ln2, eps, h)
+        gate_up = np.empty((T, gate_up_w.shape[0]), np.float32)
+        _gemm_rows(gate_up_w, h, gate_up)
+        inter = gate_up_w.shape[0] // 2
+        act = np.empty((T, inter), np.float32)
+        for t in range(T):
+            for i in range(inter):
+                g = gate_up[t, i]
+                act[t, i] = g / (np.float32(1.0) + np.exp(-g)) * gate_up[t, inter + i]
+        _gemm_rows(down_w, act, out)
+        x += out
 
 
 def _fast(*tensors: torch.Tensor) -> bool:
@@ -141,16 +185,33 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
                     v_pool: torch.Tensor, slot_mapping: torch.Tensor, context_slots: torch.Tensor,
                     mask: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The numba decode path of `attention.paged_attention`, or None when it does not apply.
+    """The numba path of `attention.paged_attention` for a uniform batch, or None when it does not apply.
 
-    q: [B, S, Hq, D]; k, v: [B, S, Hkv, D]; mask: [B, S, L] bool. Returns [B, S, Hq, D].
+    q: [T, Hq, D]; k, v: [T, Hkv, D]; mask: [B, S, L] bool with T = B * S. Returns [T, Hq, D].
     """
-    if q.shape[0] * q.shape[1] > SMALL_M or not _fast(q, k, v, k_pool, v_pool):
+    if q.shape[0] > SMALL_M or not _fast(q, k, v, k_pool, v_pool):
         return None
-    out = torch.empty_like(q)
-    _paged_attention(q.contiguous().numpy(), k.contiguous().numpy(), v.contiguous().numpy(),
-                     k_pool.numpy(), v_pool.numpy(), slot_mapping.numpy(), context_slots.numpy(),
-                     mask.contiguous().numpy(), scale, out.numpy())
+    out = torch.empty(q.shape, dtype=q.dtype)
+    _paged_attention(q.numpy(), k.numpy(), v.numpy(), k_pool.numpy(), v_pool.numpy(), slot_mapping.numpy(),
+                     context_slots.numpy(), mask.numpy(), mask.shape[1], scale, out.numpy())
+    return out
+
+
+def can_fuse_layer(x: torch.Tensor, uniform: bool) -> bool:
+    """Whether `decoder_layer` applies: a few float32 CPU tokens, the same number per sequence."""
+    return uniform and x.shape[0] <= SMALL_M and _fast(x)
+
+
+def decoder_layer(x: torch.Tensor, weights: tuple, cos: torch.Tensor, signed_sin: torch.Tensor,
+                  k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
+                  context_slots: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int,
+                  eps: float, scale: float) -> torch.Tensor:
+    """One decoder layer through the fused kernel. weights: numpy arrays in `_decoder_layer` order
+    (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, ln2, gate_up_w, down_w; absent ones empty). x: [T, H]."""
+    out = x.clone()
+    _decoder_layer(out.numpy(), *weights, eps, cos.numpy(), signed_sin.numpy(), k_pool.numpy(), v_pool.numpy(),
+                   slot_mapping.numpy(), context_slots.numpy(), mask.numpy(), mask.shape[1], num_heads,
+                   num_kv_heads, scale)
     return out
 
 

@@ -14,7 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.attention import AttentionMetadata, fold_gqa_mask, paged_attention
+from specdec.models.attention import AttentionMetadata, paged_attention
+from specdec.models import kernels
 from specdec.models.kernels import linear, rms_norm
 
 if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
@@ -94,25 +95,38 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
         self.scale = D ** -0.5
+        self._kernel_weights: tuple | None = None  # numpy views of the weights, built on first fused call
 
-    def forward(self, x: torch.Tensor, shape: tuple[int, int], cos: torch.Tensor, sin: torch.Tensor,
-                meta: AttentionMetadata, mask: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor
-                ) -> torch.Tensor:
-        """x: [T, H] with T = B*S tokens."""
-        B, S = shape
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(-1, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+    def kernel_weights(self) -> tuple:
+        """The weights as numpy views, in the fused kernel's argument order (absent ones empty)."""
+        if self._kernel_weights is None:
+            none = torch.empty(0)
+            qkv_b = self.qkv_proj.bias if self.qkv_proj.bias is not None else none
+            q_norm = self.q_norm.weight if self.q_norm is not None else none
+            k_norm = self.k_norm.weight if self.k_norm is not None else none
+            tensors = (self.input_layernorm.weight, self.qkv_proj.weight, qkv_b, q_norm, k_norm, self.o_proj.weight,
+                       self.post_attention_layernorm.weight, self.gate_up_proj.weight, self.down_proj.weight)
+            self._kernel_weights = tuple(t.detach().numpy() for t in tensors)
+        return self._kernel_weights
+
+    def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        """x: [T, H], the flattened new tokens of every sequence."""
+        if kernels.can_fuse_layer(x, meta.uniform):
+            return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
+                                         meta.slot_mapping, meta.context_slots, meta.mask, self.num_heads,
+                                         self.num_kv_heads, self.input_layernorm.eps, self.scale)
+        T = x.shape[0]
+        qkv = self.qkv_proj(self.input_layernorm(x)).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one pass
-        attn = paged_attention(q.view(B, S, self.num_heads, self.head_dim),
-                               k.view(B, S, self.num_kv_heads, self.head_dim),
-                               v.reshape(B, S, self.num_kv_heads, self.head_dim),
-                               k_pool, v_pool, meta, mask, self.scale)
-        x = x + self.o_proj(attn.reshape(B * S, self.q_size))
+        attn = paged_attention(q, k, v.contiguous(), k_pool, v_pool, meta, self.scale)
+        x = x + self.o_proj(attn.reshape(T, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(torch.nn.functional.silu(gate) * up)
+        return x + self.down_proj(F.silu(gate) * up)
 
 
 class LlamaModel(nn.Module):
@@ -143,22 +157,19 @@ class LlamaModel(nn.Module):
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
                 kv: "KVPool", output_layers: tuple[int, ...] = ()
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
-        """tokens, positions: [B, S] (padding positions are -1).
+        """tokens, positions: [T], the new tokens of every sequence, flattened.
 
-        Returns the final-normed hidden states [B, S, H] and {layer index: that layer's output [B, S, H]}
+        Returns the final-normed hidden states [T, H] and {layer index: that layer's output [T, H]}
         for the layers in `output_layers` (EAGLE-3 reads low/mid/high features from these).
         """
-        B, S = tokens.shape
-        x = self.embed(tokens.reshape(-1))
-        pos = positions.reshape(-1).clamp(min=0)
-        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
-        mask = fold_gqa_mask(meta.mask, self.config.num_attention_heads // self.config.num_key_value_heads)
+        x = self.embed(tokens)
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers):
-            x = layer(x, (B, S), cos, sin, meta, mask, kv.k[i], kv.v[i])
+            x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
             if i in output_layers:
-                captured[i] = x.view(B, S, -1)
-        return self.norm(x).view(B, S, -1), captured
+                captured[i] = x
+        return self.norm(x), captured
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
