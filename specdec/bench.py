@@ -250,18 +250,27 @@ def summarize(records: list[dict]) -> dict:
             "e2e_tokens_per_s": tokens / e2e if e2e > 0 else None}
 
 
+def read_bandwidth_probe(device: torch.device) -> Callable[[], float]:
+    """A quick read-bandwidth sample (bytes/s), taken beside every prompt: this machine's bandwidth drifts
+    by tens of percent within minutes, so the roofline is also judged against the bandwidth of the moment."""
+    a = torch.ones(BANDWIDTH_BUFFER_BYTES // 8, dtype=torch.float32, device=device)
+    return lambda: a.numel() * a.element_size() / best_seconds(a.sum, 3, device)
+
+
 def batch1_runs(timers: dict[str, Callable[[BenchPrompt], dict]], prompts: list[BenchPrompt],
-                dtype: str) -> list[dict]:
+                dtype: str, probe: Callable[[], float]) -> list[dict]:
     """Every engine on every prompt, one request at a time, alternating which engine goes first."""
     for timer in timers.values():
         timer(prompts[0])  # untimed warm-up
     per_prompt: dict[str, list[dict]] = {name: [] for name in timers}
     names = list(timers)
     for i, p in enumerate(tqdm(prompts, desc=f"{dtype} batch 1", file=sys.stderr)):
+        bandwidth = probe()
         for name in names if i % 2 == 0 else names[::-1]:
             rec = timers[name](p)
             per_prompt[name].append({"index": i, "question_id": p.question_id, "category": p.category,
-                                     "prompt_tokens": len(p.token_ids), **rec})
+                                     "prompt_tokens": len(p.token_ids), "read_bytes_per_s_beside": bandwidth,
+                                     **rec})
     return [{"config": run_config(name, dtype, 1), "summary": summarize(recs), "per_prompt": recs}
             for name, recs in per_prompt.items()]
 
@@ -334,14 +343,21 @@ def compare(candidate: dict, baseline: dict) -> dict:
             "identical_prompts": len(candidate["per_prompt"]) - len(divergences), "divergences": divergences}
 
 
-def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None) -> dict:
-    """Batch-1 decode reads every weight once per token, so bandwidth / weight bytes bounds tokens/s."""
+def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None, records: list[dict]) -> dict:
+    """Batch-1 decode reads every weight once per token, so bandwidth / weight bytes bounds tokens/s.
+
+    Judged twice: against the bandwidth measured at the start of the run, and per prompt against the
+    bandwidth sampled just before it (the median of those per-prompt fractions).
+    """
     read = bandwidth["read_bytes_per_s"] / weight_bytes
     copy = bandwidth["copy_bytes_per_s"] / weight_bytes
+    beside = sorted(r["decode_tokens_per_s"] * weight_bytes / r["read_bytes_per_s_beside"]
+                    for r in records if r.get("decode_tokens_per_s") and r.get("read_bytes_per_s_beside"))
     return {"weight_bytes_per_token": weight_bytes, "read_bw_tokens_per_s": read, "copy_bw_tokens_per_s": copy,
             "achieved_decode_tokens_per_s": achieved,
             "fraction_of_read_bw": achieved / read if achieved else None,
-            "fraction_of_copy_bw": achieved / copy if achieved else None}
+            "fraction_of_copy_bw": achieved / copy if achieved else None,
+            "fraction_of_read_bw_beside_median": beside[len(beside) // 2] if beside else None}
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
@@ -357,10 +373,10 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
         hf = load_hf(resolve(args.model), parse_dtype(dtype), llm.engine.model.device)
         eos = sorted(llm.engine.eos_token_ids)
         timers["transformers"] = lambda p: time_hf(hf, p, args.max_tokens, eos)
-    runs = batch1_runs(timers, prompts, dtype)
+    runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
-                                 plain["summary"]["decode_tokens_per_s"])
+                                 plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
     comparisons = [compare(plain, other) for other in runs[1:]]
     runs += [batched_run(llm, prompts, b, params, dtype, plain) for b in batch_sizes if b > 1]
     return runs, comparisons
@@ -480,7 +496,8 @@ def roofline_line(run: dict) -> str:
             f"per token -> read-BW bound {_num(r['read_bw_tokens_per_s'])} tok/s, copy-BW bound "
             f"{_num(r['copy_bw_tokens_per_s'])} tok/s; achieved decode {_num(r['achieved_decode_tokens_per_s'])} "
             f"tok/s = {_num(r['fraction_of_read_bw'], '.1%')} of the read-BW roofline, "
-            f"{_num(r['fraction_of_copy_bw'], '.1%')} of the copy-BW roofline")
+            f"{_num(r['fraction_of_copy_bw'], '.1%')} of the copy-BW roofline; median per prompt against the "
+            f"read bandwidth sampled beside it: {_num(r['fraction_of_read_bw_beside_median'], '.1%')}")
 
 
 def format_report(result: dict) -> str:

@@ -126,3 +126,14 @@ def test_preemption_when_blocks_run_out_keeps_outputs_exact(tiny_llama_dir):
     assert tight_llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in tight] == [o.token_ids for o in roomy]
     assert tight_llm.engine.allocator.num_used == 0
+
+
+def test_chunked_prefill_gives_the_same_tokens(tiny_llama_dir):
+    """A prompt longer than the per-step token budget is prefilled in chunks, with the same result."""
+    params = SamplingParams(temperature=0, max_tokens=8, ignore_eos=True)
+    prompt = {"prompt_token_ids": list(range(10, 90))}
+    whole = LLM(str(tiny_llama_dir)).generate(prompt, params)[0]
+    chunked_llm = LLM(str(tiny_llama_dir), max_num_batched_tokens=24)
+    chunked = chunked_llm.generate([prompt, "Hello world"], params)
+    assert chunked[0].token_ids == whole.token_ids
+    assert chunked[0].metrics["num_steps"] == 8  # chunks that produce no token are not counted as steps

@@ -15,6 +15,9 @@ import torch
 import torch.nn.functional as F
 
 SMALL_M = 16
+# The attention kernel's scalar exp makes it slower than torch's SDPA once several queries per sequence
+# (verification of a draft) meet a long context; single-token decode is where it wins.
+MAX_FUSED_QUERIES = 2
 
 try:
     import numba
@@ -78,6 +81,7 @@ if numba is not None:
 
         q: [T, Hq, D]; k, v: [T, Hkv, D] (T = B * S); pools: [N, Hkv, D]; slot_mapping: [T];
         context_slots: [B, L]; mask: [B, S, L] bool; out: [T, Hq, D].
+        One task per (sequence, KV head): each cached K/V row is read once for all the queries sharing it.
         """  # pragma: no cover - compiled
         T, Hq, D = q.shape
         Hkv = k.shape[1]
@@ -86,23 +90,34 @@ if numba is not None:
         for t in range(T):
             k_pool[slot_mapping[t]] = k[t]
             v_pool[slot_mapping[t]] = v[t]
-        for task in prange(T * Hq):
-            t, h = task // Hq, task % Hq
-            b, s, hk = t // S, t % S, h // group
-            scores = np.full(L, -np.inf, np.float32)
+        for task in prange((T // S) * Hkv):
+            b, hk = task // Hkv, task % Hkv
+            R = S * group  # query rows sharing this KV head: row s * group + g
+            scores = np.full((R, L), -np.inf, np.float32)
             for j in range(L):
-                if mask[b, s, j]:
-                    acc = np.float32(0.0)
-                    for d in range(D):
-                        acc += q[t, h, d] * k_pool[context_slots[b, j], hk, d]
-                    scores[j] = acc * scale
-            probs = np.exp(scores - scores.max())
-            acc_v = np.zeros(D, np.float32)
+                key = k_pool[context_slots[b, j], hk]
+                for s in range(S):
+                    if mask[b, s, j]:
+                        for g in range(group):
+                            acc = np.float32(0.0)
+                            for d in range(D):
+                                acc += q[b * S + s, hk * group + g, d] * key[d]
+                            scores[s * group + g, j] = acc * scale
+            for r in range(R):
+                row = scores[r]
+                row[:] = np.exp(row - row.max())
+                row /= row.sum()
+            acc_v = np.zeros((R, D), np.float32)
             for j in range(L):
-                if mask[b, s, j]:
-                    for d in range(D):
-                        acc_v[d] += probs[j] * v_pool[context_slots[b, j], hk, d]
-            out[t, h] = acc_v / probs.sum()
+                value = v_pool[context_slots[b, j], hk]
+                for r in range(R):
+                    p = scores[r, j]
+                    if p > 0:
+                        for d in range(D):
+                            acc_v[r, d] += p * value[d]
+            for s in range(S):
+                for g in range(group):
+                    out[b * S + s, hk * group + g] = acc_v[s * group + g]
 
     @njit(fastmath=True, cache=True, nogil=True)
     def _rope_and_qk_norm(qkv, n_rot, n_heads, q_norm, k_norm, eps, cos, ssin):
@@ -189,7 +204,7 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; mask: [B, S, L] bool with T = B * S. Returns [T, Hq, D].
     """
-    if q.shape[0] > SMALL_M or not _fast(q, k, v, k_pool, v_pool):
+    if mask.shape[1] > MAX_FUSED_QUERIES or q.shape[0] > SMALL_M or not _fast(q, k, v, k_pool, v_pool):
         return None
     out = torch.empty(q.shape, dtype=q.dtype)
     _paged_attention(q.numpy(), k.numpy(), v.numpy(), k_pool.numpy(), v_pool.numpy(), slot_mapping.numpy(),
@@ -197,9 +212,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     return out
 
 
-def can_fuse_layer(x: torch.Tensor, uniform: bool) -> bool:
-    """Whether `decoder_layer` applies: a few float32 CPU tokens, the same number per sequence."""
-    return uniform and x.shape[0] <= SMALL_M and _fast(x)
+def can_fuse_layer(x: torch.Tensor, meta_query_lens: list[int]) -> bool:
+    """Whether `decoder_layer` applies: a few float32 CPU tokens, one (or two) per sequence."""
+    return (max(meta_query_lens) <= MAX_FUSED_QUERIES and len(set(meta_query_lens)) == 1
+            and x.shape[0] <= SMALL_M and _fast(x))
 
 
 def decoder_layer(x: torch.Tensor, weights: tuple, cos: torch.Tensor, signed_sin: torch.Tensor,

@@ -112,7 +112,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
-        if kernels.can_fuse_layer(x, meta.uniform):
+        if kernels.can_fuse_layer(x, meta.query_lens):
             return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
                                          meta.slot_mapping, meta.context_slots, meta.mask, self.num_heads,
                                          self.num_kv_heads, self.input_layernorm.eps, self.scale)
