@@ -139,6 +139,52 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
 
 
+SPECULATIVE_METHODS = ("ngram", "custom")
+
+
+@dataclass
+class SpeculativeConfig:
+    """vLLM-style `speculative_config`: which drafter, and how many tokens it proposes per step."""
+
+    method: str
+    num_speculative_tokens: int = 4
+    prompt_lookup_min: int = 1  # ngram
+    prompt_lookup_max: int = 4  # ngram
+    ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
+    drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
+
+    def __post_init__(self) -> None:
+        if self.method not in SPECULATIVE_METHODS:
+            raise SpecdecError(f"unknown speculative method {self.method!r}; choose one of {list(SPECULATIVE_METHODS)}")
+        k = self.num_speculative_tokens
+        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
+            raise SpecdecError(f"invalid num_speculative_tokens={k!r}: must be an integer in [1, 15]")
+        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
+            raise SpecdecError(f"invalid prompt_lookup_min={self.prompt_lookup_min!r} / prompt_lookup_max="
+                               f"{self.prompt_lookup_max!r}: need 1 <= min <= max")
+        if self.ngram_match not in ("latest", "oldest"):
+            raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
+        if self.method == "custom" and self.drafter is None:
+            raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
+
+    @classmethod
+    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+        """From a dict (Python) or a JSON string (CLI); None means no speculation."""
+        if value is None or isinstance(value, cls):
+            return value
+        if isinstance(value, str):
+            import json
+
+            try:
+                value = json.loads(value)
+            except json.JSONDecodeError as e:
+                raise SpecdecError(f"--speculative-config is not valid JSON: {e}") from None
+        if not isinstance(value, dict) or "method" not in value:
+            raise SpecdecError('speculative_config must be an object with a "method", e.g. '
+                               '{"method": "ngram", "num_speculative_tokens": 4}')
+        return from_kwargs(cls, value)
+
+
 def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
     """Build a dataclass from a dict, refusing unknown keys with the valid ones listed."""
     names = {f.name for f in dataclasses.fields(cls)}
@@ -148,4 +194,4 @@ def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "from_kwargs", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "from_kwargs", "SUPPORTED_MODEL_TYPES"]

@@ -6,7 +6,7 @@ from typing import Any
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
+from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
 from specdec.models.loader import DEFAULT_MODEL, load_model, load_tokenizer
 
@@ -38,19 +38,20 @@ class LLM:
     """Load a model once, then generate for batches of prompts.
 
     model: an alias (default `smollm2-135m`), a Hugging Face directory, or a .gguf file.
+    speculative_config: vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4};
+    output is the same as without it (greedy: token for token; sampling: in distribution).
     Extra keyword arguments are EngineConfig fields (block_size, max_num_seqs, ...).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
                  **engine_kwargs: Any) -> None:
-        if speculative_config is not None:
-            raise SpecdecError("speculative_config is not available in this version of specdec yet")
+        speculative = SpeculativeConfig.parse(speculative_config)
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
         net, src = load_model(model, parse_dtype(dtype), parse_device(device))
         self.model_name = str(model)
         self.tokenizer = load_tokenizer(src)
-        self.engine = LLMEngine(net, self.tokenizer, engine_cfg)
+        self.engine = LLMEngine(net, self.tokenizer, engine_cfg, speculative)
 
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:

@@ -45,12 +45,12 @@ class SamplingTensors:
             needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
         )
 
-    def repeat_interleave(self, n: int) -> "SamplingTensors":
-        """Each row repeated n times (one row per draft position when verifying)."""
-        r = lambda x: x.repeat_interleave(n, dim=0)  # noqa: E731
-        gens = [g for g in self.generators for _ in range(n)]
-        return SamplingTensors(r(self.temperature), r(self.top_k), r(self.top_p), r(self.min_p), gens,
-                               self.all_greedy, self.needs_top_k, self.needs_top_p, self.needs_min_p)
+    def select(self, rows: list[int]) -> "SamplingTensors":
+        """The parameters of rows `rows` (one row per draft position when verifying)."""
+        index = torch.tensor(rows, device=self.temperature.device)
+        return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
+                               [self.generators[i] for i in rows], self.all_greedy, self.needs_top_k,
+                               self.needs_top_p, self.needs_min_p)
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

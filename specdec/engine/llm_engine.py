@@ -7,10 +7,12 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams, SpecdecError
+from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.drafting import build_drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
 from specdec.engine.sequence import Sequence
+from specdec.engine.speculator import Speculator
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 
@@ -42,7 +44,8 @@ def eos_ids(model: LlamaModel, tokenizer) -> frozenset[int]:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None) -> None:
+    def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None,
+                 speculative: SpeculativeConfig | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()
         mcfg = model.config
         self.max_model_len = min(self.cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
@@ -56,8 +59,10 @@ class LLMEngine:
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(mcfg, num_blocks, bs, model.dtype, model.device)
-        self.scheduler = Scheduler(self.cfg, self.allocator)
+        lookahead = speculative.num_speculative_tokens if speculative else 0
+        self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, self.allocator)
+        self.speculator = Speculator(build_drafter(speculative), self.runner, lookahead) if speculative else None
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}
@@ -82,7 +87,12 @@ class LLMEngine:
 
     def abort(self, seq: Sequence) -> None:
         if not seq.is_finished:
-            self.scheduler.finish(seq, "abort")
+            self._finish(seq, "abort")
+
+    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        self.scheduler.finish(seq, reason)
+        if self.speculator is not None:
+            self.speculator.drafter.release(seq.seq_id)
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -92,14 +102,16 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        sampled = self.runner.step(batch)
+        if self.speculator is not None and not batch.is_prefill:
+            produced = self.speculator.step(batch.seqs)
+        else:
+            produced = [None if t is None else [t] for t in self.runner.step(batch)]
         events = []
-        for seq, token in zip(batch.seqs, sampled):
-            if token is None:
+        for seq, tokens in zip(batch.seqs, produced):
+            if tokens is None:
                 continue
             seq.num_steps += 1
-            accepted = self._commit(seq, [token])
-            events.append((seq, accepted))
+            events.append((seq, self._commit(seq, tokens)))
         return events
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
@@ -108,7 +120,7 @@ class LLMEngine:
         for token in tokens:
             kept.append(token)
             if seq.append(token) or self._hit_stop_string(seq):
-                self.scheduler.finish(seq)
+                self._finish(seq)
                 break
         return kept
 
@@ -136,11 +148,20 @@ class LLMEngine:
 
 
 def request_metrics(seq: Sequence) -> dict:
+    """Timing and speculation metrics of one request. acceptance_length = tokens emitted per target
+    forward, bonus tokens included (TPC in the Meta paper, Spec-Bench's mean accepted tokens)."""
     n = len(seq.output_token_ids)
     end = seq.finish_time or time.perf_counter()
     ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
     decode_s = (end - seq.first_token_time) if seq.first_token_time else 0.0
+    spec = seq.spec
     return {
+        "num_drafts": spec.num_drafts,
+        "num_draft_tokens": spec.num_draft_tokens,
+        "num_accepted_tokens": spec.num_accepted_tokens,
+        "accepted_per_pos": list(spec.accepted_per_pos),
+        "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else None,
+        "acceptance_length": n / seq.num_steps if seq.num_steps else None,
         "num_prompt_tokens": seq.num_prompt_tokens,
         "num_generated_tokens": n,
         "num_steps": seq.num_steps,

@@ -20,9 +20,10 @@ class ModelRunner:
         self.model, self.kv, self.allocator = model, kv, allocator
         self.device = model.device
 
-    def prepare(self, seqs: list[Sequence], num_new: list[int]
+    def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence."""
+        """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence, continued by
+        `extra_tokens[i]` (draft tokens, not committed) when given."""
         B, S = len(seqs), max(num_new)
         bs = self.allocator.block_size
         ends = [s.num_cached + n for s, n in zip(seqs, num_new)]
@@ -32,7 +33,7 @@ class ModelRunner:
         tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
         for i, (seq, n) in enumerate(zip(seqs, num_new)):
             start = seq.num_cached
-            tokens += seq.token_ids[start:start + n]
+            tokens += (seq.token_ids[start:] + (extra_tokens[i] if extra_tokens else []))[:n]
             padded_positions[i, :n] = torch.arange(start, start + n)
             blocks = seq.block_table.blocks[: tables.shape[1]]
             tables[i, : len(blocks)] = torch.tensor(blocks)
@@ -50,10 +51,15 @@ class ModelRunner:
 
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Run the model; returns the hidden state of each sequence's last new token, [B, H]."""
-        tokens, positions, meta = self.prepare(seqs, num_new)
-        hidden, _ = self.model(tokens, positions, meta, self.kv)
+        hidden = self.forward_rows(seqs, num_new)
         last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
         return hidden[last]
+
+    def forward_rows(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None
+                     ) -> torch.Tensor:
+        """Run the model; the hidden state of every new token, [T, H] (sequence by sequence)."""
+        tokens, positions, meta = self.prepare(seqs, num_new, extra_tokens)
+        return self.model(tokens, positions, meta, self.kv)[0]
 
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward for the batch; the next token of every sequence whose input is now fully cached."""

@@ -1,8 +1,9 @@
 """CPU bookkeeping: which sequences run this step, with how many tokens, and in which KV blocks.
 
 A step is either a prefill step (new or preempted sequences feed their uncached tokens, chunked by a
-token budget) or a decode step (every running sequence feeds its last token). When blocks run out during
-decode, the newest sequence is preempted: its blocks are freed and it is recomputed later.
+token budget) or a decode step (every running sequence feeds its last token, plus up to `lookahead`
+draft tokens whose slots are reserved here). When blocks run out during decode, the newest sequence is
+preempted: its blocks are freed and it is recomputed later.
 """
 from __future__ import annotations
 
@@ -22,8 +23,9 @@ class ScheduledBatch:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator) -> None:
-        self.cfg, self.allocator = cfg, allocator
+    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator, lookahead: int = 0) -> None:
+        """lookahead: draft tokens a decode step may verify per sequence; their slots are reserved too."""
+        self.cfg, self.allocator, self.lookahead = cfg, allocator, lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -70,13 +72,14 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != Status.RUNNING:
                 continue
-            while not self.allocator.can_allocate(seq.block_table, seq.num_cached + 1):
+            need = min(seq.num_cached + 1 + self.lookahead, seq.max_len)
+            while not self.allocator.can_allocate(seq.block_table, need):
                 victim = self.running[-1]
                 self.preempt(victim)
                 if victim is seq:
                     break
             if seq.status == Status.RUNNING:
-                self.allocator.allocate(seq.block_table, seq.num_cached + 1)
+                self.allocator.allocate(seq.block_table, need)
                 seqs.append(seq)
         if not seqs and self.waiting and not self.running:
             seq = self.waiting[0]

@@ -11,6 +11,27 @@ from specdec.config import SamplingParams
 from specdec.kv_cache import BlockTable
 
 
+@dataclass
+class SpecStats:
+    """Per-request speculation counters (vLLM names); all zero without speculation."""
+
+    num_drafts: int = 0
+    num_draft_tokens: int = 0
+    num_accepted_tokens: int = 0
+    accepted_per_pos: list[int] = field(default_factory=list)
+
+    def record(self, num_draft: int, num_accepted: int) -> None:
+        if num_draft == 0:
+            return
+        self.num_drafts += 1
+        self.num_draft_tokens += num_draft
+        self.num_accepted_tokens += num_accepted
+        if len(self.accepted_per_pos) < num_draft:
+            self.accepted_per_pos += [0] * (num_draft - len(self.accepted_per_pos))
+        for j in range(num_accepted):
+            self.accepted_per_pos[j] += 1
+
+
 class Status(Enum):
     WAITING = auto()
     RUNNING = auto()
@@ -35,6 +56,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_steps: int = 0  # target forwards that produced output tokens
+    spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

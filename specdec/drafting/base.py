@@ -1,0 +1,61 @@
+"""The one interface every drafting method implements.
+
+Each step the engine tells the drafter what was committed since its last call and asks for a draft:
+
+    tokens  [B, N]  long   proposed tokens
+    parents [B, N]  long   -1 = child of the last committed token, -2 = padding; a chain is arange(N) - 1
+    probs   [B, N, V]      the distribution q each token was drawn from, or None for deterministic
+                           proposals (n-gram, greedy), which verification treats as q = one-hot
+
+A chain is a tree, so trees need no second code path. Adding a method means adding one file here.
+"""
+from __future__ import annotations
+
+from abc import ABC, abstractmethod
+from dataclasses import dataclass
+
+import torch
+
+ROOT, PAD = -1, -2
+
+
+@dataclass
+class DraftRequest:
+    """What one sequence's drafter sees this step."""
+
+    seq_id: int
+    token_ids: list[int]  # the whole committed sequence (prompt + output)
+    num_new: int  # how many of its last tokens were committed since the drafter's last call
+    max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
+
+
+@dataclass
+class Draft:
+    tokens: torch.Tensor  # [B, N] long
+    parents: torch.Tensor  # [B, N] long
+    probs: torch.Tensor | None = None  # [B, N, V]
+
+    @classmethod
+    def chains(cls, proposals: list[list[int]]) -> "Draft":
+        """Deterministic chains of different lengths, padded to the longest."""
+        B, N = len(proposals), max((len(p) for p in proposals), default=0)
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.full((B, N), PAD, dtype=torch.long)
+        for i, p in enumerate(proposals):
+            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
+            parents[i, : len(p)] = torch.arange(len(p)) - 1
+        return cls(tokens, parents)
+
+    def num_nodes(self) -> list[int]:
+        return (self.parents != PAD).sum(1).tolist()
+
+
+class Drafter(ABC):
+    """Proposes draft tokens; never decides what is emitted (verification does)."""
+
+    @abstractmethod
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        """A draft for every request (a request may get zero nodes)."""
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished or was aborted: drop any state kept for it."""

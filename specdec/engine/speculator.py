@@ -1,0 +1,75 @@
+"""One speculative decode step: draft -> target scores every draft token in one forward -> verify.
+
+    fed rows per sequence:  [last committed token, d1, ..., dk]        (k may differ per sequence)
+    target logits rows:     p(. | ..last), p(. | ..d1), ..., p(. | ..dk)
+    after verification:     the K/V of `last` and the a accepted drafts stay; the cache is rewound past them
+
+Bookkeeping is a rewind: accepted tokens of a chain are already at their positions, so nothing is copied.
+"""
+from __future__ import annotations
+
+import torch
+
+from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
+from specdec.engine.model_runner import ModelRunner
+from specdec.engine.sequence import Sequence
+from specdec.sampling import SamplingTensors, logits_to_probs, sample
+from specdec.verify import VerifyResult, verify, verify_greedy
+
+
+def plain_result(tokens: torch.Tensor) -> VerifyResult:
+    """The verification result of a step without drafts: one sampled token per sequence."""
+    B = tokens.shape[0]
+    zeros = torch.zeros(B, dtype=torch.long)
+    return VerifyResult([[] for _ in range(B)], [[t] for t in tokens.tolist()], zeros, zeros - 1, tokens)
+
+
+class Speculator:
+    def __init__(self, drafter: Drafter, runner: ModelRunner, num_speculative_tokens: int) -> None:
+        self.drafter, self.runner, self.k = drafter, runner, num_speculative_tokens
+
+    def draft_budget(self, seq: Sequence) -> int:
+        """Draft tokens worth verifying: none past the context, none past max_tokens."""
+        room_in_context = seq.max_len - len(seq.token_ids)
+        room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1
+        return max(0, min(self.k, room_in_context, room_in_output))
+
+    def step(self, seqs: list[Sequence]) -> list[list[int]]:
+        """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token)."""
+        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s)) for s in seqs]
+        draft = self.drafter.propose(requests)
+        counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
+            else [0] * len(seqs)
+        drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
+        hidden = self.runner.forward_rows(seqs, [1 + n for n in counts], extra_tokens=drafted)
+        logits = self.runner.model.compute_logits(hidden)
+        result = self._verify(seqs, draft, counts, logits)
+        emitted = []
+        for i, seq in enumerate(seqs):
+            accepted = int(result.num_accepted[i])
+            seq.num_cached += 1 + accepted
+            self.runner.allocator.truncate(seq.block_table, seq.num_cached)
+            seq.spec.record(counts[i], accepted)
+            emitted.append(result.emitted_tokens[i])
+        return emitted
+
+    def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], logits: torch.Tensor):
+        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens."""
+        B, N = len(seqs), max(counts)
+        tokens = draft.tokens[:, :N]
+        parents = torch.where(torch.arange(N)[None, :] < torch.tensor(counts)[:, None],
+                              draft.parents[:, :N], torch.full_like(tokens, PAD))
+        rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
+        start = 0
+        for i, n in enumerate(counts):
+            rows[i, : n + 1] = torch.arange(start, start + n + 1)
+            start += n + 1
+        st = SamplingTensors.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+        if N == 0:  # nobody drafted: a plain decode step
+            return plain_result(sample(logits, st))
+        if st.all_greedy:
+            target_ids = logits.argmax(-1)[rows.clamp(min=0)]  # [B, N + 1]
+            return verify_greedy(tokens, parents, target_ids)
+        probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
+        q = draft.probs[:, :N] if draft.probs is not None else None
+        return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)

@@ -1,0 +1,150 @@
+"""Speculative decoding end to end: output never changes, whatever the drafter proposes."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec.config import SpeculativeConfig
+from specdec.drafting import Draft, DraftRequest, Drafter
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
+           "1 2 3 4 5 6 7 8 9 10 1 2 3 4", "def add(a, b):\n    return a + b\n\ndef add(",
+           "Hello world, speculative decoding is fast. Hello world"]
+GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def reference(plain) -> list[list[int]]:
+    return [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+class ScriptedDrafter(Drafter):
+    """Proposes the true continuation (from `truth`) with some positions corrupted."""
+
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], k: int, corrupt_every: int = 0):
+        self.truth, self.k, self.corrupt_every, self.calls = truth, k, corrupt_every, 0
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        proposals = []
+        for r in requests:
+            self.calls += 1
+            for prompt, full in self.truth.items():
+                if tuple(r.token_ids[: len(prompt)]) == prompt:
+                    done = len(r.token_ids) - len(prompt)
+                    guess = list(full[done: done + min(self.k, r.max_tokens)])
+                    if self.corrupt_every and guess and self.calls % self.corrupt_every == 0:
+                        guess[len(guess) // 2] = (guess[len(guess) // 2] + 1) % 300
+                    proposals.append(guess)
+                    break
+            else:
+                proposals.append([])
+        return Draft.chains(proposals)
+
+
+@pytest.mark.parametrize("k", [1, 3, 5])
+def test_ngram_greedy_equals_plain(tiny_llama_dir, reference, k):
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_drafts"] for o in outs) > 0  # speculation actually happened
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_oracle_drafter_is_fully_accepted(tiny_llama_dir, plain, reference):
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": ScriptedDrafter(truth, 4)})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    for o in outs:
+        m = o.metrics
+        assert m["num_accepted_tokens"] == m["num_draft_tokens"] > 0
+        assert m["acceptance_rate"] == 1.0 and m["acceptance_length"] > 3
+        assert m["accepted_per_pos"][0] == m["num_drafts"]
+
+
+def test_wrong_drafts_never_change_the_output(tiny_llama_dir, plain, reference):
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    drafter = ScriptedDrafter(truth, 5, corrupt_every=2)
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 5,
+                                                       "drafter": drafter})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert any(o.metrics["acceptance_rate"] < 1 for o in outs)  # rejections happened, sequences ragged
+
+
+def test_stop_conditions_inside_an_accepted_draft(tiny_llama_dir, plain, reference):
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    stop_token = reference[0][6]
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token])
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 5,
+                                                       "drafter": ScriptedDrafter(truth, 5)})
+    spec, ref = llm.generate(PROMPTS[0], params)[0], plain.generate(PROMPTS[0], params)[0]
+    assert spec.token_ids == ref.token_ids and spec.finish_reason == "stop"
+    short = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
+    assert llm.generate(PROMPTS, short)[1].token_ids == reference[1][:7]
+
+
+def test_sampled_output_follows_the_target_distribution(tiny_llama_dir):
+    """Two-sample chi-square on the first two sampled tokens, with and without a drafter whose q differs
+    from the target's p on the tokens that matter (so acceptances and residual draws both happen)."""
+    import transformers
+
+    prompt = [5, 6, 7]
+    hf = transformers.AutoModelForCausalLM.from_pretrained(tiny_llama_dir).eval()
+    with torch.no_grad():
+        likely = hf(torch.tensor([prompt])).logits[0, -1].topk(6).indices  # the target's top-6 at the root
+
+    class SkewedDrafter(Drafter):
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(5)
+
+        def propose(self, requests):
+            B, n = len(requests), 2  # the engine verifies no more than each request's max_tokens
+            q = torch.zeros(B, n, 320)
+            q[:, :, likely] = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])  # reversed preference
+            tokens = torch.multinomial(q.view(-1, 320), 1, generator=self.g).view(B, n)
+            return Draft(tokens, (torch.arange(n) - 1).expand(B, n).clone(), q)
+
+    n = 3000
+    prompts = [{"prompt_token_ids": prompt}] * n
+    params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    plain = LLM(str(tiny_llama_dir), max_num_seqs=256)
+    spec = LLM(str(tiny_llama_dir), max_num_seqs=256,
+               speculative_config={"method": "custom", "num_speculative_tokens": 2, "drafter": SkewedDrafter()})
+    # Token 0 comes from the prefill; tokens 1 and 2 from the first speculative step (root, then node 0).
+    a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
+    spec_outs = spec.generate(prompts, params)
+    b = torch.tensor([o.token_ids[1:3] for o in spec_outs])
+    drafted = sum(o.metrics["num_draft_tokens"] for o in spec_outs)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in spec_outs)
+    assert 0.1 * drafted < accepted < 0.9 * drafted  # both acceptances and residual draws happened
+    for pos in range(2):
+        ca, cb = torch.bincount(a[:, pos], minlength=320).double(), torch.bincount(b[:, pos], minlength=320).double()
+        keep = (ca + cb) >= 20  # pool rare tokens into one bin so every expected count is large enough
+        ca = torch.cat([ca[keep], ca[~keep].sum()[None]])
+        cb = torch.cat([cb[keep], cb[~keep].sum()[None]])
+        expected = (ca + cb) / 2
+        chi2 = (((ca - expected) ** 2 + (cb - expected) ** 2) / expected.clamp(min=1e-9)).sum().item()
+        dof = len(ca) - 1
+        assert chi2 < dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)  # about the 0.9999 quantile
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "magic"}, "unknown speculative method"),
+    ({"method": "ngram", "num_speculative_tokens": 0}, "num_speculative_tokens"),
+    ({"method": "ngram", "num_speculative_tokenz": 3}, "valid keys"),
+    ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
+    ({"method": "custom"}, "drafter"),
+    ('{"method": ', "not valid JSON"),
+    ({"num_speculative_tokens": 3}, "method"),
+])
+def test_bad_speculative_configs_are_refused(config, message):
+    with pytest.raises(SpecdecError, match=message):
+        SpeculativeConfig.parse(config)
