@@ -3,6 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in three sentences why the sky is blue.
+SPEC ?= {"method": "ngram", "num_speculative_tokens": 4}
 
 .PHONY: setup run test bench
 
@@ -18,12 +19,14 @@ $(VENV)/.installed: pyproject.toml requirements.txt
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 
+# The main job: generate on the default model with speculation, then measure the speedup over plain
+# decoding (same engine, same weights, interleaved prompt by prompt) on Spec-Bench prompts.
 run: setup
-	$(VENV)/bin/specdec generate "$(PROMPT)"
-	$(VENV)/bin/specdec bench --num-prompts 5 --max-tokens 64 --compare-hf
+	$(VENV)/bin/specdec generate "$(PROMPT)" --speculative-config '$(SPEC)'
+	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 64 --speculative-config '$(SPEC)'
 
 test: setup
 	$(PY) -m pytest -q
 
 bench: setup
-	$(VENV)/bin/specdec bench --num-prompts 20 --max-tokens 128 --compare-hf --batch-sizes 1,4,16 --dtypes float32,bfloat16
+	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 128 --compare-hf --batch-sizes 1,4,16 --dtypes float32,bfloat16 --speculative-config '$(SPEC)' --out bench_results/bench.json

@@ -175,11 +175,35 @@ def measurement(token_ids: list[int], ttft_s: float | None, decode_s: float, e2e
             "e2e_tokens_per_s": n / e2e_s if e2e_s > 0 else None, "token_ids": list(token_ids)}
 
 
+SPEC_METRICS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
+
+
 def time_specdec(llm, prompt: BenchPrompt, params: SamplingParams) -> dict:
     start = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt.token_ids}, params)[0]
     e2e = time.perf_counter() - start
-    return measurement(out.token_ids, out.metrics["ttft_s"], out.metrics["decode_s"], e2e)
+    m = out.metrics
+    return {**measurement(out.token_ids, m["ttft_s"], m["decode_s"], e2e), **{k: m[k] for k in SPEC_METRICS}}
+
+
+def acceptance(records: list[dict]) -> dict | None:
+    """Speculation over a set of requests: acceptance length = tokens per target forward (bonus included)."""
+    if not records or "num_steps" not in records[0] or not sum(r["num_draft_tokens"] for r in records):
+        return None
+    steps = sum(r["num_steps"] for r in records)
+    drafted = sum(r["num_draft_tokens"] for r in records)
+    per_pos = [sum(r["accepted_per_pos"][j] if j < len(r["accepted_per_pos"]) else 0 for r in records)
+               for j in range(max(len(r["accepted_per_pos"]) for r in records))]
+    drafts = sum(r["num_drafts"] for r in records)
+    return {"acceptance_length": sum(r["generated_tokens"] for r in records) / steps,
+            "acceptance_rate": sum(r["num_accepted_tokens"] for r in records) / drafted,
+            "num_drafts": drafts, "num_draft_tokens": drafted,
+            "acceptance_per_pos": [a / drafts for a in per_pos]}
+
+
+def acceptance_by_category(records: list[dict]) -> dict:
+    categories = dict.fromkeys(r["category"] for r in records)
+    return {c: acceptance([r for r in records if r["category"] == c]) for c in categories}
 
 
 class _TokenClock:
@@ -257,12 +281,12 @@ def read_bandwidth_probe(device: torch.device) -> Callable[[], float]:
     return lambda: a.numel() * a.element_size() / best_seconds(a.sum, 3, device)
 
 
-def batch1_runs(timers: dict[str, Callable[[BenchPrompt], dict]], prompts: list[BenchPrompt],
+def batch1_runs(timers: dict[tuple[str, str], Callable[[BenchPrompt], dict]], prompts: list[BenchPrompt],
                 dtype: str, probe: Callable[[], float]) -> list[dict]:
     """Every engine on every prompt, one request at a time, alternating which engine goes first."""
     for timer in timers.values():
         timer(prompts[0])  # untimed warm-up
-    per_prompt: dict[str, list[dict]] = {name: [] for name in timers}
+    per_prompt: dict[tuple[str, str], list[dict]] = {name: [] for name in timers}
     names = list(timers)
     for i, p in enumerate(tqdm(prompts, desc=f"{dtype} batch 1", file=sys.stderr)):
         bandwidth = probe()
@@ -271,8 +295,9 @@ def batch1_runs(timers: dict[str, Callable[[BenchPrompt], dict]], prompts: list[
             per_prompt[name].append({"index": i, "question_id": p.question_id, "category": p.category,
                                      "prompt_tokens": len(p.token_ids), "read_bytes_per_s_beside": bandwidth,
                                      **rec})
-    return [{"config": run_config(name, dtype, 1), "summary": summarize(recs), "per_prompt": recs}
-            for name, recs in per_prompt.items()]
+    return [{"config": run_config(engine, dtype, 1, method), "summary": summarize(recs), "per_prompt": recs,
+             "acceptance": acceptance(recs), "acceptance_by_category": acceptance_by_category(recs)}
+            for (engine, method), recs in per_prompt.items()]
 
 
 def run_config(engine: str, dtype: str, batch_size: int, method: str = "plain") -> dict:
@@ -292,14 +317,14 @@ def time_group(llm, prompts: list[BenchPrompt], params: SamplingParams) -> tuple
 
 
 def batched_run(llm, prompts: list[BenchPrompt], batch_size: int, params: SamplingParams, dtype: str,
-                batch1: dict) -> dict:
+                batch1: dict, method: str = "plain") -> dict:
     """Groups of batch_size prompts (cycling through the list), one generate() call per group."""
     if batch_size > llm.engine.cfg.max_num_seqs:
         raise SpecdecError(f"batch size {batch_size} exceeds the engine's max_num_seqs={llm.engine.cfg.max_num_seqs}")
     order = [i % len(prompts) for i in range(math.ceil(len(prompts) / batch_size) * batch_size)]
     reference = [r["token_ids"] for r in batch1["per_prompt"]]
     per_group, identical = [], 0
-    for g in tqdm(range(0, len(order), batch_size), desc=f"{dtype} batch {batch_size}", file=sys.stderr):
+    for g in tqdm(range(0, len(order), batch_size), desc=f"{method} {dtype} batch {batch_size}", file=sys.stderr):
         group = order[g:g + batch_size]
         record, token_ids = time_group(llm, [prompts[i] for i in group], params)
         identical += sum(ids == reference[i] for ids, i in zip(token_ids, group))
@@ -313,7 +338,7 @@ def batched_run(llm, prompts: list[BenchPrompt], batch_size: int, params: Sampli
                "decode_tokens_per_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None,
                "e2e_tokens_per_s": e2e_tps, "speedup_vs_batch1": e2e_tps / base if base else None,
                "identical_to_batch1": identical}
-    return {"config": run_config("specdec", dtype, batch_size), "summary": summary, "per_group": per_group}
+    return {"config": run_config("specdec", dtype, batch_size, method), "summary": summary, "per_group": per_group}
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -362,23 +387,31 @@ def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None, records
 
 def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
                 bandwidth: dict) -> tuple[list[dict], list[dict]]:
-    """All runs for one dtype: batch 1 (with transformers interleaved if asked), roofline, larger batches."""
+    """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked),
+    roofline, larger batches. Speculation is compared with plain decoding of the same engine and weights."""
     from specdec.llm import LLM, parse_dtype
 
     llm = LLM(args.model, dtype=dtype, device=args.device)
     prompts = encode_prompts(llm, rows)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
-    timers = {"specdec": lambda p: time_specdec(llm, p, params)}
+    engines = {("specdec", "plain"): llm}
+    if args.speculative_config is not None:
+        spec_llm = llm.with_speculative_config(args.speculative_config)
+        engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
+    timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
     if args.compare_hf:
         hf = load_hf(resolve(args.model), parse_dtype(dtype), llm.engine.model.device)
         eos = sorted(llm.engine.eos_token_ids)
-        timers["transformers"] = lambda p: time_hf(hf, p, args.max_tokens, eos)
+        timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
     runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
                                  plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
-    comparisons = [compare(plain, other) for other in runs[1:]]
-    runs += [batched_run(llm, prompts, b, params, dtype, plain) for b in batch_sizes if b > 1]
+    comparisons = [compare(other, plain) for other in runs[1:] if other["config"]["engine"] == "specdec"]
+    comparisons += [compare(plain, other) for other in runs[1:] if other["config"]["engine"] != "specdec"]
+    for (_, method), engine in engines.items():
+        batch1 = next(r for r in runs if r["config"]["method"] == method and r["config"]["engine"] == "specdec")
+        runs += [batched_run(engine, prompts, b, params, dtype, batch1, method) for b in batch_sizes if b > 1]
     return runs, comparisons
 
 
@@ -394,8 +427,9 @@ def output_path(out: str) -> Path:
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Validate everything cheap first, then measure; prints the report and writes the JSON."""
-    if args.speculative_config is not None:
-        raise SpecdecError("bench does not measure --speculative-config yet; it times plain decoding only")
+    from specdec.config import SpeculativeConfig
+
+    SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
     from specdec.llm import parse_device
 
     path = prompts_path(args.prompts)
@@ -490,6 +524,16 @@ def comparison_line(c: dict) -> str:
     return text
 
 
+def acceptance_line(run: dict) -> str:
+    a, c = run["acceptance"], run["config"]
+    per_cat = ", ".join(f"{cat} {_num(x['acceptance_length'], '.2f') if x else '-'}"
+                        for cat, x in run["acceptance_by_category"].items())
+    per_pos = " ".join(f"{x:.2f}" for x in a["acceptance_per_pos"])
+    return (f"Acceptance ({c['engine']}/{c['method']}, {c['dtype']}, batch 1): acceptance length "
+            f"{a['acceptance_length']:.2f} tokens per target forward, acceptance rate {a['acceptance_rate']:.1%}, "
+            f"accepted per position [{per_pos}]; acceptance length by category: {per_cat}")
+
+
 def roofline_line(run: dict) -> str:
     r = run["roofline"]
     return (f"Roofline ({run['config']['dtype']}, batch 1): {r['weight_bytes_per_token'] / 1e6:.1f} MB of weights "
@@ -517,5 +561,6 @@ def format_report(result: dict) -> str:
               "and decode starts once every request in the group has its first token)",
               summary_table(result["runs"]), ""]
     parts += [comparison_line(c) for c in result["comparisons"]]
+    parts += [acceptance_line(r) for r in result["runs"] if r.get("acceptance")]
     parts += [roofline_line(r) for r in result["runs"] if "roofline" in r]
     return "\n".join(parts)

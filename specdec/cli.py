@@ -75,7 +75,9 @@ def cmd_generate(args: argparse.Namespace) -> None:
         sys.stdout.flush()
     m = llm.last_output.metrics
     tps = f"{m['tokens_per_s']:.1f} tok/s" if m["tokens_per_s"] else "n/a"
-    print(f"\n[{m['num_generated_tokens']} tokens, TTFT {m['ttft_s'] * 1e3:.0f} ms, decode {tps}]", file=sys.stderr)
+    spec = f", acceptance length {m['acceptance_length']:.2f}" if m["num_drafts"] else ""
+    print(f"\n[{m['num_generated_tokens']} tokens, TTFT {m['ttft_s'] * 1e3:.0f} ms, decode {tps}{spec}]",
+          file=sys.stderr)
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -53,6 +53,15 @@ class LLM:
         self.tokenizer = load_tokenizer(src)
         self.engine = LLMEngine(net, self.tokenizer, engine_cfg, speculative)
 
+    def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> "LLM":
+        """Another LLM over the same weights and tokenizer, with its own engine and speculation settings
+        (how `bench` compares speculative and plain decoding of one model side by side)."""
+        other = object.__new__(LLM)
+        other.model_name, other.tokenizer = self.model_name, self.tokenizer
+        cfg = from_kwargs(EngineConfig, engine_kwargs) if engine_kwargs else self.engine.cfg
+        other.engine = LLMEngine(self.engine.model, self.tokenizer, cfg, SpeculativeConfig.parse(speculative_config))
+        return other
+
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A string is tokenized as is; {"prompt_token_ids": [...]} is used directly."""

@@ -3,7 +3,7 @@
 Vocabulary (vLLM's):
 - accepted tokens: the draft tokens the target keeps, along one root-to-leaf path of the draft tree;
 - recovered token: drawn from the residual distribution after the target rejected every child of the
-  last accepted node that it tried;
+  last accepted node;
 - bonus token: drawn from the target's p after the last accepted node when that node has no children.
 Every step emits the accepted tokens plus exactly one extra token (recovered or bonus).
 
@@ -90,28 +90,28 @@ def verify_sampling(draft_tokens: torch.Tensor, parents: torch.Tensor, target_pr
 
     The nodes a sequence tries have increasing indices (a node's children and its later siblings all come
     after it), so one pass over j = 0..N-1 visits them in order: node j is tried iff its parent is the
-    current node. A tried child that is accepted ends its siblings' turn, since they no longer match.
+    current node. Accepting a child ends its later siblings' turn: their parent is no longer current.
+    Each pass works on the rows that try node j only, so the [*, V] work follows the nodes actually tried
+    (about the accepted length plus one per row), not B * N.
     """
     B, N = draft_tokens.shape
     V = target_probs.shape[-1]
     generators = generators if generators is not None else [None] * B
     uniforms = acceptance_uniforms(parents != PAD, generators)  # [B, N]
-    rows = torch.arange(B, device=draft_tokens.device)
     cur = torch.full((B,), ROOT, device=draft_tokens.device)  # [B] current node
-    p = target_probs[:, 0]  # [B, V] p at the current node, after the residual updates so far
+    p = target_probs[:, 0].clone()  # [B, V] p at the current node, after the residual updates so far
     accepted = torch.zeros_like(draft_tokens, dtype=torch.bool)  # [B, N]
     for j in range(N):
-        x = draft_tokens[:, j]  # [B]
-        q = (draft_probs[:, j] if draft_probs is not None
-             else torch.nn.functional.one_hot(x, V).to(p.dtype))  # [B, V]
-        p_x, q_x = p.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
-        tried = parents[:, j] == cur
-        accept = tried & (uniforms[:, j] * q_x < p_x)  # u < min(1, p/q) without dividing by q
-        reject = tried & ~accept
-        residual = residual_probs(p, q, target_probs[rows, cur + 1])
-        p = torch.where(accept[:, None], target_probs[:, j + 1], torch.where(reject[:, None], residual, p))
-        cur = torch.where(accept, j, cur)
-        accepted[:, j] = accept
+        rows = (parents[:, j] == cur).nonzero().squeeze(1)  # [R] the rows that try node j
+        x = draft_tokens[rows, j]  # [R]
+        q = draft_probs[rows, j] if draft_probs is not None else torch.nn.functional.one_hot(x, V).to(p.dtype)
+        p_r = p[rows]  # [R, V]
+        p_x, q_x = p_r.gather(1, x[:, None]).squeeze(1), q.gather(1, x[:, None]).squeeze(1)
+        accept = uniforms[rows, j] * q_x < p_x  # [R] u < min(1, p/q) without dividing by q
+        residual = residual_probs(p_r, q, target_probs[rows, cur[rows] + 1])
+        p[rows] = torch.where(accept[:, None], target_probs[rows, j + 1], residual)
+        cur[rows] = torch.where(accept, j, cur[rows])
+        accepted[rows, j] = accept
     extra = sample_from_probs(p, generators)
     return _result(draft_tokens, accepted, cur, extra)
 
@@ -121,9 +121,9 @@ def residual_probs(p: torch.Tensor, q: torch.Tensor, fallback: torch.Tensor) -> 
 
     Its mass sum(max(p - q, 0)) equals the probability that a draw from q is rejected. A row whose mass is
     0 has p <= q everywhere, so p == q in exact arithmetic and the rejection that led here had probability
-    0; only float rounding reaches it, with probability sum(q) - sum(p) ~ 1e-7. Such rows take `fallback`
-    (the target's unmodified p at the node): any valid distribution costs no measurable bias there, and it
-    avoids dividing by zero.
+    0; only float rounding reaches it, with probability sum(max(q - p, 0)) = sum(q) - sum(p) ~ 1e-7. Such
+    rows take `fallback` (the target's unmodified p at the node): any valid distribution costs no
+    measurable bias there, and it avoids dividing by zero.
     """
     r = (p - q).clamp(min=0)
     mass = r.sum(-1, keepdim=True)

@@ -47,6 +47,7 @@ class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()
+        self.speculative = speculative
         mcfg = model.config
         self.max_model_len = min(self.cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         bs = self.cfg.block_size

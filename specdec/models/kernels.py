@@ -160,8 +160,10 @@ if numba is not None:
         heads = qkv.reshape(T, n_heads + 2 * n_kv, D)
         _rope_and_qk_norm(heads, n_heads + n_kv, n_heads, q_norm, k_norm, eps, cos, ssin)
         attn = np.empty((T, n_heads, D), np.float32)
-        _paged_attention(heads[:, :n_heads], heads[:, n_heads:n_heads + n_kv], heads[:, n_heads + n_kv:],
-                         k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, attn)
+        q = np.ascontiguousarray(heads[:, :n_heads])  # contiguous, so the score loop vectorizes
+        k = np.ascontiguousarray(heads[:, n_heads:n_heads + n_kv])
+        v = np.ascontiguousarray(heads[:, n_heads + n_kv:])
+        _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, attn)
         out = np.empty((T, H), np.float32)
         _gemm_rows(o_w, attn.reshape(T, n_heads * D), out)
         x += out
