@@ -139,7 +139,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
 
 
-SPECULATIVE_METHODS = ("ngram", "custom")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "custom")
 
 
 @dataclass
@@ -151,6 +151,8 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram
     prompt_lookup_max: int = 4  # ngram
     ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
+    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
+    num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
 
     def __post_init__(self) -> None:
@@ -164,6 +166,10 @@ class SpeculativeConfig:
                                f"{self.prompt_lookup_max!r}: need 1 <= min <= max")
         if self.ngram_match not in ("latest", "oldest"):
             raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
+        if self.method == "draft_model" and not self.model:
+            raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
+        if self.method == "layer_skip" and not isinstance(self.num_layers, int):
+            raise SpecdecError("method 'layer_skip' needs 'num_layers': how many of the target's layers draft")
         if self.method == "custom" and self.drafter is None:
             raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
 

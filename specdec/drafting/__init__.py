@@ -3,10 +3,24 @@ from __future__ import annotations
 
 from specdec.config import SpecdecError, SpeculativeConfig
 from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.drafting.draft_model import DraftModelDrafter, check_same_vocabulary
+from specdec.drafting.layer_skip import LayerSkipDrafter
 from specdec.drafting.ngram import NgramDrafter
 
 
-def build_drafter(cfg: SpeculativeConfig) -> Drafter:
+def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
+    """target_runner: the engine's ModelRunner (its model, KV pool and block allocator)."""
+    k = cfg.num_speculative_tokens
+    if cfg.method == "draft_model":
+        from specdec.models.loader import load_model, load_tokenizer
+
+        target = target_runner.model
+        draft, src = load_model(cfg.model, target.dtype, target.device)
+        check_same_vocabulary(cfg.model, draft.config.vocab_size, target.config.vocab_size,
+                              load_tokenizer(src), tokenizer)
+        return DraftModelDrafter(target_runner.sibling(draft), k)
+    if cfg.method == "layer_skip":
+        return LayerSkipDrafter(target_runner, k, cfg.num_layers)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                             cfg.ngram_match)
@@ -17,4 +31,5 @@ def build_drafter(cfg: SpeculativeConfig) -> Drafter:
     raise SpecdecError(f"speculative method {cfg.method!r} is not available")  # pragma: no cover
 
 
-__all__ = ["Draft", "DraftRequest", "Drafter", "NgramDrafter", "build_drafter"]
+__all__ = ["Draft", "DraftRequest", "Drafter", "NgramDrafter", "DraftModelDrafter", "LayerSkipDrafter",
+           "build_drafter"]

@@ -13,8 +13,12 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 import torch
+
+if TYPE_CHECKING:  # engine objects are only passed through; drafting never imports the engine
+    from specdec.engine.sequence import Sequence
 
 ROOT, PAD = -1, -2
 
@@ -27,6 +31,7 @@ class DraftRequest:
     token_ids: list[int]  # the whole committed sequence (prompt + output)
     num_new: int  # how many of its last tokens were committed since the drafter's last call
     max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
+    seq: "Sequence"  # block table, sampling params and generator, for drafters that run a model
 
 
 @dataclass

@@ -63,7 +63,8 @@ class LLMEngine:
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, self.allocator)
-        self.speculator = Speculator(build_drafter(speculative), self.runner, lookahead) if speculative else None
+        self.speculator = Speculator(build_drafter(speculative, self.runner, tokenizer), self.runner,
+                                     lookahead) if speculative else None
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}

@@ -20,26 +20,36 @@ class ModelRunner:
         self.model, self.kv, self.allocator = model, kv, allocator
         self.device = model.device
 
+    def sibling(self, model: LlamaModel) -> "ModelRunner":
+        """A runner for another model (a draft) with its own KV pool over the same blocks and block tables."""
+        kv = KVPool(model.config, self.allocator.num_blocks, self.allocator.block_size, model.dtype, model.device)
+        return ModelRunner(model, kv, self.allocator)
+
     def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None
                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence, continued by
         `extra_tokens[i]` (draft tokens, not committed) when given."""
-        B, S = len(seqs), max(num_new)
+        feeds = [(s.token_ids[s.num_cached:] + (extra_tokens[i] if extra_tokens else []))[:n]
+                 for i, (s, n) in enumerate(zip(seqs, num_new))]
+        return self.build([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds)
+
+    def build(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]]
+              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Tensors for feeding `feeds[i]` at positions starts[i].. of the sequence owning blocks tables[i]."""
+        num_new = [len(f) for f in feeds]
+        B, S = len(feeds), max(num_new)
         bs = self.allocator.block_size
-        ends = [s.num_cached + n for s, n in zip(seqs, num_new)]
+        ends = [start + n for start, n in zip(starts, num_new)]
         L = max(ends)
-        tokens: list[int] = []
         padded_positions = torch.full((B, S), -1, dtype=torch.long)
-        tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
-        for i, (seq, n) in enumerate(zip(seqs, num_new)):
-            start = seq.num_cached
-            tokens += (seq.token_ids[start:] + (extra_tokens[i] if extra_tokens else []))[:n]
+        block_tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
+        for i, (start, n, blocks) in enumerate(zip(starts, num_new, tables)):
             padded_positions[i, :n] = torch.arange(start, start + n)
-            blocks = seq.block_table.blocks[: tables.shape[1]]
-            tables[i, : len(blocks)] = torch.tensor(blocks)
+            blocks = blocks[: block_tables.shape[1]]
+            block_tables[i, : len(blocks)] = torch.tensor(blocks)
         pos = torch.arange(L)
         valid = pos[None, :] < torch.tensor(ends)[:, None]  # [B, L]
-        context_slots = torch.where(valid, tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
+        context_slots = torch.where(valid, block_tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
         context_positions = torch.where(valid, pos[None, :], -1)
         is_new = padded_positions >= 0
         positions = padded_positions[is_new]  # [T], row-major: sequence by sequence
@@ -47,7 +57,14 @@ class ModelRunner:
         dev = self.device
         meta = AttentionMetadata.causal(padded_positions.to(dev), context_slots.to(dev),
                                         context_positions.to(dev), slot_mapping.to(dev), num_new)
-        return torch.tensor(tokens, device=dev), positions.to(dev), meta
+        tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
+        return tokens, positions.to(dev), meta
+
+    def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+            num_layers: int | None = None) -> torch.Tensor:
+        """Feed explicit tokens (how drafters use a runner); hidden states of every fed token, [T, H]."""
+        tokens, positions, meta = self.build(tables, starts, feeds)
+        return self.model(tokens, positions, meta, self.kv, num_layers=num_layers)[0]
 
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
         """Run the model; returns the hidden state of each sequence's last new token, [B, H]."""

@@ -92,6 +92,7 @@ class Scheduler:
         self.running.remove(seq)
         self.allocator.free(seq.block_table)
         self.num_preemptions += 1
+        seq.num_preemptions += 1
         seq.num_cached = 0
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

@@ -56,6 +56,7 @@ class Sequence:
     first_token_time: float | None = None
     finish_time: float | None = None
     num_steps: int = 0  # target forwards that produced output tokens
+    num_preemptions: int = 0  # each one drops all of the sequence's KV, the drafters' too
     spec: SpecStats = field(default_factory=SpecStats)
 
     def __post_init__(self) -> None:

@@ -36,7 +36,7 @@ class Speculator:
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token)."""
-        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s)) for s in seqs]
+        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s), s) for s in seqs]
         draft = self.drafter.propose(requests)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
             else [0] * len(seqs)

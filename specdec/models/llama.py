@@ -155,17 +155,18 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: "KVPool", output_layers: tuple[int, ...] = ()
+                kv: "KVPool", output_layers: tuple[int, ...] = (), num_layers: int | None = None
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """tokens, positions: [T], the new tokens of every sequence, flattened.
 
         Returns the final-normed hidden states [T, H] and {layer index: that layer's output [T, H]}
         for the layers in `output_layers` (EAGLE-3 reads low/mid/high features from these).
+        num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         """
         x = self.embed(tokens)
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers):
+        for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
             if i in output_layers:
                 captured[i] = x

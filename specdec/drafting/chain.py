@@ -1,0 +1,91 @@
+"""Autoregressive chain drafting with a Llama-family model whose KV lives in the target's block tables.
+
+Shared by `draft_model` (a small LM with its own KV pool) and `layer_skip` (the target's first layers,
+reading and writing the target's own KV for those layers). Each step:
+
+    catch up:  feed the committed tokens the draft cache lacks (at least the last one)  -> d1
+    extend:    feed d1, d2, ... one token per sequence                                 -> d2 .. dk
+
+The draft cache is rewound by bookkeeping only: it remembers which tokens it fed, and after verification
+keeps the prefix that was committed; anything past it is overwritten by the next step.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+
+
+@dataclass
+class DraftCache:
+    """What the draft KV of one sequence holds: K/V for `fed` at positions 0 .. len(fed) - 1."""
+
+    epoch: int = -1  # the sequence's preemption count when this was written
+    fed: list[int] = field(default_factory=list)
+    committed: int = 0  # len(fed) that was committed when fed (the rest were drafts)
+
+    def valid_prefix(self, token_ids: list[int], epoch: int) -> int:
+        if epoch != self.epoch:
+            return 0
+        n = self.committed
+        while n < min(len(self.fed), len(token_ids)) and self.fed[n] == token_ids[n]:
+            n += 1
+        return n
+
+
+class ChainDrafter(Drafter):
+    """runner: a ModelRunner over the draft model and its KV pool; num_layers: early exit (layer skip);
+    shares_target_cache: the draft layers are the target's, whose KV for committed tokens is already valid."""
+
+    def __init__(self, runner, num_speculative_tokens: int, num_layers: int | None = None,
+                 shares_target_cache: bool = False) -> None:
+        self.runner, self.k, self.num_layers = runner, num_speculative_tokens, num_layers
+        self.shares_target_cache = shares_target_cache
+        self.caches: dict[int, DraftCache] = {}
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        seqs = [r.seq for r in requests]
+        st = SamplingTensors.from_params([s.params for s in seqs], [s.generator for s in seqs], self.runner.device)
+        tables = [s.block_table.blocks for s in seqs]
+        starts = [self._cached(r) for r in requests]
+        feeds = [r.token_ids[start:] for r, start in zip(requests, starts)]
+        steps = max(r.max_tokens for r in requests)
+        tokens, probs = [], []
+        for step in range(steps):
+            hidden = self.runner.run(tables, starts, feeds, self.num_layers)
+            last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
+            tok, q = self._sample(self.runner.model.compute_logits(hidden[last]), st)
+            tokens.append(tok)
+            probs.append(q)
+            starts = [start + len(f) for start, f in zip(starts, feeds)]
+            feeds = [[t] for t in tok.tolist()]
+        for i, r in enumerate(requests):  # K/V was written for every drafted token but the last
+            drafted = [int(t[i]) for t in tokens[:-1]]
+            self.caches[r.seq_id] = DraftCache(r.seq.num_preemptions, r.token_ids + drafted, len(r.token_ids))
+        if not tokens:
+            return Draft.chains([[] for _ in requests])
+        draft = Draft.chains(torch.stack(tokens, 1).tolist())
+        draft.probs = None if st.all_greedy else torch.stack(probs, 1)  # [B, k, V]
+        return draft
+
+    def _cached(self, r: DraftRequest) -> int:
+        """How many leading tokens of the sequence already have valid K/V in the draft cache."""
+        if self.shares_target_cache:
+            return r.seq.num_cached  # the target wrote these layers' K/V for every committed token
+        cache = self.caches.get(r.seq_id, DraftCache())
+        return min(cache.valid_prefix(r.token_ids, r.seq.num_preemptions), len(r.token_ids) - 1)
+
+    @staticmethod
+    def _sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+        """Greedy rows take the argmax; sampled rows draw from the draft's distribution, processed with the
+        request's own temperature / top-k / top-p, and report it as q."""
+        if st.all_greedy:
+            return logits.argmax(-1), None
+        q = logits_to_probs(logits, st)
+        return sample_from_probs(q, st.generators), q
+
+    def release(self, seq_id: int) -> None:
+        self.caches.pop(seq_id, None)

@@ -1,0 +1,129 @@
+"""Each drafting method: what it proposes, and that the engine's output never depends on it."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec.drafting.ngram import NgramIndex
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=4)
+
+
+@pytest.fixture(scope="module")
+def other_draft_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("draft"), "llama", seed=1, num_hidden_layers=1)
+
+
+@pytest.fixture(scope="module")
+def reference(target_dir):
+    return [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
+
+
+def test_ngram_index_finds_the_longest_latest_match():
+    tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
+    index = NgramIndex(1, 3)
+    index.extend(tokens)
+    assert index.lookup(tokens, 2) == [7, 5]  # [1, 2, 3] last seen before 7
+    assert index.lookup(tokens, 2, latest=False) == [9, 1]  # the oldest occurrence
+    assert index.lookup(tokens + [4], 3) == []  # 4 never appeared before
+    index.extend(tokens + [9])
+    assert index.lookup(tokens + [9], 2) == [1, 2]  # falls back to the 1-gram [9]
+
+
+def test_ngram_index_is_incremental():
+    a, b = NgramIndex(1, 2), NgramIndex(1, 2)
+    tokens = [5, 6, 5, 6, 7, 5]
+    for end in range(1, len(tokens) + 1):
+        a.extend(tokens[:end])
+    b.extend(tokens)
+    assert a.positions == b.positions
+
+
+def test_draft_model_is_lossless_and_a_self_draft_is_always_accepted(target_dir, other_draft_dir, reference):
+    other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
+                                                     "num_speculative_tokens": 3})
+    assert [o.token_ids for o in other.generate(PROMPTS, GREEDY)] == reference
+    self_draft = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
+                                                          "num_speculative_tokens": 4})
+    outs = self_draft.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    for o in outs:  # proves the draft cache stays aligned with the target's through every rewind
+        assert o.metrics["acceptance_rate"] == 1.0
+    assert self_draft.engine.allocator.num_used == 0
+
+
+def test_draft_model_survives_preemption(target_dir, reference):
+    llm = LLM(str(target_dir), block_size=4, num_kv_blocks=14,
+              speculative_config={"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert llm.engine.scheduler.num_preemptions > 0
+    assert [o.token_ids for o in outs] == reference
+
+
+def test_layer_skip_is_lossless(target_dir, reference):
+    llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2,
+                                                   "num_speculative_tokens": 3})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
+def test_layer_skip_with_all_but_one_layer_matches_itself(tmp_path):
+    """A 2-layer target whose last layer is zeroed: its first layer predicts exactly what it does."""
+    path = save_tiny_model(tmp_path, "llama", num_hidden_layers=2)
+    from safetensors.torch import load_file, save_file
+
+    weights = load_file(path / "model.safetensors")
+    for name in weights:
+        if name.startswith("model.layers.1.") and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
+            weights[name].zero_()
+    save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
+    llm = LLM(str(path), speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
+
+
+def test_sampled_draft_model_output_follows_the_target(target_dir, other_draft_dir):
+    """First speculative step (tokens 1 and 2) with a different random draft model at temperature 1."""
+    n, prompt = 2000, {"prompt_token_ids": [5, 6, 7]}
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    plain = LLM(str(target_dir), max_num_seqs=256)
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+        "method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 2})
+    a = torch.tensor([o.token_ids[1:3] for o in plain.generate([prompt] * n, params)])
+    outs = spec.generate([prompt] * n, params)
+    b = torch.tensor([o.token_ids[1:3] for o in outs])
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    for pos in range(2):
+        ca, cb = torch.bincount(a[:, pos], minlength=320).double(), torch.bincount(b[:, pos], minlength=320).double()
+        keep = (ca + cb) >= 20
+        ca, cb = torch.cat([ca[keep], ca[~keep].sum()[None]]), torch.cat([cb[keep], cb[~keep].sum()[None]])
+        expected = (ca + cb) / 2
+        chi2 = (((ca - expected) ** 2 + (cb - expected) ** 2) / expected.clamp(min=1e-9)).sum().item()
+        dof = len(ca) - 1
+        assert chi2 < dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+
+
+def test_draft_with_another_vocabulary_is_refused(tmp_path, target_dir):
+    draft = save_tiny_model(tmp_path / "d", "llama", vocab_size=300)
+    with pytest.raises(SpecdecError, match="vocab size 300 but the target has 320"):
+        LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(draft)})
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"method": "layer_skip", "num_layers": 4}, r"num_layers=4 must be in \[1, 3\]"),
+    ({"method": "layer_skip"}, "needs 'num_layers'"),
+    ({"method": "draft_model"}, "needs 'model'"),
+    ({"method": "draft_model", "model": "/no/such/draft"}, "not found"),
+])
+def test_bad_drafter_configs(target_dir, config, message):
+    with pytest.raises(SpecdecError, match=message):
+        LLM(str(target_dir), speculative_config=config)
