@@ -148,3 +148,16 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir):
 def test_bad_speculative_configs_are_refused(config, message):
     with pytest.raises(SpecdecError, match=message):
         SpeculativeConfig.parse(config)
+
+
+def test_tree_drafts_are_refused_until_tree_attention_exists(tiny_llama_dir):
+    class TreeDrafter(Drafter):
+        def propose(self, requests):
+            n = len(requests)
+            return Draft(torch.full((n, 2), 7), torch.tensor([[-1, -1]] * n))  # two siblings at the root
+
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 2,
+                                                       "drafter": TreeDrafter()})
+    with pytest.raises(SpecdecError, match="chains only"):
+        llm.generate("Hello world", GREEDY)
+    assert llm.engine.allocator.num_used == 0

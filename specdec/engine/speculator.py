@@ -10,6 +10,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.config import SpecdecError
 from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
@@ -57,8 +58,12 @@ class Speculator:
         """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens."""
         B, N = len(seqs), max(counts)
         tokens = draft.tokens[:, :N]
-        parents = torch.where(torch.arange(N)[None, :] < torch.tensor(counts)[:, None],
-                              draft.parents[:, :N], torch.full_like(tokens, PAD))
+        real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
+        chain = torch.arange(N).expand(B, N) - 1
+        if not torch.equal(draft.parents[:, :N][real], chain[real]):
+            raise SpecdecError("this engine verifies chains only (parents = arange(n) - 1); tree drafts need "
+                               "tree attention, which is not available yet")
+        parents = torch.where(real, chain, torch.full_like(tokens, PAD))
         rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
         start = 0
         for i, n in enumerate(counts):
