@@ -62,3 +62,40 @@ def test_greedy_output_matches_transformers_for_64_tokens(llm, hf_model):
         ids = torch.tensor([llm.apply_chat_template(conv)])
         assert out.token_ids == hf_greedy(hf_model, ids, 64)
     assert "Paris" in outs[0].text
+
+
+SPEC_CONFIGS = {
+    "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "layer_skip": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
+    "draft_model": {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3},
+}
+SPEC_PROMPTS = PROMPTS + [[{"role": "user", "content": "Summarize: The city council met on Monday to discuss "
+                                                      "the new park. The council approved the park."}]]
+
+
+@pytest.fixture(scope="module")
+def plain_reference(llm):
+    params = SamplingParams(temperature=0, max_tokens=128)
+    return [o.token_ids for o in llm.chat(SPEC_PROMPTS, params)]
+
+
+@pytest.mark.parametrize("method", list(SPEC_CONFIGS))
+def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
+    """Batch 1 and a ragged batch of 4, 128 tokens each, against plain greedy decoding of the same engine."""
+    spec = llm.with_speculative_config(SPEC_CONFIGS[method])
+    params = SamplingParams(temperature=0, max_tokens=128)
+    batched = spec.chat(SPEC_PROMPTS, params)
+    assert [o.token_ids for o in batched] == plain_reference
+    alone = spec.chat(SPEC_PROMPTS[3], params)[0]
+    assert alone.token_ids == plain_reference[3]
+    assert sum(o.metrics["num_drafts"] for o in batched) > 0
+    if method == "draft_model":  # the model drafting for itself must always be right
+        assert all(o.metrics["acceptance_rate"] == 1.0 for o in batched)
+    assert spec.engine.allocator.num_used == 0
+
+
+def test_seeded_speculative_sampling_repeats(llm):
+    spec = llm.with_speculative_config(SPEC_CONFIGS["ngram"])
+    params = SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=48)
+    first, again = spec.chat(SPEC_PROMPTS[3], params)[0], spec.chat(SPEC_PROMPTS[3], params)[0]
+    assert first.token_ids == again.token_ids

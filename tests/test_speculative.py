@@ -161,3 +161,23 @@ def test_tree_drafts_are_refused_until_tree_attention_exists(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="chains only"):
         llm.generate("Hello world", GREEDY)
     assert llm.engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("make, message", [
+    (lambda n: Draft(torch.zeros(n + 1, 2, dtype=torch.long), torch.zeros(n + 1, 2, dtype=torch.long)), "must both be"),
+    (lambda n: Draft(torch.zeros(n, 2, dtype=torch.long), torch.zeros(n, 3, dtype=torch.long)), "must both be"),
+    (lambda n: Draft(torch.zeros(n, 2), torch.tensor([[-1, 0]] * n)), "torch.long"),
+    (lambda n: Draft(torch.full((n, 2), 10**6), torch.tensor([[-1, 0]] * n)), "token ids must be in"),
+    (lambda n: Draft(torch.zeros(n, 2, dtype=torch.long), torch.tensor([[-1, 0]] * n), torch.ones(n, 2, 7)),
+     "draft probs"),
+])
+def test_malformed_drafts_are_refused(tiny_llama_dir, make, message):
+    class Broken(Drafter):
+        def propose(self, requests):
+            return make(len(requests))
+
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 2,
+                                                       "drafter": Broken()})
+    with pytest.raises(SpecdecError, match=message):
+        llm.generate("Hello world", GREEDY)
+    assert llm.engine.allocator.num_used == 0

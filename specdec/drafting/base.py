@@ -51,6 +51,24 @@ class Draft:
             parents[i, : len(p)] = torch.arange(len(p)) - 1
         return cls(tokens, parents)
 
+    def validate(self, batch_size: int, vocab_size: int) -> None:
+        """Refuse a malformed draft (e.g. from a user's drafter) with a message naming what is wrong."""
+        from specdec.config import SpecdecError
+
+        t, p = self.tokens, self.parents
+        if not isinstance(t, torch.Tensor) or not isinstance(p, torch.Tensor):
+            raise SpecdecError("a Draft's tokens and parents must be torch tensors")
+        if t.dim() != 2 or t.shape[0] != batch_size or p.shape != t.shape:
+            raise SpecdecError(f"draft tokens {tuple(t.shape)} and parents {tuple(p.shape)} must both be "
+                               f"[batch={batch_size}, N]")
+        if t.dtype != torch.long or p.dtype != torch.long:
+            raise SpecdecError("draft tokens and parents must be torch.long")
+        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+            raise SpecdecError(f"draft token ids must be in [0, {vocab_size})")
+        if self.probs is not None and tuple(self.probs.shape) != (*t.shape, vocab_size):
+            raise SpecdecError(f"draft probs {tuple(self.probs.shape)} must be [batch, N, vocab] = "
+                               f"{(*t.shape, vocab_size)}")
+
     def num_nodes(self) -> list[int]:
         return (self.parents != PAD).sum(1).tolist()
 

@@ -39,6 +39,7 @@ class Speculator:
         """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token)."""
         requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s), s) for s in seqs]
         draft = self.drafter.propose(requests)
+        draft.validate(len(seqs), self.runner.model.config.vocab_size)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
             else [0] * len(seqs)
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
