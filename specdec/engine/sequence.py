@@ -19,10 +19,12 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    recent_acceptance: float = 1.0  # moving average of accepted / drafted, optimistic at the start
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:
             return
+        self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * num_accepted / num_draft
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted

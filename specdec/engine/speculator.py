@@ -18,6 +18,9 @@ from specdec.sampling import SamplingTensors, logits_to_probs, sample
 from specdec.verify import VerifyResult, verify, verify_greedy
 
 
+LOW_ACCEPTANCE = 0.3  # below this moving acceptance rate a request drafts one token per step
+
+
 def plain_result(tokens: torch.Tensor) -> VerifyResult:
     """The verification result of a step without drafts: one sampled token per sequence."""
     B = tokens.shape[0]
@@ -30,10 +33,13 @@ class Speculator:
         self.drafter, self.runner, self.k = drafter, runner, num_speculative_tokens
 
     def draft_budget(self, seq: Sequence) -> int:
-        """Draft tokens worth verifying: none past the context, none past max_tokens."""
+        """Draft tokens worth verifying: none past the context, none past max_tokens, and a single one while
+        this request's recent acceptance is low (verifying one draft costs about a plain step on our CPU
+        kernels, verifying k costs more, so a poorly predicted request should not pay for k)."""
         room_in_context = seq.max_len - len(seq.token_ids)
         room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1
-        return max(0, min(self.k, room_in_context, room_in_output))
+        k = self.k if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else 1
+        return max(0, min(k, room_in_context, room_in_output))
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token)."""
