@@ -151,6 +151,7 @@ class SpeculativeConfig:
     prompt_lookup_min: int = 1  # ngram
     prompt_lookup_max: int = 4  # ngram
     ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
+    ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
@@ -166,6 +167,8 @@ class SpeculativeConfig:
                                f"{self.prompt_lookup_max!r}: need 1 <= min <= max")
         if self.ngram_match not in ("latest", "oldest"):
             raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
+        if self.ngram_pool not in ("request", "shared"):
+            raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):

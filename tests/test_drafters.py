@@ -30,21 +30,40 @@ def reference(target_dir):
 def test_ngram_index_finds_the_longest_latest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
     index = NgramIndex(1, 3)
-    index.extend(tokens)
+    index.extend(0, tokens)
     assert index.lookup(tokens, 2) == [7, 5]  # [1, 2, 3] last seen before 7
     assert index.lookup(tokens, 2, latest=False) == [9, 1]  # the oldest occurrence
     assert index.lookup(tokens + [4], 3) == []  # 4 never appeared before
-    index.extend(tokens + [9])
-    assert index.lookup(tokens + [9], 2) == [1, 2]  # falls back to the 1-gram [9]
+    tokens.append(9)
+    index.extend(0, tokens)
+    assert index.lookup(tokens, 2) == [1, 2]  # falls back to the 1-gram [9]
 
 
 def test_ngram_index_is_incremental():
     a, b = NgramIndex(1, 2), NgramIndex(1, 2)
     tokens = [5, 6, 5, 6, 7, 5]
     for end in range(1, len(tokens) + 1):
-        a.extend(tokens[:end])
-    b.extend(tokens)
+        a.extend(0, tokens[:end])
+    b.extend(0, tokens)
     assert a.positions == b.positions
+
+
+def test_shared_ngram_pool_drafts_from_other_requests():
+    from specdec.drafting import DraftRequest, NgramDrafter
+
+    finished, fresh = [10, 11, 12, 13, 14, 15], [20, 11, 12]
+    for pool, expected in [("request", []), ("shared", [13, 14])]:
+        drafter = NgramDrafter(2, 1, 3, pool=pool)
+        drafter.propose([DraftRequest(0, finished, len(finished), 2, None)])
+        drafter.release(0)  # request 0 finished; a shared pool keeps its text
+        draft = drafter.propose([DraftRequest(1, fresh, len(fresh), 2, None)])
+        assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == expected
+
+
+def test_shared_ngram_pool_is_lossless(target_dir, reference):
+    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                   "ngram_pool": "shared", "ngram_match": "oldest"})
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
 def test_draft_model_is_lossless_and_a_self_draft_is_always_accepted(target_dir, other_draft_dir, reference):

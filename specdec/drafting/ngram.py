@@ -1,57 +1,81 @@
 """Prompt lookup (n-gram) drafting: propose what followed the last time the current suffix appeared.
 
-An index per sequence maps every n-gram (n in [prompt_lookup_min, prompt_lookup_max]) to the positions
-right after its occurrences. It is updated only with newly committed tokens, so a step costs
-O(new tokens * n-gram sizes), never a scan of the whole history.
+An index maps every n-gram (n in [prompt_lookup_min, prompt_lookup_max]) to the places right after its
+occurrences. It is updated only with newly committed tokens, so a step costs O(new tokens * n-gram
+sizes), never a scan of the whole history. The pool options TensorRT-LLM documents:
+- `ngram_pool`: "request" (each request looks up its own prompt and output) or "shared" (requests also
+  look up the text of other requests, finished ones included, up to `MAX_SHARED_TEXTS` of them);
+- `ngram_match`: continue from the "latest" or the "oldest" matching occurrence (all are kept).
 """
 from __future__ import annotations
 
-from collections import defaultdict
+from collections import OrderedDict, defaultdict
 
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 
+MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
+
 
 class NgramIndex:
-    """n-gram -> positions that followed it, for one token sequence."""
+    """n-gram -> (text id, position that followed it), over one or many token sequences ("texts")."""
 
     def __init__(self, n_min: int, n_max: int) -> None:
         self.n_min, self.n_max = n_min, n_max
-        self.positions: dict[tuple[int, ...], list[int]] = defaultdict(list)
-        self.length = 0  # tokens indexed so far
+        self.positions: dict[tuple[int, ...], list[tuple[int, int]]] = defaultdict(list)
+        self.texts: OrderedDict[int, list[int]] = OrderedDict()  # text id -> its tokens (by reference)
+        self.indexed: dict[int, int] = {}  # text id -> tokens indexed so far
 
-    def extend(self, tokens: list[int]) -> None:
-        """Index n-grams ending before each new position: their continuation is that position."""
-        for end in range(max(self.length, 1), len(tokens)):
+    def extend(self, text_id: int, tokens: list[int]) -> None:
+        """Index the n-grams ending before each new position: their continuation is that position."""
+        self.texts[text_id] = tokens
+        start = self.indexed.get(text_id, 0)
+        for end in range(max(start, 1), len(tokens)):
             for n in range(self.n_min, min(self.n_max, end) + 1):
-                self.positions[tuple(tokens[end - n:end])].append(end)
-        self.length = max(self.length, len(tokens))
+                self.positions[tuple(tokens[end - n:end])].append((text_id, end))
+        self.indexed[text_id] = max(start, len(tokens))
 
     def lookup(self, tokens: list[int], k: int, latest: bool = True) -> list[int]:
-        """Up to k tokens that followed the longest matching suffix earlier in `tokens`."""
+        """Up to k tokens that followed the longest suffix of `tokens` seen earlier (in any indexed text)."""
         L = len(tokens)
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            starts = self.positions.get(tuple(tokens[L - n:]))
-            if starts:
-                start = starts[-1] if latest else starts[0]
-                # the suffix's own occurrence ends at L and is not indexed yet, so start < L
-                return tokens[start:start + k]
+            places = self.positions.get(tuple(tokens[L - n:]), [])
+            for text_id, start in reversed(places) if latest else places:
+                text = self.texts.get(text_id)  # None once forgotten; the suffix itself is never indexed
+                if text is not None:
+                    return text[start:start + k]
         return []
+
+    def forget(self, text_id: int) -> None:
+        """Drop a text; its entries in `positions` are skipped by lookup."""
+        self.texts.pop(text_id, None)
+        self.indexed.pop(text_id, None)
 
 
 class NgramDrafter(Drafter):
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
-                 match: str = "latest") -> None:
+                 match: str = "latest", pool: str = "request") -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
-        self.latest = match == "latest"
+        self.latest, self.shared = match == "latest", pool == "shared"
         self.indexes: dict[int, NgramIndex] = {}
+        self.shared_index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
+
+    def index_for(self, seq_id: int) -> NgramIndex:
+        if self.shared:
+            return self.shared_index
+        return self.indexes.setdefault(seq_id, NgramIndex(self.n_min, self.n_max))
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         proposals = []
         for r in requests:
-            index = self.indexes.setdefault(r.seq_id, NgramIndex(self.n_min, self.n_max))
-            index.extend(r.token_ids)
+            index = self.index_for(r.seq_id)
+            index.extend(r.seq_id, r.token_ids)
             proposals.append(index.lookup(r.token_ids, min(self.k, r.max_tokens), self.latest))
         return Draft.chains(proposals)
 
     def release(self, seq_id: int) -> None:
-        self.indexes.pop(seq_id, None)
+        if not self.shared:
+            self.indexes.pop(seq_id, None)
+            return
+        texts = self.shared_index.texts  # the finished text stays for later requests, oldest dropped first
+        while len(texts) > MAX_SHARED_TEXTS:
+            self.shared_index.forget(next(iter(texts)))
