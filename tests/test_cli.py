@@ -47,3 +47,17 @@ def test_console_script_runs(tiny_llama_dir):
     proc = subprocess.run([sys.executable, "-m", "specdec.cli", "generate", "Hi", "--model", "/no/such/model"],
                           capture_output=True, text=True, timeout=120)
     assert proc.returncode == 2 and "Traceback" not in proc.stderr and "not found" in proc.stderr
+
+
+def test_generate_with_speculation_reports_acceptance(tiny_llama_dir, capsys):
+    spec = '{"method": "ngram", "num_speculative_tokens": 3}'
+    args = ["generate", "1 2 3 1 2 3 1 2", "--model", str(tiny_llama_dir), "--max-tokens", "12", "--no-chat"]
+    assert main(args + ["--json"]) == 0
+    plain = json.loads(capsys.readouterr().out)
+    assert main(args + ["--json", "--speculative-config", spec]) == 0
+    out = json.loads(capsys.readouterr().out)
+    assert out["token_ids"] == plain["token_ids"]
+    assert set(out["metrics"]) >= {"num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos",
+                                   "acceptance_rate", "acceptance_length"}
+    assert main(args + ["--speculative-config", '{"method": "nope"}']) == 2
+    assert "unknown speculative method" in capsys.readouterr().err
