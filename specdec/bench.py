@@ -360,11 +360,17 @@ def compare(candidate: dict, baseline: dict) -> dict:
         pos = first_divergence(c["token_ids"], b["token_ids"])
         if pos is not None:
             divergences.append({"index": c["index"], "question_id": c["question_id"], "position": pos})
+    by_category = {}
+    for cat in dict.fromkeys(r["category"] for r in candidate["per_prompt"]):
+        c_sum = summarize([r for r in candidate["per_prompt"] if r["category"] == cat])
+        b_sum = summarize([r for r in baseline["per_prompt"] if r["category"] == cat])
+        by_category[cat] = {"e2e_speedup": _ratio(c_sum["e2e_tokens_per_s"], b_sum["e2e_tokens_per_s"]),
+                            "decode_speedup": _ratio(c_sum["decode_tokens_per_s"], b_sum["decode_tokens_per_s"])}
     return {"candidate": candidate["config"], "baseline": baseline["config"],
             "e2e_speedup": _ratio(cs["e2e_tokens_per_s"], bs["e2e_tokens_per_s"]),
             "decode_speedup": _ratio(cs["decode_tokens_per_s"], bs["decode_tokens_per_s"]),
             "ttft_speedup": _ratio(bs["ttft_s_mean"], cs["ttft_s_mean"]),
-            "num_prompts": len(candidate["per_prompt"]),
+            "by_category": by_category, "num_prompts": len(candidate["per_prompt"]),
             "identical_prompts": len(candidate["per_prompt"]) - len(divergences), "divergences": divergences}
 
 
@@ -521,6 +527,8 @@ def comparison_line(c: dict) -> str:
     if c["divergences"]:
         text += " (first divergence: " + ", ".join(f"#{d['index']} at token {d['position']}"
                                                    for d in c["divergences"]) + ")"
+    text += "\n  decode speedup by category: " + ", ".join(
+        f"{cat} {_num(x['decode_speedup'], '.2f')}x" for cat, x in c["by_category"].items())
     return text
 
 
