@@ -77,3 +77,23 @@ def test_paged_attention_matches_sdpa(torch_only, lengths, new):
     out = paged_attention(q, k, v, *pools, meta, D ** -0.5)
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes
+
+
+@pytest.mark.parametrize("m", [1, 3, 4, 7])
+def test_bfloat16_weights_are_widened_exactly(m):
+    """bf16 weights, float32 activations: the same arithmetic as float32 on the bf16-rounded weights."""
+    g = torch.Generator().manual_seed(m)
+    w = torch.randn(577, 96, generator=g).to(torch.bfloat16)
+    x, b = torch.randn(m, 96, generator=g), torch.randn(577, generator=g)
+    assert kernels.use_fast_gemv(x, w)
+    out = kernels.linear(x, w, b)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, F.linear(x, w.float(), b), atol=1e-4, rtol=1e-5)
+
+
+def test_bfloat16_large_batches_fall_back_to_torch():
+    w = torch.randn(8, 4).to(torch.bfloat16)
+    x = torch.randn(kernels.SMALL_M + 1, 4)
+    out = kernels.linear(x, w)
+    assert out.dtype == torch.float32
+    assert torch.allclose(out, F.linear(x.bfloat16(), w).float())

@@ -48,7 +48,7 @@ class Harness:
     def __init__(self, model, block_size: int = 4):
         self.model = model
         self.alloc = BlockAllocator(64, block_size)
-        self.runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.dtype, "cpu"), self.alloc)
+        self.runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), self.alloc)
 
     def feed(self, seqs: list[Sequence], new: list[list[int]]) -> list[torch.Tensor]:
         for s, toks in zip(seqs, new):

@@ -26,7 +26,7 @@ CASES = {
 def run_paged(model, prompts: list[list[int]], continuations: list[list[int]], block_size: int = 4):
     """Prefill the ragged batch, then feed the continuation one token per step; logits per position."""
     alloc = BlockAllocator(64, block_size)
-    runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.dtype, "cpu"), alloc)
+    runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), alloc)
     seqs = [Sequence(i, p, SamplingParams(), 512) for i, p in enumerate(prompts)]
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
 

@@ -191,3 +191,12 @@ def test_malformed_drafts_are_refused(tiny_llama_dir, make, message):
     with pytest.raises(SpecdecError, match=message):
         llm.generate("Hello world", GREEDY)
     assert llm.engine.allocator.num_used == 0
+
+
+def test_bfloat16_speculative_greedy_equals_plain(tiny_llama_dir):
+    """On CPU bf16 weights are widened in float32 kernels, so verifying k + 1 tokens computes each row
+    as decoding one does, and greedy speculation stays token-identical in bf16 too."""
+    plain = LLM(str(tiny_llama_dir), dtype="bfloat16")
+    spec = plain.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]

@@ -53,13 +53,13 @@ class LLMEngine:
         bs = self.cfg.block_size
         num_blocks = self.cfg.num_kv_blocks
         if num_blocks is None:
-            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.dtype))
+            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.act_dtype))
             by_need = self.cfg.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(by_memory, by_need))
         self.allocator = BlockAllocator(num_blocks, bs)
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
-        self.kv = KVPool(mcfg, num_blocks, bs, model.dtype, model.device)
+        self.kv = KVPool(mcfg, num_blocks, bs, model.act_dtype, model.device)
         lookahead = speculative.num_speculative_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, self.allocator)

@@ -22,7 +22,8 @@ class ModelRunner:
 
     def sibling(self, model: LlamaModel) -> "ModelRunner":
         """A runner for another model (a draft) with its own KV pool over the same blocks and block tables."""
-        kv = KVPool(model.config, self.allocator.num_blocks, self.allocator.block_size, model.dtype, model.device)
+        kv = KVPool(model.config, self.allocator.num_blocks, self.allocator.block_size, model.act_dtype,
+                    model.device)
         return ModelRunner(model, kv, self.allocator)
 
     def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None

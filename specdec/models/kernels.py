@@ -22,24 +22,44 @@ MAX_FUSED_QUERIES = 2
 try:
     import numba
     import numpy as np
-    from numba import njit, prange
+    from numba import njit, prange, types
+    from numba.extending import overload
 except ImportError:  # pragma: no cover - numba is a dependency; torch alone still gives correct results
     numba = None
 
 
+def _weight_row(w, r, buf):  # pragma: no cover - a stub: only its numba overloads run
+    """Row r of a weight matrix as float32: a view for float32 weights, widened into buf for bf16."""
+    raise NotImplementedError
+
+
 if numba is not None:
+    @overload(_weight_row)
+    def _weight_row_impl(w, r, buf):  # pragma: no cover - compiled
+        if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32
+            def widen(w, r, buf):
+                for k in range(w.shape[1]):
+                    buf[k] = np.uint32(w[r, k]) << np.uint32(16)
+                return buf.view(np.float32)
+            return widen
+        return lambda w, r, buf: w[r]
+
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _gemm_rows(w, x, y):  # pragma: no cover - compiled
-        """y[m, r] = dot(w[r], x[m]) for w: [out, in], x: [M, in], y: [M, out] (float32, contiguous).
+        """y[m, r] = dot(w[r], x[m]) for w: [out, in] float32 or bf16 bits (uint16), x: [M, in] float32,
+        y: [M, out] float32 (all contiguous).
 
-        Rows of w are split across threads; four rows of x share each load of w, so a weight is
-        read from memory once per call whatever M is.
+        Rows of w are split across threads; four rows of x share each load of w, so a weight is read
+        from memory once per call whatever M is. bf16 weights are widened row by row and accumulated in
+        float32: half the bytes of float32 for the same arithmetic, whatever the batch shape.
         """
         n_out, n_in = w.shape
         n_rows = x.shape[0]
         block = 16
         for b in prange((n_out + block - 1) // block):
+            buf = np.empty(n_in, np.uint32)
             for r in range(b * block, min(n_out, b * block + block)):
+                row = _weight_row(w, r, buf)
                 m = 0
                 while m + 4 <= n_rows:
                     a0 = np.float32(0.0)
@@ -47,7 +67,7 @@ if numba is not None:
                     a2 = np.float32(0.0)
                     a3 = np.float32(0.0)
                     for k in range(n_in):
-                        wk = w[r, k]
+                        wk = row[k]
                         a0 += wk * x[m, k]
                         a1 += wk * x[m + 1, k]
                         a2 += wk * x[m + 2, k]
@@ -60,7 +80,7 @@ if numba is not None:
                 while m < n_rows:
                     acc = np.float32(0.0)
                     for k in range(n_in):
-                        acc += w[r, k] * x[m, k]
+                        acc += row[k] * x[m, k]
                     y[m, r] = acc
                     m += 1
 
@@ -186,7 +206,16 @@ def _fast(*tensors: torch.Tensor) -> bool:
 
 
 def use_fast_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
-    return x.shape[0] <= SMALL_M and _fast(x, weight)
+    return (x.shape[0] <= SMALL_M and _fast(x) and weight.device.type == "cpu"
+            and weight.dtype in (torch.float32, torch.bfloat16))
+
+
+def as_numpy(t: torch.Tensor) -> "np.ndarray":
+    """A numpy view for the kernels: float32 as is, bfloat16 as its raw 16 bits (uint16)."""
+    t = t.detach()
+    if t.dtype == torch.bfloat16:
+        return t.view(torch.int16).numpy().view(np.uint16)
+    return t.numpy()
 
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
@@ -234,13 +263,18 @@ def decoder_layer(x: torch.Tensor, weights: tuple, cos: torch.Tensor, signed_sin
 
 
 def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
-    """x @ weight.T + bias. x: [M, in], weight: [out, in] (nn.Linear layout)."""
-    if not use_fast_gemv(x, weight):
-        return F.linear(x, weight, bias)
-    x = x.contiguous()
-    y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
-    _gemm_rows(weight.numpy(), x.numpy(), y.numpy())
-    return y if bias is None else y.add_(bias)
+    """x @ weight.T + bias. x: [M, in], weight: [out, in] (nn.Linear layout).
+
+    Weights may be stored in a narrower dtype than x (bfloat16 weights, float32 activations on CPU):
+    the result is always in x's dtype."""
+    if use_fast_gemv(x, weight):
+        x = x.contiguous()
+        y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)
+        _gemm_rows(as_numpy(weight), x.numpy(), y.numpy())
+        return y if bias is None else y.add_(bias)
+    if weight.dtype != x.dtype:  # large batches (prefill): torch's bf16 GEMM, back to x's dtype
+        return F.linear(x.to(weight.dtype), weight).to(x.dtype) + (0 if bias is None else bias)
+    return F.linear(x, weight, bias)
 
 
 _DISABLED = os.environ.get("SPECDEC_DISABLE_KERNELS", "") not in ("", "0")

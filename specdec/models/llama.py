@@ -25,11 +25,12 @@ if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
 class Linear(nn.Module):
     """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device) -> None:
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device,
+                 act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
                                    requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=dtype, device=device),
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=act_dtype or dtype, device=device),
                                  requires_grad=False) if bias else None
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -81,17 +82,18 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, act: torch.dtype) -> None:
+        """dtype: the weight matrices; act: activations, norms and biases (see LlamaModel)."""
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
         self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
-        self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, dtype, device) if cfg.qk_norm else None
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
+        self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device, act)
+        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, act, device) if cfg.qk_norm else None
+        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, act, device) if cfg.qk_norm else None
         self.o_proj = Linear(self.q_size, H, False, dtype, device)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
         self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
         self.scale = D ** -0.5
@@ -106,7 +108,7 @@ class DecoderLayer(nn.Module):
             k_norm = self.k_norm.weight if self.k_norm is not None else none
             tensors = (self.input_layernorm.weight, self.qkv_proj.weight, qkv_b, q_norm, k_norm, self.o_proj.weight,
                        self.post_attention_layernorm.weight, self.gate_up_proj.weight, self.down_proj.weight)
-            self._kernel_weights = tuple(t.detach().numpy() for t in tensors)
+            self._kernel_weights = tuple(kernels.as_numpy(t) for t in tensors)
         return self._kernel_weights
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
@@ -133,25 +135,31 @@ class LlamaModel(nn.Module):
     """Decoder-only LM. forward(tokens, positions, meta, kv) -> final hidden states (+ chosen layers)."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
+        """dtype: the weight matrices (embedding, projections, LM head). On CPU activations, norms, biases
+        and the KV cache stay float32 (`act_dtype`): bfloat16 there means bf16 weights widened inside our
+        kernels, half the bytes per step with float32 arithmetic that does not depend on the batch shape.
+        On CUDA everything runs in `dtype`."""
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
+        self.act_dtype = torch.float32 if self.device.type == "cpu" else dtype
+        act = self.act_dtype
         H, V = cfg.hidden_size, cfg.vocab_size
         self.embed_tokens = nn.Parameter(torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
         # Tied models share one [V, H] tensor between the embedding and the LM head.
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device) for _ in range(cfg.num_hidden_layers))
-        self.norm = RMSNorm(H, cfg.rms_norm_eps, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, act) for _ in range(cfg.num_hidden_layers))
+        self.norm = RMSNorm(H, cfg.rms_norm_eps, act, device)
         freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
         emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos().to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("rope_cos", emb.cos().to(dtype=act, device=device), persistent=False)
         half = emb.shape[-1] // 2
         signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
-        self.register_buffer("rope_sin", signed_sin.to(dtype=dtype, device=device), persistent=False)
+        self.register_buffer("rope_sin", signed_sin.to(dtype=act, device=device), persistent=False)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [T] -> [T, H]."""
-        return self.embed_tokens[tokens]
+        """tokens: [T] -> [T, H] in the activation dtype."""
+        return self.embed_tokens[tokens].to(self.act_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,

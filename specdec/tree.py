@@ -1,0 +1,242 @@
+"""Draft trees: attention masks, depths and positions from parent pointers; static and dynamic tree shapes.
+
+A draft tree for B sequences with up to N nodes each is given by parent pointers:
+
+    parents [B, N] long   -1 = child of the root (the last committed token), -2 = padding;
+                          topologically ordered (parent index < node index); a chain is arange(N) - 1
+
+Static shapes are written in the EAGLE / Medusa choice-list format: each node is the path of child
+ranks from the root, e.g. [[0], [1], [0, 0]] = the root's best and second-best candidates, then the
+best candidate after the first of them. A node's token is its parent's rank-th best candidate.
+
+    Dm-BFn  full tree of depth m and branching n (Meta's "EAGLE at scale" naming)
+    Ni      pruned tree: the i nodes most likely to be accepted under measured acceptance statistics
+    EAGLE-2 dynamic tree: expand the `topk` best frontier nodes by cumulative draft log-probability for
+            `num_steps` steps, then keep the `num_draft_tokens` best nodes (SGLang's knob names)
+
+Everything here is a pure function on small tensors or lists; nothing runs a model.
+"""
+from __future__ import annotations
+
+import heapq
+import itertools
+import math
+import re
+from collections.abc import Callable, Mapping, Sequence
+from typing import NamedTuple
+
+import torch
+
+ROOT, PAD = -1, -2
+
+Path = tuple[int, ...]
+
+
+# ---- masks, depths, positions, paths ---------------------------------------------------------------
+
+def ancestor_mask(parents: torch.Tensor) -> torch.Tensor:
+    """mask [B, N, N] bool: mask[b, i, j] iff node j is node i or one of its ancestors (root excluded).
+
+    This is the tree part of the verification attention mask (every node also sees the whole committed
+    prefix). Built the EAGLE way: since parents come first, each row is its parent's row plus itself.
+    Padding rows see only themselves, so no attention row is ever empty.
+    """
+    B, N = parents.shape
+    mask = torch.eye(N, dtype=torch.bool, device=parents.device).expand(B, N, N).clone()
+    rows = torch.arange(B, device=parents.device)
+    for i in range(N):
+        p = parents[:, i]  # [B]
+        inherited = mask[rows, p.clamp(min=0)] & (p >= 0)[:, None]  # [B, N] the parent's row, if any
+        mask[:, i] |= inherited
+    return mask
+
+
+def depths(parents: torch.Tensor) -> torch.Tensor:
+    """depth [B, N] long: 1 for children of the root, parent's depth + 1 below; 0 for padding."""
+    return ancestor_mask(parents).sum(-1) * (parents != PAD)
+
+
+def positions(parents: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
+    """position [B, N] long: where each node sits in its sequence, for rotary embeddings / KV slots.
+
+    num_committed [B] counts every committed token including the root (the last one), so the root is at
+    position num_committed - 1 and a node at depth d is at num_committed - 1 + d: siblings share a
+    position, as they are alternatives for the same slot. Padding gets the root's position
+    (num_committed - 1), which is always in range and is never attended to.
+    """
+    return num_committed[:, None] - 1 + depths(parents)
+
+
+def root_to_leaf_paths(parents: torch.Tensor) -> list[list[list[int]]]:
+    """Per sequence, every root-to-leaf path as node indices from depth 1 down, ordered by leaf index.
+
+    A leaf is a real node with no children. These are the candidate continuations verification can accept.
+    """
+    result = []
+    for row in parents.tolist():
+        has_child = {p for p in row if p >= 0}
+        leaves = [i for i, p in enumerate(row) if p != PAD and i not in has_child]
+        result.append([_path_to(row, leaf) for leaf in leaves])
+    return result
+
+
+def _path_to(row: list[int], node: int) -> list[int]:
+    path = [node]
+    while row[path[-1]] >= 0:
+        path.append(row[path[-1]])
+    return path[::-1]
+
+
+# ---- static trees ----------------------------------------------------------------------------------
+
+class StaticTree(NamedTuple):
+    """A static tree shape; node i's token is the ranks[i]-th best candidate after its parent."""
+
+    paths: list[Path]  # node i's path of child ranks from the root, depth then lexicographic order
+    parents: torch.Tensor  # [N] long, -1 = child of the root
+    ranks: torch.Tensor  # [N] long, which top-k candidate of its parent the node is
+    depths: torch.Tensor  # [N] long, 1 for children of the root
+
+
+def tree_from_choices(choices: Sequence[Sequence[int]]) -> StaticTree:
+    """Parent pointers for a choice list; raises ValueError for an empty path, a negative rank, a
+    duplicate, or a path whose parent path is missing (the tree would be disconnected).
+
+    Nodes are ordered by depth, then lexicographically, so every parent precedes its children.
+    """
+    paths = sorted((tuple(c) for c in choices), key=lambda p: (len(p), p))
+    index: dict[Path, int] = {}
+    for path in paths:
+        if not path or min(path) < 0:
+            raise ValueError(f"tree choice {list(path)} must be a non-empty list of ranks >= 0")
+        if path in index:
+            raise ValueError(f"tree choice {list(path)} appears twice")
+        if len(path) > 1 and path[:-1] not in index:
+            raise ValueError(f"tree choice {list(path)} has no parent: {list(path[:-1])} is missing")
+        index[path] = len(index)
+    parents = [index[p[:-1]] if len(p) > 1 else ROOT for p in paths]
+    return StaticTree(paths, torch.tensor(parents, dtype=torch.long),
+                      torch.tensor([p[-1] for p in paths], dtype=torch.long),
+                      torch.tensor([len(p) for p in paths], dtype=torch.long))
+
+
+def full_tree(depth: int, branching: int) -> list[list[int]]:
+    """Dm-BFn: every path of 1..depth ranks below `branching`; sum of branching**d nodes."""
+    return [list(p) for d in range(1, depth + 1) for p in itertools.product(range(branching), repeat=d)]
+
+
+def chain(k: int) -> list[list[int]]:
+    """k nodes, each the best candidate after the previous: the plain speculative-decoding draft."""
+    return [[0] * d for d in range(1, k + 1)]
+
+
+def parse_tree_spec(spec: str) -> list[list[int]]:
+    """Choices for a full tree written "Dm-BFn" (e.g. "D3-BF2"), as in Meta's EAGLE-at-scale report."""
+    match = re.fullmatch(r"D(\d+)-BF(\d+)", spec.strip(), flags=re.IGNORECASE)
+    if match is None:
+        raise ValueError(f"tree spec {spec!r} is not of the form 'Dm-BFn' (e.g. 'D3-BF2')")
+    return full_tree(int(match[1]), int(match[2]))
+
+
+def pruned_tree(acceptance: Mapping[Path, float] | Sequence[Sequence[float]], num_nodes: int) -> list[list[int]]:
+    """Ni: the `num_nodes` nodes most likely to be accepted, as a prefix-closed choice list.
+
+    The model: a node is accepted only if its whole path is, so a tree's expected number of accepted
+    tokens is the sum of its nodes' path acceptance probabilities. `acceptance` is either
+    - a table [depth - 1][rank]: the rate at which the rank-th candidate is accepted given its parent
+      was (measured per depth and rank); a path's probability is the product of its rates; or
+    - a mapping from path to its measured acceptance probability; only its keys are candidates.
+    When probabilities never increase along a path (always true for the table), the i most probable
+    nodes form a tree and maximize the expected accepted length among i-node trees. Nodes are chosen
+    best-first from the root's children, so the result is prefix-closed for any input; ties go to the
+    shallower, then lexicographically smaller path.
+    """
+    prob = _path_prob(acceptance)
+    candidates = [(-prob((r,)), 1, (r,)) for r in _child_ranks(acceptance, ())]
+    heapq.heapify(candidates)
+    chosen: list[list[int]] = []
+    while candidates and len(chosen) < num_nodes:
+        _, depth, path = heapq.heappop(candidates)
+        chosen.append(list(path))
+        for r in _child_ranks(acceptance, path):
+            heapq.heappush(candidates, (-prob(path + (r,)), depth + 1, path + (r,)))
+    return sorted(chosen, key=lambda p: (len(p), p))
+
+
+def _path_prob(acceptance: Mapping[Path, float] | Sequence[Sequence[float]]) -> Callable[[Path], float]:
+    if isinstance(acceptance, Mapping):
+        return lambda path: acceptance[path]
+    return lambda path: math.prod(acceptance[d][r] for d, r in enumerate(path))
+
+
+def _child_ranks(acceptance: Mapping[Path, float] | Sequence[Sequence[float]], path: Path) -> list[int]:
+    if isinstance(acceptance, Mapping):
+        return sorted(p[-1] for p in acceptance if len(p) == len(path) + 1 and p[:-1] == path)
+    return list(range(len(acceptance[len(path)]))) if len(path) < len(acceptance) else []
+
+
+# ---- dynamic trees (EAGLE-2) -----------------------------------------------------------------------
+
+class Expansion(NamedTuple):
+    """One EAGLE-2 expansion step: every candidate child joins the tree; `next_frontier` are expanded next."""
+
+    tokens: torch.Tensor  # [B, F * K] long, candidate tokens, frontier node-major
+    parents: torch.Tensor  # [B, F * K] long, the frontier node each candidate hangs from
+    scores: torch.Tensor  # [B, F * K] float, cumulative log-probability from the root
+    next_frontier: torch.Tensor  # [B, topk] long, indices into the candidates, best first
+
+
+def expand_step(frontier_nodes: torch.Tensor, frontier_scores: torch.Tensor, child_tokens: torch.Tensor,
+                child_logprobs: torch.Tensor, topk: int) -> Expansion:
+    """Score each frontier node's top-K children and pick the `topk` best to expand next (EAGLE-2).
+
+    frontier_nodes [B, F] long (tree indices; -1 for the root), frontier_scores [B, F] cumulative
+    log-probabilities, child_tokens / child_logprobs [B, F, K] each frontier node's top-K draft tokens.
+    A candidate's score is its parent's score plus its own log-probability, i.e. the draft's estimate of
+    the probability that its whole path is accepted, so the most promising branches grow; ties go to the
+    lower candidate index.
+    """
+    B, F, K = child_tokens.shape
+    scores = (frontier_scores[:, :, None] + child_logprobs).reshape(B, F * K)
+    parents = frontier_nodes[:, :, None].expand(B, F, K).reshape(B, F * K)
+    order = torch.sort(scores, dim=1, descending=True, stable=True).indices
+    return Expansion(child_tokens.reshape(B, F * K), parents, scores, order[:, :topk])
+
+
+def select_dynamic_tree(cum_logprobs: torch.Tensor, parents: torch.Tensor,
+                        num_draft_tokens: int) -> tuple[torch.Tensor, torch.Tensor]:
+    """EAGLE-2 rerank: keep the `num_draft_tokens` best nodes of a candidate tree, always a tree.
+
+    cum_logprobs [B, N], parents [B, N] -> keep [B, K] node indices, new_parents [B, K] with
+    K = min(num_draft_tokens, N). Kept real nodes come first in index order (so the result stays
+    topologically ordered), then padding: rows with fewer real nodes keep padding nodes, whose new
+    parent is -2. Gather tokens and draft probabilities with `keep`.
+
+    Cumulative log-probabilities never increase along a path, so the top-K is prefix-closed up to ties.
+    To guarantee closure, each node is scored by the minimum along its path (a no-op for true cumulative
+    scores), and ties go to the lower index, which always ranks a parent before its child.
+    """
+    B, N = parents.shape
+    K = min(num_draft_tokens, N)
+    real = parents != PAD
+    score = _path_min(cum_logprobs, parents)  # [B, N]
+    by_score = torch.sort(score, dim=1, descending=True, stable=True).indices
+    real_first = torch.sort((~real).gather(1, by_score).long(), dim=1, stable=True).indices
+    top = by_score.gather(1, real_first)[:, :K]  # [B, K] best real nodes, then padding
+    keep = torch.sort(top + N * (~real).gather(1, top), dim=1).values % N  # real ascending, then padding
+    new_index = torch.full((B, N), PAD, dtype=torch.long, device=parents.device)
+    new_index.scatter_(1, keep, torch.arange(K, device=parents.device).expand(B, K))
+    old_parents = parents.gather(1, keep)  # [B, K]
+    new_parents = torch.where(old_parents >= 0, new_index.gather(1, old_parents.clamp(min=0)), old_parents)
+    return keep, new_parents
+
+
+def _path_min(scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
+    """[B, N]: each node's score capped by its parent's capped score (monotone along every path)."""
+    capped = scores.clone()
+    rows = torch.arange(parents.shape[0], device=parents.device)
+    for i in range(parents.shape[1]):
+        p = parents[:, i]
+        parent_score = torch.where(p >= 0, capped[rows, p.clamp(min=0)], capped[:, i])
+        capped[:, i] = torch.minimum(capped[:, i], parent_score)
+    return capped
