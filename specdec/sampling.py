@@ -101,12 +101,7 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
                       device: torch.device) -> torch.Tensor:
     """E ~ Exp(1) of `shape` [B, V]; row i drawn from generators[i] (or the global one when None)."""
-    noise = torch.empty(shape, device=device)
-    unseeded = [i for i, g in enumerate(generators) if g is None]
-    if unseeded:
-        if len(unseeded) == shape[0]:
-            return noise.exponential_()
-        noise[unseeded] = torch.empty(len(unseeded), shape[1], device=device).exponential_()
+    noise = torch.empty(shape, device=device).exponential_()  # unseeded rows: the global generator
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)

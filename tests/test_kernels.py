@@ -11,17 +11,6 @@ from specdec.models.attention import AttentionMetadata, paged_attention
 pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba not installed")
 
 
-@pytest.fixture
-def torch_only(monkeypatch):
-    def run(fn, *args):
-        monkeypatch.setattr(kernels, "_DISABLED", True)
-        try:
-            return fn(*args)
-        finally:
-            monkeypatch.setattr(kernels, "_DISABLED", False)
-    return run
-
-
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])
 @pytest.mark.parametrize("out_features, in_features", [(960, 576), (577, 1536), (5, 7)])
 def test_linear_matches_torch(m, out_features, in_features):
@@ -64,8 +53,9 @@ def ragged_meta(lengths: list[int], new: int, block_size: int = 4, num_blocks: i
     return meta, num_blocks * block_size
 
 
-@pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 2), ([30], 16)])
-def test_paged_attention_matches_sdpa(torch_only, lengths, new):
+@pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 2), ([30, 4], 4)])
+def test_paged_attention_kernel_matches_sdpa(lengths, new):
+    """The attention inside the fused decode layer, against the torch path, over shuffled blocks."""
     meta, num_slots = ragged_meta(lengths, new)
     g = torch.Generator().manual_seed(1)
     B, Hq, Hkv, D = len(lengths), 6, 2, 16
@@ -73,8 +63,11 @@ def test_paged_attention_matches_sdpa(torch_only, lengths, new):
     k, v = torch.randn(B * new, Hkv, D, generator=g), torch.randn(B * new, Hkv, D, generator=g)
     pools = [torch.randn(num_slots, Hkv, D, generator=g) for _ in range(2)]
     ref_pools = [p.clone() for p in pools]
-    ref = torch_only(paged_attention, q, k, v, *ref_pools, meta, D ** -0.5)
-    out = paged_attention(q, k, v, *pools, meta, D ** -0.5)
+    ref = paged_attention(q, k, v, *ref_pools, meta, D ** -0.5)
+    out = torch.empty_like(q)
+    kernels._paged_attention(q.numpy(), k.numpy(), v.numpy(), pools[0].numpy(), pools[1].numpy(),
+                             meta.slot_mapping.numpy(), meta.context_slots.numpy(), meta.mask.numpy(), new,
+                             D ** -0.5, out.numpy())
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes
 

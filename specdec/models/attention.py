@@ -17,8 +17,6 @@ from dataclasses import dataclass
 import torch
 import torch.nn.functional as F
 
-from specdec.models import kernels
-
 
 @dataclass
 class AttentionMetadata:
@@ -70,16 +68,10 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     """
     T, Hq, D = q.shape
     Hkv = k.shape[1]
-    if meta.uniform:
-        B, S = len(meta.query_lens), meta.query_lens[0]
-        out = kernels.paged_attention(q.contiguous(), k.contiguous(), v.contiguous(), k_pool, v_pool,
-                                      meta.slot_mapping, meta.context_slots, meta.mask, scale)
-        if out is not None:
-            return out
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
     if meta.uniform:
-        L = meta.context_slots.shape[1]
+        B, S, L = len(meta.query_lens), meta.query_lens[0], meta.context_slots.shape[1]
         slots = meta.context_slots.reshape(-1)
         keys = k_pool.index_select(0, slots).view(B, L, Hkv, D)
         values = v_pool.index_select(0, slots).view(B, L, Hkv, D)

@@ -228,21 +228,6 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     return F.rms_norm(x, weight.shape, weight, eps)
 
 
-def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor,
-                    v_pool: torch.Tensor, slot_mapping: torch.Tensor, context_slots: torch.Tensor,
-                    mask: torch.Tensor, scale: float) -> torch.Tensor | None:
-    """The numba path of `attention.paged_attention` for a uniform batch, or None when it does not apply.
-
-    q: [T, Hq, D]; k, v: [T, Hkv, D]; mask: [B, S, L] bool with T = B * S. Returns [T, Hq, D].
-    """
-    if mask.shape[1] > MAX_FUSED_QUERIES or q.shape[0] > SMALL_M or not _fast(q, k, v, k_pool, v_pool):
-        return None
-    out = torch.empty(q.shape, dtype=q.dtype)
-    _paged_attention(q.numpy(), k.numpy(), v.numpy(), k_pool.numpy(), v_pool.numpy(), slot_mapping.numpy(),
-                     context_slots.numpy(), mask.numpy(), mask.shape[1], scale, out.numpy())
-    return out
-
-
 def can_fuse_layer(x: torch.Tensor, meta_query_lens: list[int]) -> bool:
     """Whether `decoder_layer` applies: a few float32 CPU tokens, one (or two) per sequence."""
     return (max(meta_query_lens) <= MAX_FUSED_QUERIES and len(set(meta_query_lens)) == 1
