@@ -3,7 +3,7 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in three sentences why the sky is blue.
-SPEC ?= {"method": "ngram", "num_speculative_tokens": 4}
+SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
 .PHONY: setup run test bench
 

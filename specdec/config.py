@@ -152,6 +152,7 @@ class SpeculativeConfig:
     prompt_lookup_max: int = 4  # ngram
     ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
+    ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
@@ -169,6 +170,8 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
         if self.ngram_pool not in ("request", "shared"):
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
+        if self.ngram_draft_length not in ("adaptive", "fixed"):
+            raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):

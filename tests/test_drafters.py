@@ -31,12 +31,26 @@ def test_ngram_index_finds_the_longest_latest_match():
     tokens = [1, 2, 3, 9, 1, 2, 3, 7, 5, 1, 2, 3]
     index = NgramIndex(1, 3)
     index.extend(0, tokens)
-    assert index.lookup(tokens, 2) == [7, 5]  # [1, 2, 3] last seen before 7
-    assert index.lookup(tokens, 2, latest=False) == [9, 1]  # the oldest occurrence
-    assert index.lookup(tokens + [4], 3) == []  # 4 never appeared before
+    assert index.lookup(tokens, 2) == ([7, 5], 3)  # [1, 2, 3] last seen before 7
+    assert index.lookup(tokens, 2, latest=False) == ([9, 1], 3)  # the oldest occurrence
+    assert index.lookup(tokens + [4], 3) == ([], 0)  # 4 never appeared before
     tokens.append(9)
     index.extend(0, tokens)
-    assert index.lookup(tokens, 2) == [1, 2]  # falls back to the 1-gram [9]
+    assert index.lookup(tokens, 2) == ([1, 2], 3)  # [2, 3, 9] was seen at the start
+
+
+@pytest.mark.parametrize("mode, expected", [("adaptive", [0, 1, 2, 4, 6, 6]), ("fixed", [6] * 6)])
+def test_ngram_draft_length_follows_the_match_length(mode, expected):
+    """Short matches rarely continue far, so adaptive drafts grow with the match: 2^(n-1), k for a full match."""
+    from specdec.drafting import DraftRequest, NgramDrafter
+
+    drafter = NgramDrafter(6, 1, 5, adaptive=mode == "adaptive")
+    assert [drafter.draft_length(n) for n in range(6)] == expected
+    text = list(range(100, 120))
+    for n, length in zip(range(1, 6), expected[1:]):  # a suffix matching exactly n tokens of `text`
+        tokens = text + [7] * (5 - n) + text[:n]
+        draft = drafter.propose([DraftRequest(n, tokens, len(tokens), 6, None)])
+        assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == text[n:n + length]
 
 
 def test_ngram_index_is_incremental():

@@ -90,3 +90,16 @@ def test_bfloat16_large_batches_fall_back_to_torch():
     out = kernels.linear(x, w)
     assert out.dtype == torch.float32
     assert torch.allclose(out, F.linear(x.bfloat16(), w).float())
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_linear_is_batch_invariant(dtype):
+    """A row's result does not depend on how many rows share the call or where it sits, bit for bit:
+    this is what makes greedy verification of k drafts agree exactly with k + 1 plain decode steps."""
+    g = torch.Generator().manual_seed(0)
+    w = torch.randn(963, 576, generator=g).to(dtype)  # 60 full blocks of 16 rows and a partial one
+    x = torch.randn(kernels.SMALL_M, 576, generator=g)
+    alone = torch.cat([kernels.linear(x[m:m + 1], w) for m in range(kernels.SMALL_M)])
+    for m in range(1, kernels.SMALL_M + 1):
+        assert torch.equal(kernels.linear(x[:m], w), alone[:m]), m
+    assert torch.equal(kernels.linear(x[5:12], w), alone[5:12])

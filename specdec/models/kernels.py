@@ -15,9 +15,10 @@ import torch
 import torch.nn.functional as F
 
 SMALL_M = 16
-# The attention kernel's scalar exp makes it slower than torch's SDPA once several queries per sequence
-# (verification of a draft) meet a long context; single-token decode is where it wins.
-MAX_FUSED_QUERIES = 2
+BLOCK = 16  # weight rows per GEMM task (and per register tile)
+# Verification feeds 1 + k tokens per sequence; up to this many go through the fused layer kernel (beyond
+# it, torch's batched attention wins).
+MAX_FUSED_QUERIES = 16
 
 try:
     import numba
@@ -33,6 +34,16 @@ def _weight_row(w, r, buf):  # pragma: no cover - a stub: only its numba overloa
     raise NotImplementedError
 
 
+def _weight_block(w, r, buf):  # pragma: no cover - a stub: only its numba overloads run
+    """Rows r..r+15 of a weight matrix as float32: a view for float32 weights, widened into buf for bf16."""
+    raise NotImplementedError
+
+
+def _block_buffer(w):  # pragma: no cover - a stub: only its numba overloads run
+    """Scratch for `_weight_block`: a block's worth for bf16 weights, nothing for float32."""
+    raise NotImplementedError
+
+
 if numba is not None:
     @overload(_weight_row)
     def _weight_row_impl(w, r, buf):  # pragma: no cover - compiled
@@ -44,46 +55,91 @@ if numba is not None:
             return widen
         return lambda w, r, buf: w[r]
 
+    @overload(_weight_block)
+    def _weight_block_impl(w, r, buf):  # pragma: no cover - compiled
+        if w.dtype == types.uint16:  # bfloat16 bits: the high half of a float32
+            def widen(w, r, buf):
+                for i in range(BLOCK):
+                    for k in range(w.shape[1]):
+                        buf[i, k] = np.uint32(w[r + i, k]) << np.uint32(16)
+                return buf.view(np.float32)
+            return widen
+        return lambda w, r, buf: w[r:r + BLOCK]
+
+    @overload(_block_buffer)
+    def _block_buffer_impl(w):  # pragma: no cover - compiled
+        if w.dtype == types.uint16:
+            return lambda w: np.empty((BLOCK, w.shape[1]), np.uint32)
+        return lambda w: np.empty((0, 0), np.uint32)
+
+    @njit(fastmath=True, inline="always")
+    def _dot_4x4(wb, i, x, m, y, r):  # pragma: no cover - compiled
+        """y[m:m+4, r+i:r+i+4] = rows m..m+3 of x against rows i..i+3 of the weight block wb."""
+        a00 = a01 = a02 = a03 = a10 = a11 = a12 = a13 = np.float32(0.0)
+        a20 = a21 = a22 = a23 = a30 = a31 = a32 = a33 = np.float32(0.0)
+        for k in range(x.shape[1]):
+            p0, p1, p2, p3 = wb[i, k], wb[i + 1, k], wb[i + 2, k], wb[i + 3, k]
+            q0, q1, q2, q3 = x[m, k], x[m + 1, k], x[m + 2, k], x[m + 3, k]
+            a00 += p0 * q0; a01 += p0 * q1; a02 += p0 * q2; a03 += p0 * q3  # noqa: E702
+            a10 += p1 * q0; a11 += p1 * q1; a12 += p1 * q2; a13 += p1 * q3  # noqa: E702
+            a20 += p2 * q0; a21 += p2 * q1; a22 += p2 * q2; a23 += p2 * q3  # noqa: E702
+            a30 += p3 * q0; a31 += p3 * q1; a32 += p3 * q2; a33 += p3 * q3  # noqa: E702
+        r += i
+        y[m, r], y[m + 1, r], y[m + 2, r], y[m + 3, r] = a00, a01, a02, a03
+        y[m, r + 1], y[m + 1, r + 1], y[m + 2, r + 1], y[m + 3, r + 1] = a10, a11, a12, a13
+        y[m, r + 2], y[m + 1, r + 2], y[m + 2, r + 2], y[m + 3, r + 2] = a20, a21, a22, a23
+        y[m, r + 3], y[m + 1, r + 3], y[m + 2, r + 3], y[m + 3, r + 3] = a30, a31, a32, a33
+
+    @njit(fastmath=True, inline="always")
+    def _dot_16x1(wb, x, m, y, r):  # pragma: no cover - compiled
+        """y[m, r:r+16] = row m of x against the 16 rows of the weight block wb."""
+        a0 = a1 = a2 = a3 = a4 = a5 = a6 = a7 = np.float32(0.0)
+        a8 = a9 = a10 = a11 = a12 = a13 = a14 = a15 = np.float32(0.0)
+        for k in range(x.shape[1]):
+            q = x[m, k]
+            a0 += wb[0, k] * q; a1 += wb[1, k] * q; a2 += wb[2, k] * q; a3 += wb[3, k] * q  # noqa: E702
+            a4 += wb[4, k] * q; a5 += wb[5, k] * q; a6 += wb[6, k] * q; a7 += wb[7, k] * q  # noqa: E702
+            a8 += wb[8, k] * q; a9 += wb[9, k] * q; a10 += wb[10, k] * q; a11 += wb[11, k] * q  # noqa: E702
+            a12 += wb[12, k] * q; a13 += wb[13, k] * q; a14 += wb[14, k] * q; a15 += wb[15, k] * q  # noqa: E702
+        y[m, r], y[m, r + 1], y[m, r + 2], y[m, r + 3] = a0, a1, a2, a3
+        y[m, r + 4], y[m, r + 5], y[m, r + 6], y[m, r + 7] = a4, a5, a6, a7
+        y[m, r + 8], y[m, r + 9], y[m, r + 10], y[m, r + 11] = a8, a9, a10, a11
+        y[m, r + 12], y[m, r + 13], y[m, r + 14], y[m, r + 15] = a12, a13, a14, a15
+
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _gemm_rows(w, x, y):  # pragma: no cover - compiled
         """y[m, r] = dot(w[r], x[m]) for w: [out, in] float32 or bf16 bits (uint16), x: [M, in] float32,
         y: [M, out] float32 (all contiguous).
 
-        Rows of w are split across threads; four rows of x share each load of w, so a weight is read
-        from memory once per call whatever M is. bf16 weights are widened row by row and accumulated in
-        float32: half the bytes of float32 for the same arithmetic, whatever the batch shape.
+        Blocks of 16 weight rows are split across threads and read from memory once per call whatever M
+        is. Groups of four rows of x go through a 4x4 register tile (16 accumulators, each weight load
+        used four times); a remaining row goes through a 16x1 tile. Both tiles keep 16 accumulators, so
+        LLVM vectorizes them alike and every y[m, r] is summed in the same order whatever M is and
+        wherever row m sits: a sequence's result does not depend on what else is in the batch (greedy
+        speculative output equals plain output bit for bit). bf16 weights are widened block by block.
         """
         n_out, n_in = w.shape
         n_rows = x.shape[0]
-        block = 16
-        for b in prange((n_out + block - 1) // block):
-            buf = np.empty(n_in, np.uint32)
-            for r in range(b * block, min(n_out, b * block + block)):
-                row = _weight_row(w, r, buf)
-                m = 0
-                while m + 4 <= n_rows:
-                    a0 = np.float32(0.0)
-                    a1 = np.float32(0.0)
-                    a2 = np.float32(0.0)
-                    a3 = np.float32(0.0)
-                    for k in range(n_in):
-                        wk = row[k]
-                        a0 += wk * x[m, k]
-                        a1 += wk * x[m + 1, k]
-                        a2 += wk * x[m + 2, k]
-                        a3 += wk * x[m + 3, k]
-                    y[m, r] = a0
-                    y[m + 1, r] = a1
-                    y[m + 2, r] = a2
-                    y[m + 3, r] = a3
-                    m += 4
-                while m < n_rows:
-                    acc = np.float32(0.0)
-                    for k in range(n_in):
-                        acc += row[k] * x[m, k]
-                    y[m, r] = acc
-                    m += 1
-
+        full = n_out // BLOCK
+        for b in prange(full):
+            r = b * BLOCK
+            wb = _weight_block(w, r, _block_buffer(w))
+            m = 0
+            while m + 4 <= n_rows:
+                for i in range(0, BLOCK, 4):
+                    _dot_4x4(wb, i, x, m, y, r)
+                m += 4
+            while m < n_rows:
+                _dot_16x1(wb, x, m, y, r)
+                m += 1
+        buf = np.empty(n_in, np.uint32)
+        for r in range(full * BLOCK, n_out):  # a last partial block: plain dots, the same for every M
+            row = _weight_row(w, r, buf)
+            for m in range(n_rows):
+                acc = np.float32(0.0)
+                for k in range(n_in):
+                    acc += row[k] * x[m, k]
+                y[m, r] = acc
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
@@ -94,6 +150,36 @@ if numba is not None:
             inv = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
             for i in range(x.shape[1]):
                 out[t, i] = w[i] * (x[t, i] * inv)
+
+    @njit(fastmath=True, inline="always")
+    def _softmax(row, bits):  # pragma: no cover - compiled
+        """In place over row [L] (-inf = masked), with an exp that vectorizes.
+
+        numba's exp is a scalar libm call per score, which made attention over long contexts the slow part
+        of verifying several tokens. Here exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r
+        by the Cephes polynomial (about 1e-7 relative error) and 2^n built in the exponent bits.
+        """
+        top = row.max()
+        for j in range(row.shape[0]):
+            x = max(row[j] - top, np.float32(-87.0))  # -inf (masked) -> an exp that is then zeroed
+            n = np.floor(x * np.float32(1.44269504) + np.float32(0.5))
+            r = x - n * np.float32(0.693359375) + n * np.float32(2.12194440e-4)
+            p = np.float32(1.9875691500e-4)
+            p = p * r + np.float32(1.3981999507e-3)
+            p = p * r + np.float32(8.3334519073e-3)
+            p = p * r + np.float32(4.1665795894e-2)
+            p = p * r + np.float32(1.6666665459e-1)
+            p = p * r + np.float32(5.0000001201e-1)
+            row[j] = (p * r * r + r + np.float32(1.0)) if x > np.float32(-87.0) else np.float32(0.0)
+            bits[j] = (np.int32(n) + np.int32(127)) << np.int32(23)
+        scale = bits.view(np.float32)
+        total = np.float32(0.0)
+        for j in range(row.shape[0]):
+            row[j] *= scale[j]
+            total += row[j]
+        inv = np.float32(1.0) / total
+        for j in range(row.shape[0]):
+            row[j] *= inv
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, out):
@@ -123,16 +209,15 @@ if numba is not None:
                             for d in range(D):
                                 acc += q[b * S + s, hk * group + g, d] * key[d]
                             scores[s * group + g, j] = acc * scale
+            bits = np.empty(L, np.int32)
             for r in range(R):
-                row = scores[r]
-                row[:] = np.exp(row - row.max())
-                row /= row.sum()
+                _softmax(scores[r], bits)
             acc_v = np.zeros((R, D), np.float32)
             for j in range(L):
                 value = v_pool[context_slots[b, j], hk]
                 for r in range(R):
                     p = scores[r, j]
-                    if p > 0:
+                    if p != 0:  # masked keys are never read (their slots may hold anything)
                         for d in range(D):
                             acc_v[r, d] += p * value[d]
             for s in range(S):
