@@ -102,10 +102,14 @@ def chi_square_two_sample(a: torch.Tensor, b: torch.Tensor, min_count: int = 20)
     return chi2, len(ca) - 1
 
 
+@pytest.mark.parametrize("shape", ["chain", "tree", "deterministic-tree"])
 @pytest.mark.parametrize("sampling", [dict(temperature=1.0, top_k=6), dict(temperature=0.7, top_p=0.9)])
-def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling):
+def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling, shape):
     """Two-sample chi-square on tokens 1, 2 and their joint distribution, with and without a drafter whose q
     differs from the target's p on the tokens that matter (so acceptances and residual draws both happen).
+    Trees: two siblings at the root and a child under the first, drawn from q (multi-round speculative
+    sampling: a rejected sibling's q is taken out of p before the next is tried), or fixed distinct tokens
+    (q = one-hot: a rejected token is removed from p).
     Threshold dof + 4 sqrt(2 dof): about the 0.9999 quantile, so a correct engine fails 1 in 10^4 seeds."""
     import transformers
 
@@ -119,18 +123,22 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
             self.g = torch.Generator().manual_seed(5)
 
         def propose(self, requests):
-            B, n = len(requests), 2  # the engine verifies no more than each request's max_tokens
+            B = len(requests)
+            parents = torch.tensor([-1, 0] if shape == "chain" else [-1, -1, 0]).expand(B, -1).clone()
+            n = parents.shape[1]  # the engine verifies no more than each request's max_tokens
+            if shape == "deterministic-tree":  # the target's 4th, 1st and 2nd choices
+                return Draft(likely[[3, 0, 1]].expand(B, n).clone(), parents)
             q = torch.zeros(B, n, 320)
             q[:, :, likely] = torch.tensor([0.05, 0.05, 0.1, 0.2, 0.3, 0.3])  # reversed preference
             tokens = torch.multinomial(q.view(-1, 320), 1, generator=self.g).view(B, n)
-            return Draft(tokens, (torch.arange(n) - 1).expand(B, n).clone(), q)
+            return Draft(tokens, parents, q)
 
     n = 3000
     prompts = [{"prompt_token_ids": prompt}] * n
-    params = [SamplingParams(max_tokens=4, ignore_eos=True, seed=i, **sampling) for i in range(n)]
+    params = [SamplingParams(max_tokens=5, ignore_eos=True, seed=i, **sampling) for i in range(n)]
     plain = LLM(str(tiny_llama_dir), max_num_seqs=256)
     spec = LLM(str(tiny_llama_dir), max_num_seqs=256,
-               speculative_config={"method": "custom", "num_speculative_tokens": 2, "drafter": SkewedDrafter()})
+               speculative_config={"method": "custom", "num_speculative_tokens": 3, "drafter": SkewedDrafter()})
     # Token 0 comes from the prefill; tokens 1 and 2 from the first speculative step (root, then node 0).
     a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
     spec_outs = spec.generate(prompts, params)
@@ -160,17 +168,63 @@ def test_bad_speculative_configs_are_refused(config, message):
         SpeculativeConfig.parse(config)
 
 
-def test_tree_drafts_are_refused_until_tree_attention_exists(tiny_llama_dir):
-    class TreeDrafter(Drafter):
-        def propose(self, requests):
-            n = len(requests)
-            return Draft(torch.full((n, 2), 7), torch.tensor([[-1, -1]] * n))  # two siblings at the root
+class TreeOracle(Drafter):
+    """Trees whose true continuation hides on the last branch: at every depth the node on the true path has
+    `width - 1` wrong elder siblings, so verification must fall through siblings, accept a late branch,
+    and the engine must move the accepted path's K/V down to consecutive slots."""
 
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 2,
-                                                       "drafter": TreeDrafter()})
-    with pytest.raises(SpecdecError, match="chains only"):
-        llm.generate("Hello world", GREEDY)
+    def __init__(self, truth: dict[tuple[int, ...], list[int]], depth: int, width: int):
+        self.truth, self.depth, self.width = truth, depth, width
+
+    def propose(self, requests):
+        B, N = len(requests), self.depth * self.width
+        tokens = torch.zeros(B, N, dtype=torch.long)
+        parents = torch.full((B, N), -2, dtype=torch.long)
+        for i, r in enumerate(requests):
+            future = next((list(full[len(r.token_ids) - len(p):]) for p, full in self.truth.items()
+                           if tuple(r.token_ids[:len(p)]) == p), [])
+            n, parent = 0, -1
+            for d in range(min(self.depth, len(future))):
+                if n + self.width > r.max_tokens:
+                    break
+                for w in range(self.width):  # wrong siblings first, the true token last
+                    tokens[i, n] = (future[d] + 1 + w) % 300 if w < self.width - 1 else future[d]
+                    parents[i, n] = parent
+                    n += 1
+                parent = n - 1
+        return Draft(tokens, parents)
+
+
+@pytest.mark.parametrize("depth, width", [(3, 2), (2, 3), (1, 4)])
+def test_tree_drafts_greedy_equals_plain(tiny_llama_dir, plain, reference, depth, width):
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    k = depth * width
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": k,
+                                                       "drafter": TreeOracle(truth, depth, width)})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    for o in outs:  # every tree's true path was accepted, always off the first branch
+        m = o.metrics
+        assert m["accepted_per_pos"][0] == m["num_drafts"] > 0, m
+        assert m["num_accepted_tokens"] >= (depth - 1) * m["num_drafts"], m
     assert llm.engine.allocator.num_used == 0
+
+
+def test_random_trees_never_change_the_output(tiny_llama_dir, reference):
+    class RandomTrees(Drafter):
+        def __init__(self):
+            self.g = torch.Generator().manual_seed(3)
+
+        def propose(self, requests):
+            B, N = len(requests), 6
+            tokens = torch.randint(0, 320, (B, N), generator=self.g)
+            parents = torch.stack([torch.randint(-1, j, (B,), generator=self.g) if j else torch.full((B,), -1)
+                                   for j in range(N)], 1)
+            return Draft(tokens, parents)
+
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 6,
+                                                       "drafter": RandomTrees()})
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
 @pytest.mark.parametrize("make, message", [
@@ -180,6 +234,8 @@ def test_tree_drafts_are_refused_until_tree_attention_exists(tiny_llama_dir):
     (lambda n: Draft(torch.full((n, 2), 10**6), torch.tensor([[-1, 0]] * n)), "token ids must be in"),
     (lambda n: Draft(torch.zeros(n, 2, dtype=torch.long), torch.tensor([[-1, 0]] * n), torch.ones(n, 2, 7)),
      "draft probs"),
+    (lambda n: Draft(torch.zeros(n, 2, dtype=torch.long), torch.tensor([[-1, 1]] * n)), "draft parents"),
+    (lambda n: Draft(torch.zeros(n, 2, dtype=torch.long), torch.tensor([[-2, -1]] * n)), "draft parents"),
 ])
 def test_malformed_drafts_are_refused(tiny_llama_dir, make, message):
     class Broken(Drafter):

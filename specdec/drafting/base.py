@@ -65,6 +65,11 @@ class Draft:
             raise SpecdecError("draft tokens and parents must be torch.long")
         if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
             raise SpecdecError(f"draft token ids must be in [0, {vocab_size})")
+        real = p != PAD
+        index = torch.arange(p.shape[1]).expand_as(p)
+        if (real[:, 1:] & ~real[:, :-1]).any() or ((p[real] < ROOT) | (p[real] >= index[real])).any():
+            raise SpecdecError("draft parents must be -1 (the last committed token) or the index of an earlier "
+                               "node, with padding (-2) only after a row's last node")
         if self.probs is not None and tuple(self.probs.shape) != (*t.shape, vocab_size):
             raise SpecdecError(f"draft probs {tuple(self.probs.shape)} must be [batch, N, vocab] = "
                                f"{(*t.shape, vocab_size)}")

@@ -2,6 +2,11 @@
 
     tokens, positions: [T]      every sequence's new tokens, flattened (no padding)
     context:           [B, L]   every slot sequence i attends: its cached prefix + this step's tokens
+
+A draft tree is fed like a chain, one slot per node in node order after the last committed token, but
+each node gets the rotary position of its depth and sees only the prefix and its own ancestors (the
+tree mask); siblings are alternatives for the same position. After verification the speculator moves
+the accepted path's K/V down to consecutive slots (`compact`).
 """
 from __future__ import annotations
 
@@ -13,6 +18,19 @@ from specdec.kv_cache import NULL_BLOCK, BlockAllocator, KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.llama import LlamaModel
 from specdec.sampling import SamplingTensors, sample
+from specdec.tree import ancestor_mask, depths
+
+
+def feed_tree(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
+    """For rows [last committed token, n draft nodes]: the depth of each row (0 for the last token) [n + 1],
+    and the tree mask [n + 1, n + 1] (row r sees row c iff c is r or an ancestor; the last token is
+    everyone's ancestor)."""
+    p = torch.tensor([parents], dtype=torch.long)
+    n = len(parents)
+    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+    mask[:, 0] = True
+    mask[1:, 1:] = ancestor_mask(p)[0]
+    return torch.cat([torch.zeros(1, dtype=torch.long), depths(p)[0]]), mask
 
 
 class ModelRunner:
@@ -26,40 +44,50 @@ class ModelRunner:
                     model.device)
         return ModelRunner(model, kv, self.allocator)
 
-    def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None
-                ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None,
+                trees: list[list[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence, continued by
-        `extra_tokens[i]` (draft tokens, not committed) when given."""
+        `extra_tokens[i]` (draft tokens, not committed) when given; `trees[i]` gives their parents."""
         feeds = [(s.token_ids[s.num_cached:] + (extra_tokens[i] if extra_tokens else []))[:n]
                  for i, (s, n) in enumerate(zip(seqs, num_new))]
-        return self.build([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds)
+        return self.build([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds, trees)
 
-    def build(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]]
-              ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Tensors for feeding `feeds[i]` at positions starts[i].. of the sequence owning blocks tables[i]."""
+    def build(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+              trees: list[list[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Tensors for feeding `feeds[i]` into slots starts[i].. of the sequence owning blocks tables[i].
+
+        trees[i] (optional): feeds[i] is [last committed token, draft nodes...] and trees[i] holds the
+        nodes' parents (-1 = the last committed token, else a node index, smaller than the node's own).
+        """
         num_new = [len(f) for f in feeds]
         B, S = len(feeds), max(num_new)
         bs = self.allocator.block_size
         ends = [start + n for start, n in zip(starts, num_new)]
         L = max(ends)
-        padded_positions = torch.full((B, S), -1, dtype=torch.long)
+        padded_index = torch.full((B, S), -1, dtype=torch.long)  # slot index in the sequence, -1 = padding
         block_tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
         for i, (start, n, blocks) in enumerate(zip(starts, num_new, tables)):
-            padded_positions[i, :n] = torch.arange(start, start + n)
+            padded_index[i, :n] = torch.arange(start, start + n)
             blocks = blocks[: block_tables.shape[1]]
             block_tables[i, : len(blocks)] = torch.tensor(blocks)
         pos = torch.arange(L)
         valid = pos[None, :] < torch.tensor(ends)[:, None]  # [B, L]
         context_slots = torch.where(valid, block_tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
         context_positions = torch.where(valid, pos[None, :], -1)
-        is_new = padded_positions >= 0
-        positions = padded_positions[is_new]  # [T], row-major: sequence by sequence
-        slot_mapping = context_slots.gather(1, padded_positions.clamp(min=0))[is_new]
+        is_new = padded_index >= 0
+        slot_mapping = context_slots.gather(1, padded_index.clamp(min=0))[is_new]
+        meta = AttentionMetadata.causal(padded_index, context_slots, context_positions, slot_mapping, num_new)
+        rope = padded_index.clone()
+        for i, parents in enumerate(trees or []):
+            if parents is not None:
+                depth, tree_mask = feed_tree(parents)
+                n, start = len(parents) + 1, starts[i]
+                rope[i, :n] = start + depth
+                meta.mask[i, :n, start:start + n] = tree_mask
         dev = self.device
-        meta = AttentionMetadata.causal(padded_positions.to(dev), context_slots.to(dev),
-                                        context_positions.to(dev), slot_mapping.to(dev), num_new)
+        meta = meta.to(dev)
         tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
-        return tokens, positions.to(dev), meta
+        return tokens, rope[is_new].to(dev), meta
 
     def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
             num_layers: int | None = None) -> torch.Tensor:
@@ -73,11 +101,24 @@ class ModelRunner:
         last = torch.tensor(num_new, device=self.device).cumsum(0) - 1
         return hidden[last]
 
-    def forward_rows(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None
-                     ) -> torch.Tensor:
+    def forward_rows(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None,
+                     trees: list[list[int] | None] | None = None) -> torch.Tensor:
         """Run the model; the hidden state of every new token, [T, H] (sequence by sequence)."""
-        tokens, positions, meta = self.prepare(seqs, num_new, extra_tokens)
+        tokens, positions, meta = self.prepare(seqs, num_new, extra_tokens, trees)
         return self.model(tokens, positions, meta, self.kv)[0]
+
+    def compact(self, seq: Sequence, nodes: list[int]) -> None:
+        """Move the K/V of accepted tree nodes (indices fed after the token at slot index seq.num_cached)
+        down to the slots right after it, in every layer. A no-op for a chain's accepted prefix."""
+        moves = [(seq.num_cached + 1 + node, seq.num_cached + 1 + depth) for depth, node in enumerate(nodes)
+                 if node != depth]
+        if not moves:
+            return
+        table, bs = seq.block_table.blocks, self.allocator.block_size
+        src, dst = ([table[i // bs] * bs + i % bs for i in idx] for idx in zip(*moves))
+        src, dst = torch.tensor(src, device=self.device), torch.tensor(dst, device=self.device)
+        for pool in self.kv.k + self.kv.v:  # dst < src and both increase, so no move overwrites a later source
+            pool[dst] = pool[src]
 
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward for the batch; the next token of every sequence whose input is now fully cached."""

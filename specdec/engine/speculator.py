@@ -4,13 +4,14 @@
     target logits rows:     p(. | ..last), p(. | ..d1), ..., p(. | ..dk)
     after verification:     the K/V of `last` and the a accepted drafts stay; the cache is rewound past them
 
-Bookkeeping is a rewind: accepted tokens of a chain are already at their positions, so nothing is copied.
+A tree is fed the same way, one row per node, with the tree mask and per-depth positions (see
+model_runner). Bookkeeping is a rewind: accepted tokens of a chain are already in place, so nothing is
+copied; for a tree the accepted path is first moved down to consecutive slots.
 """
 from __future__ import annotations
 
 import torch
 
-from specdec.config import SpecdecError
 from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
@@ -49,12 +50,17 @@ class Speculator:
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
             else [0] * len(seqs)
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
-        hidden = self.runner.forward_rows(seqs, [1 + n for n in counts], extra_tokens=drafted)
+        parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
+        trees = [None if p == list(range(-1, len(p) - 1)) else p for p in parents]
+        hidden = self.runner.forward_rows(seqs, [1 + n for n in counts], extra_tokens=drafted,
+                                          trees=trees if any(t is not None for t in trees) else None)
         logits = self.runner.model.compute_logits(hidden)
         result = self._verify(seqs, draft, counts, logits)
         emitted = []
         for i, seq in enumerate(seqs):
             accepted = int(result.num_accepted[i])
+            if trees[i] is not None:
+                self.runner.compact(seq, result.accepted_nodes[i])
             seq.num_cached += 1 + accepted
             self.runner.allocator.truncate(seq.block_table, seq.num_cached)
             seq.spec.record(counts[i], accepted)
@@ -66,11 +72,7 @@ class Speculator:
         B, N = len(seqs), max(counts)
         tokens = draft.tokens[:, :N]
         real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
-        chain = torch.arange(N).expand(B, N) - 1
-        if not torch.equal(draft.parents[:, :N][real], chain[real]):
-            raise SpecdecError("this engine verifies chains only (parents = arange(n) - 1); tree drafts need "
-                               "tree attention, which is not available yet")
-        parents = torch.where(real, chain, torch.full_like(tokens, PAD))
+        parents = torch.where(real, draft.parents[:, :N], torch.full_like(tokens, PAD))
         rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
         start = 0
         for i, n in enumerate(counts):

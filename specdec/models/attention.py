@@ -31,6 +31,10 @@ class AttentionMetadata:
         """Every sequence feeds the same number of tokens (decode, chain verification)."""
         return len(set(self.query_lens)) == 1
 
+    def to(self, device: torch.device) -> "AttentionMetadata":
+        return AttentionMetadata(self.slot_mapping.to(device), self.context_slots.to(device), self.mask.to(device),
+                                 self.query_lens, self.context_lens)
+
     @classmethod
     def causal(cls, positions: torch.Tensor, context_slots: torch.Tensor, context_positions: torch.Tensor,
                slot_mapping: torch.Tensor, query_lens: list[int]) -> "AttentionMetadata":
