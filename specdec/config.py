@@ -140,6 +140,8 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "custom")
+TREE_METHODS = ("draft_model", "layer_skip")
+MAX_TREE_NODES = 64
 
 
 @dataclass
@@ -156,6 +158,9 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
+    # draft_model / layer_skip: "chain" (k tokens), a full tree "Dm-BFn" (e.g. "D3-BF2"), or a static tree
+    # as a choice list [[0], [1], [0, 0], ...] (node = path of child ranks; EAGLE/Medusa format)
+    tree: Any = "chain"
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -172,12 +177,44 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
+        self.tree_choices = self._parse_tree()
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):
             raise SpecdecError("method 'layer_skip' needs 'num_layers': how many of the target's layers draft")
         if self.method == "custom" and self.drafter is None:
             raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
+
+    @property
+    def num_draft_tokens(self) -> int:
+        """Draft tokens verified per step at most: k for a chain, the node count for a tree."""
+        return len(self.tree_choices) if self.tree_choices else self.num_speculative_tokens
+
+    def _parse_tree(self) -> list[list[int]] | None:
+        """The tree as a choice list, or None for a chain."""
+        from specdec.tree import parse_tree_spec, tree_from_choices
+
+        if self.tree == "chain" or self.tree is None:
+            return None
+        if self.method not in TREE_METHODS:
+            raise SpecdecError(f"method {self.method!r} drafts chains only; trees are available for "
+                               f"{list(TREE_METHODS)} (a custom drafter returns its own trees)")
+        try:
+            if isinstance(self.tree, str):
+                choices = parse_tree_spec(self.tree)
+            elif isinstance(self.tree, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
+                                                     for c in self.tree):
+                choices = [list(c) for c in self.tree]
+            else:
+                raise ValueError("expected 'chain', a full tree 'Dm-BFn' (e.g. 'D3-BF2') or a choice list "
+                                 "such as [[0], [1], [0, 0]]")
+            tree_from_choices(choices)
+        except ValueError as e:
+            raise SpecdecError(f"invalid tree {self.tree!r}: {e}") from None
+        if not 1 <= len(choices) <= MAX_TREE_NODES:
+            raise SpecdecError(f"invalid tree {self.tree!r}: it has {len(choices)} nodes; at most "
+                               f"{MAX_TREE_NODES} are verified per step")
+        return choices
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":

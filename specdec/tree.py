@@ -23,6 +23,7 @@ import itertools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
+from dataclasses import dataclass
 from typing import NamedTuple
 
 import torch
@@ -85,6 +86,37 @@ def _path_to(row: list[int], node: int) -> list[int]:
     while row[path[-1]] >= 0:
         path.append(row[path[-1]])
     return path[::-1]
+
+
+# ---- feeding a tree to the model -------------------------------------------------------------------
+
+@dataclass
+class TreeFeed:
+    """Rows fed in tree layout into the slots of one sequence from `start` on (the prefix before `start`
+    is visible to every row): each row's slot offset, rotary position offset, and which of the `span`
+    slots start.. it may see."""
+
+    index: list[int]  # [rows] slot offset from start
+    rope: list[int]  # [rows] rotary position offset from start
+    visible: torch.Tensor  # [rows, span] bool
+
+    @classmethod
+    def verification(cls, parents: list[int]) -> "TreeFeed":
+        """Rows [last committed token, n draft nodes] with the nodes' parents (-1 = the last token): slots in
+        node order, positions by depth, each node seeing its ancestors and the last token."""
+        p = torch.tensor([parents], dtype=torch.long)
+        n = len(parents)
+        visible = torch.zeros(n + 1, n + 1, dtype=torch.bool)
+        visible[:, 0] = True
+        visible[1:, 1:] = ancestor_mask(p)[0]
+        return cls(list(range(n + 1)), [0] + depths(p)[0].tolist(), visible)
+
+    @classmethod
+    def level(cls, parents: list[int], nodes: list[int]) -> "TreeFeed":
+        """Draft nodes `nodes` of a tree whose slots follow the last committed token (start = its slot + 1;
+        the nodes' ancestors are already cached there): how a drafter grows a tree one level per forward."""
+        p = torch.tensor([parents], dtype=torch.long)
+        return cls(list(nodes), (depths(p)[0][nodes] - 1).tolist(), ancestor_mask(p)[0][nodes])
 
 
 # ---- static trees ----------------------------------------------------------------------------------

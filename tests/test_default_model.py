@@ -68,6 +68,9 @@ SPEC_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
     "layer_skip": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3},
+    "layer_skip_tree": {"method": "layer_skip", "num_layers": 20, "tree": "D2-BF2"},
+    "draft_model_tree": {"method": "draft_model", "model": "smollm2-135m",
+                         "tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
 }
 SPEC_PROMPTS = PROMPTS + [[{"role": "user", "content": "Summarize: The city council met on Monday to discuss "
                                                       "the new park. The council approved the park."}]]
@@ -91,6 +94,8 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
     assert sum(o.metrics["num_drafts"] for o in batched) > 0
     if method == "draft_model":  # the model drafting for itself must always be right
         assert all(o.metrics["acceptance_rate"] == 1.0 for o in batched)
+    if method == "draft_model_tree":  # ... along the rank-0 path of its tree
+        assert all(o.metrics["accepted_per_pos"][0] == o.metrics["num_drafts"] for o in batched)
     assert spec.engine.allocator.num_used == 0
 
 

@@ -93,6 +93,43 @@ def test_draft_model_is_lossless_and_a_self_draft_is_always_accepted(target_dir,
     assert self_draft.engine.allocator.num_used == 0
 
 
+TREES = ["D2-BF2", [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]]
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(target_dir, other_draft_dir,
+                                                                             reference, tree):
+    other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
+                                                     "tree": tree})
+    assert [o.token_ids for o in other.generate(PROMPTS, GREEDY)] == reference
+    self_draft = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
+                                                          "tree": tree})
+    outs = self_draft.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    depth = 2 if tree == "D2-BF2" else 3
+    for o in outs:  # the rank-0 path is the target's own greedy choice: accepted to full depth every step
+        m = o.metrics  # but the last two, whose trees lose their deepest nodes to the max_tokens budget
+        assert m["accepted_per_pos"][0] == m["num_drafts"] and m["num_accepted_tokens"] >= depth * (m["num_drafts"] - 2), m
+    assert self_draft.engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("tree", TREES)
+def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
+    llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2, "tree": tree})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+
+
+def test_sampled_tree_drafts_keep_seeded_output(target_dir, other_draft_dir):
+    """Top-k tree children are deterministic proposals; seeded sampling repeats exactly with them."""
+    params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
+    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
+                                                   "tree": "D2-BF2"})
+    first = [o.token_ids for o in llm.generate(PROMPTS, params)]
+    assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
+
+
 def test_draft_model_survives_preemption(target_dir, reference):
     llm = LLM(str(target_dir), block_size=4, num_kv_blocks=14,
               speculative_config={"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3})

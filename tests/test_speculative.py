@@ -162,6 +162,11 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     ({"method": "custom"}, "drafter"),
     ('{"method": ', "not valid JSON"),
     ({"num_speculative_tokens": 3}, "method"),
+    ({"method": "ngram", "tree": "D2-BF2"}, "drafts chains only"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": "D2-X"}, "Dm-BFn"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": [[0], [1, 0]]}, "has no parent"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": "D4-BF3"}, "at most 64"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": {"topk": 2}}, "choice list"),
 ])
 def test_bad_speculative_configs_are_refused(config, message):
     with pytest.raises(SpecdecError, match=message):

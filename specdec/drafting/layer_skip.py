@@ -12,8 +12,12 @@ from specdec.drafting.chain import ChainDrafter
 
 class LayerSkipDrafter(ChainDrafter):
     def __init__(self, target_runner, num_speculative_tokens: int, num_layers: int) -> None:
-        total = target_runner.model.config.num_hidden_layers
+        self.check_layers(target_runner.model, num_layers)
+        super().__init__(target_runner, num_speculative_tokens, num_layers=num_layers, shares_target_cache=True)
+
+    @staticmethod
+    def check_layers(model, num_layers: int) -> None:
+        total = model.config.num_hidden_layers
         if not 1 <= num_layers < total:
             raise SpecdecError(f"layer_skip num_layers={num_layers} must be in [1, {total - 1}] for a "
                                f"{total}-layer target")
-        super().__init__(target_runner, num_speculative_tokens, num_layers=num_layers, shares_target_cache=True)

@@ -60,7 +60,7 @@ class LLMEngine:
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(mcfg, num_blocks, bs, model.act_dtype, model.device)
-        lookahead = speculative.num_speculative_tokens if speculative else 0
+        lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, self.allocator)
         self.speculator = Speculator(build_drafter(speculative, self.runner, tokenizer), self.runner,

@@ -18,19 +18,7 @@ from specdec.kv_cache import NULL_BLOCK, BlockAllocator, KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.llama import LlamaModel
 from specdec.sampling import SamplingTensors, sample
-from specdec.tree import ancestor_mask, depths
-
-
-def feed_tree(parents: list[int]) -> tuple[torch.Tensor, torch.Tensor]:
-    """For rows [last committed token, n draft nodes]: the depth of each row (0 for the last token) [n + 1],
-    and the tree mask [n + 1, n + 1] (row r sees row c iff c is r or an ancestor; the last token is
-    everyone's ancestor)."""
-    p = torch.tensor([parents], dtype=torch.long)
-    n = len(parents)
-    mask = torch.zeros(n + 1, n + 1, dtype=torch.bool)
-    mask[:, 0] = True
-    mask[1:, 1:] = ancestor_mask(p)[0]
-    return torch.cat([torch.zeros(1, dtype=torch.long), depths(p)[0]]), mask
+from specdec.tree import TreeFeed
 
 
 class ModelRunner:
@@ -45,29 +33,28 @@ class ModelRunner:
         return ModelRunner(model, kv, self.allocator)
 
     def prepare(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None,
-                trees: list[list[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+                trees: list[TreeFeed | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
         """Inputs and attention metadata for `num_new[i]` uncached tokens of each sequence, continued by
-        `extra_tokens[i]` (draft tokens, not committed) when given; `trees[i]` gives their parents."""
+        `extra_tokens[i]` (draft tokens, not committed) when given, laid out as `trees[i]` when given."""
         feeds = [(s.token_ids[s.num_cached:] + (extra_tokens[i] if extra_tokens else []))[:n]
                  for i, (s, n) in enumerate(zip(seqs, num_new))]
         return self.build([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds, trees)
 
     def build(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
-              trees: list[list[int] | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
-        """Tensors for feeding `feeds[i]` into slots starts[i].. of the sequence owning blocks tables[i].
-
-        trees[i] (optional): feeds[i] is [last committed token, draft nodes...] and trees[i] holds the
-        nodes' parents (-1 = the last committed token, else a node index, smaller than the node's own).
-        """
+              trees: list[TreeFeed | None] | None = None) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+        """Tensors for feeding `feeds[i]` into slots starts[i].. of the sequence owning blocks tables[i]:
+        consecutive and causal, or in the layout of trees[i] when given."""
+        trees = trees or [None] * len(feeds)
         num_new = [len(f) for f in feeds]
         B, S = len(feeds), max(num_new)
         bs = self.allocator.block_size
-        ends = [start + n for start, n in zip(starts, num_new)]
+        ends = [start + (n if t is None else t.visible.shape[1]) for start, n, t in zip(starts, num_new, trees)]
         L = max(ends)
         padded_index = torch.full((B, S), -1, dtype=torch.long)  # slot index in the sequence, -1 = padding
         block_tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
         for i, (start, n, blocks) in enumerate(zip(starts, num_new, tables)):
-            padded_index[i, :n] = torch.arange(start, start + n)
+            offsets = torch.arange(n) if trees[i] is None else torch.tensor(trees[i].index, dtype=torch.long)
+            padded_index[i, :n] = start + offsets
             blocks = blocks[: block_tables.shape[1]]
             block_tables[i, : len(blocks)] = torch.tensor(blocks)
         pos = torch.arange(L)
@@ -78,21 +65,20 @@ class ModelRunner:
         slot_mapping = context_slots.gather(1, padded_index.clamp(min=0))[is_new]
         meta = AttentionMetadata.causal(padded_index, context_slots, context_positions, slot_mapping, num_new)
         rope = padded_index.clone()
-        for i, parents in enumerate(trees or []):
-            if parents is not None:
-                depth, tree_mask = feed_tree(parents)
-                n, start = len(parents) + 1, starts[i]
-                rope[i, :n] = start + depth
-                meta.mask[i, :n, start:start + n] = tree_mask
+        for i, tree in enumerate(trees):
+            if tree is not None:
+                n, start = len(tree.index), starts[i]
+                rope[i, :n] = start + torch.tensor(tree.rope, dtype=torch.long)
+                meta.mask[i, :n, start:start + tree.visible.shape[1]] = tree.visible
         dev = self.device
         meta = meta.to(dev)
         tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
         return tokens, rope[is_new].to(dev), meta
 
     def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
-            num_layers: int | None = None) -> torch.Tensor:
+            num_layers: int | None = None, trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         """Feed explicit tokens (how drafters use a runner); hidden states of every fed token, [T, H]."""
-        tokens, positions, meta = self.build(tables, starts, feeds)
+        tokens, positions, meta = self.build(tables, starts, feeds, trees)
         return self.model(tokens, positions, meta, self.kv, num_layers=num_layers)[0]
 
     def forward(self, seqs: list[Sequence], num_new: list[int]) -> torch.Tensor:
@@ -102,7 +88,7 @@ class ModelRunner:
         return hidden[last]
 
     def forward_rows(self, seqs: list[Sequence], num_new: list[int], extra_tokens: list[list[int]] | None = None,
-                     trees: list[list[int] | None] | None = None) -> torch.Tensor:
+                     trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         """Run the model; the hidden state of every new token, [T, H] (sequence by sequence)."""
         tokens, positions, meta = self.prepare(seqs, num_new, extra_tokens, trees)
         return self.model(tokens, positions, meta, self.kv)[0]

@@ -16,6 +16,7 @@ from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
 from specdec.sampling import SamplingTensors, logits_to_probs, sample
+from specdec.tree import TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy
 
 
@@ -51,7 +52,7 @@ class Speculator:
             else [0] * len(seqs)
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
         parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
-        trees = [None if p == list(range(-1, len(p) - 1)) else p for p in parents]
+        trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
         hidden = self.runner.forward_rows(seqs, [1 + n for n in counts], extra_tokens=drafted,
                                           trees=trees if any(t is not None for t in trees) else None)
         logits = self.runner.model.compute_logits(hidden)
