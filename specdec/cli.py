@@ -39,18 +39,26 @@ def build_parser() -> argparse.ArgumentParser:
 
     b = sub.add_parser("bench", help="measure decoding speed on Spec-Bench prompts")
     add_model_args(b)
-    b.add_argument("--prompts", default=None,
-                   help="JSONL with 'turns' (default: ../shared/data/spec_bench/question.jsonl)")
-    b.add_argument("--num-prompts", type=int, default=8, help="taken round-robin across categories (default 8)")
-    b.add_argument("--max-tokens", type=int, default=128, help="greedy tokens per prompt; EOS stops earlier")
-    b.add_argument("--batch-sizes", default="1", help="comma-separated, e.g. 1,4,16 (1 is always measured)")
+    add_prompt_set_args(b, max_tokens=128, batch_sizes="1", out="bench_results/bench.json")
     b.add_argument("--dtypes", default=None, help="comma-separated dtypes to compare, e.g. float32,bfloat16 "
                    "(default: --dtype)")
     b.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same prompts, interleaved, and compare token ids")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
-    b.add_argument("--out", default="bench_results/bench.json", help="where to write the JSON results")
+
+    t = sub.add_parser("tune", help="measure draft shapes per batch size and write the tree dispatcher's table")
+    add_model_args(t)
+    add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
     return parser
+
+
+def add_prompt_set_args(p: argparse.ArgumentParser, max_tokens: int, batch_sizes: str, out: str) -> None:
+    p.add_argument("--prompts", default=None,
+                   help="JSONL with 'turns' (default: ../shared/data/spec_bench/question.jsonl)")
+    p.add_argument("--num-prompts", type=int, default=8, help="taken round-robin across categories (default 8)")
+    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"greedy tokens per prompt (default {max_tokens})")
+    p.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated batch sizes (default {batch_sizes})")
+    p.add_argument("--out", default=out, help=f"where to write the JSON results (default {out})")
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
@@ -89,6 +97,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench import run_bench
 
             run_bench(args)
+        elif args.command == "tune":
+            from specdec.tune import run_tune
+
+            run_tune(args)
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

@@ -6,6 +6,7 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import re
 from dataclasses import dataclass
 from typing import Any
 
@@ -144,6 +145,29 @@ TREE_METHODS = ("draft_model", "layer_skip")
 MAX_TREE_NODES = 64
 
 
+@dataclass(frozen=True)
+class SpecShape:
+    """What one speculative step drafts per sequence: a chain of k tokens, or a static tree (choice list,
+    node order); k = 0 is no speculation."""
+
+    k: int
+    tree: tuple[tuple[int, ...], ...] | None = None
+
+    @property
+    def num_tokens(self) -> int:
+        return len(self.tree) if self.tree else self.k
+
+    def nodes_within(self, depth: int) -> int:
+        """How many nodes lie at most `depth` deep (nodes are in depth order): the draft that can still be
+        accepted when only `depth` more tokens may be emitted."""
+        if self.tree is None:
+            return max(0, min(self.k, depth))
+        return sum(1 for path in self.tree if len(path) <= depth)
+
+    def __str__(self) -> str:
+        return "off" if self.k == 0 else f"tree({len(self.tree)} nodes)" if self.tree else f"chain-{self.k}"
+
+
 @dataclass
 class SpeculativeConfig:
     """vLLM-style `speculative_config`: which drafter, and how many tokens it proposes per step."""
@@ -158,9 +182,14 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
-    # draft_model / layer_skip: "chain" (k tokens), a full tree "Dm-BFn" (e.g. "D3-BF2"), or a static tree
-    # as a choice list [[0], [1], [0, 0], ...] (node = path of child ranks; EAGLE/Medusa format)
+    # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for draft_model / layer_skip
+    # a full tree "Dm-BFn" (e.g. "D3-BF2") or a static tree as a choice list [[0], [1], [0, 0], ...]
+    # (a node is its path of child ranks: the EAGLE/Medusa format).
     tree: Any = "chain"
+    # The tree dispatcher: {"<min batch size>": shape} picks the shape by the step's batch size, e.g.
+    # {"1": "D2-BF2", "8": "chain-2", "32": "off"}; batch sizes below the smallest key use `tree`. Or the
+    # path of a JSON table written by `specdec tune`.
+    dispatch: dict | str | None = None
 
     def __post_init__(self) -> None:
         if self.method not in SPECULATIVE_METHODS:
@@ -177,7 +206,8 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
-        self.tree_choices = self._parse_tree()
+        self.shape = self._parse_shape(self.tree, "tree")
+        self.dispatch_table = self._parse_dispatch()
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):
@@ -187,34 +217,78 @@ class SpeculativeConfig:
 
     @property
     def num_draft_tokens(self) -> int:
-        """Draft tokens verified per step at most: k for a chain, the node count for a tree."""
-        return len(self.tree_choices) if self.tree_choices else self.num_speculative_tokens
+        """Draft tokens one step may verify per sequence, whatever the batch size (slots reserved for them)."""
+        return max(shape.num_tokens for shape in [self.shape, *dict(self.dispatch_table).values()])
 
-    def _parse_tree(self) -> list[list[int]] | None:
-        """The tree as a choice list, or None for a chain."""
+    def shape_for(self, batch_size: int) -> "SpecShape":
+        """The draft shape for a step of this many sequences: the dispatch entry with the largest minimum
+        batch size not above it, else the default shape (`tree`, or a chain of k)."""
+        shape = self.shape
+        for min_batch, entry in self.dispatch_table:
+            if batch_size >= min_batch:
+                shape = entry
+        return shape
+
+    def _parse_shape(self, value: Any, what: str) -> "SpecShape":
         from specdec.tree import parse_tree_spec, tree_from_choices
 
-        if self.tree == "chain" or self.tree is None:
-            return None
+        if value == "off":
+            return SpecShape(0)
+        if value in ("chain", None):
+            return SpecShape(self.num_speculative_tokens)
+        chain = re.fullmatch(r"chain-(\d+)", value) if isinstance(value, str) else None
+        if chain or (isinstance(value, int) and not isinstance(value, bool)):
+            k = int(chain[1]) if chain else value
+            if not 1 <= k <= 15:
+                raise SpecdecError(f"invalid {what} {value!r}: a chain drafts 1 to 15 tokens")
+            return SpecShape(k)
         if self.method not in TREE_METHODS:
-            raise SpecdecError(f"method {self.method!r} drafts chains only; trees are available for "
-                               f"{list(TREE_METHODS)} (a custom drafter returns its own trees)")
+            raise SpecdecError(f"invalid {what} {value!r}: method {self.method!r} drafts chains only ('chain', "
+                               f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (a custom "
+                               "drafter returns its own trees)")
         try:
-            if isinstance(self.tree, str):
-                choices = parse_tree_spec(self.tree)
-            elif isinstance(self.tree, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
-                                                     for c in self.tree):
-                choices = [list(c) for c in self.tree]
+            if isinstance(value, str):
+                choices = parse_tree_spec(value)
+            elif isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
+                                                 for c in value):
+                choices = [list(c) for c in value]
             else:
-                raise ValueError("expected 'chain', a full tree 'Dm-BFn' (e.g. 'D3-BF2') or a choice list "
-                                 "such as [[0], [1], [0, 0]]")
-            tree_from_choices(choices)
+                raise ValueError("expected 'off', 'chain', 'chain-K', a full tree 'Dm-BFn' (e.g. 'D3-BF2') or "
+                                 "a choice list such as [[0], [1], [0, 0]]")
+            tree = tree_from_choices(choices)
         except ValueError as e:
-            raise SpecdecError(f"invalid tree {self.tree!r}: {e}") from None
+            raise SpecdecError(f"invalid {what} {value!r}: {e}") from None
         if not 1 <= len(choices) <= MAX_TREE_NODES:
-            raise SpecdecError(f"invalid tree {self.tree!r}: it has {len(choices)} nodes; at most "
+            raise SpecdecError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
                                f"{MAX_TREE_NODES} are verified per step")
-        return choices
+        return SpecShape(len(choices), tuple(tuple(p) for p in tree.paths))
+
+    def _parse_dispatch(self) -> list[tuple[int, "SpecShape"]]:
+        if self.dispatch is None:
+            return []
+        if isinstance(self.dispatch, str):  # a table written by `specdec tune`
+            import json
+            from pathlib import Path
+
+            path = Path(self.dispatch).expanduser()
+            try:
+                loaded = json.loads(path.read_text())
+            except (OSError, json.JSONDecodeError) as e:
+                raise SpecdecError(f"cannot read the dispatch table {path}: {e}") from None
+            self.dispatch = loaded.get("dispatch", loaded) if isinstance(loaded, dict) else loaded
+        if not isinstance(self.dispatch, dict) or not self.dispatch:
+            raise SpecdecError('invalid dispatch: expected an object {"<min batch size>": shape, ...}, e.g. '
+                               '{"1": "D2-BF2", "8": "chain-2", "32": "off"}')
+        table = []
+        for key, value in self.dispatch.items():
+            try:
+                min_batch = int(key)
+            except (TypeError, ValueError):
+                min_batch = 0
+            if min_batch < 1:
+                raise SpecdecError(f"invalid dispatch key {key!r}: must be a batch size >= 1")
+            table.append((min_batch, self._parse_shape(value, f"dispatch[{key!r}]")))
+        return sorted(table)
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
@@ -243,4 +317,4 @@ def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "from_kwargs", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "SpecShape", "from_kwargs", "SUPPORTED_MODEL_TYPES"]

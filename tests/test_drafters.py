@@ -121,6 +121,20 @@ def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
+def test_dispatcher_switches_between_trees_and_chains_losslessly(target_dir, reference):
+    """Requests of different lengths: the batch shrinks from 3 to 1, so the same drafter (and draft cache)
+    serves a chain, then a tree, step after step (a self-draft, so no request backs off to one token)."""
+    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
+                                                   "num_speculative_tokens": 2, "tree": "D2-BF2",
+                                                   "dispatch": {"2": "chain-2"}})
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 8, 12)]
+    outs = llm.generate(PROMPTS, params)
+    assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, (20, 8, 12))]
+    first, second = outs[0].metrics, outs[1].metrics
+    assert second["num_draft_tokens"] <= 2 * second["num_drafts"]  # never alone: chains of 2 only
+    assert first["num_draft_tokens"] > 2 * first["num_drafts"]  # alone at the end: 6-node trees
+
+
 def test_sampled_tree_drafts_keep_seeded_output(target_dir, other_draft_dir):
     """Top-k tree children are deterministic proposals; seeded sampling repeats exactly with them."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)

@@ -167,10 +167,33 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     ({"method": "layer_skip", "num_layers": 2, "tree": [[0], [1, 0]]}, "has no parent"),
     ({"method": "layer_skip", "num_layers": 2, "tree": "D4-BF3"}, "at most 64"),
     ({"method": "layer_skip", "num_layers": 2, "tree": {"topk": 2}}, "choice list"),
+    ({"method": "ngram", "dispatch": {"0": "off"}}, "batch size >= 1"),
+    ({"method": "ngram", "dispatch": {"4": "D2-BF2"}}, "drafts chains only"),
+    ({"method": "ngram", "dispatch": {"4": "chain-20"}}, "1 to 15"),
+    ({"method": "ngram", "dispatch": []}, "min batch size"),
+    ({"method": "layer_skip", "num_layers": 2, "dispatch": {"1": "D2-X"}}, "Dm-BFn"),
 ])
 def test_bad_speculative_configs_are_refused(config, message):
     with pytest.raises(SpecdecError, match=message):
         SpeculativeConfig.parse(config)
+
+
+def test_dispatcher_picks_the_shape_by_batch_size():
+    cfg = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 2, "tree": "D2-BF2",
+                                   "dispatch": {"4": "chain-3", "16": "off", "8": 2}})
+    assert [str(cfg.shape_for(b)) for b in (1, 3, 4, 7, 8, 15, 16, 64)] == [
+        "tree(6 nodes)", "tree(6 nodes)", "chain-3", "chain-3", "chain-2", "chain-2", "off", "off"]
+    assert cfg.num_draft_tokens == 6  # slots the scheduler reserves: the largest shape
+
+
+def test_dispatcher_turns_speculation_off_for_large_batches(tiny_llama_dir, reference):
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
+                                                       "dispatch": {"3": "off"}})
+    outs = llm.generate(PROMPTS, GREEDY)  # four requests of equal length: every step has batch 4
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_drafts"] for o in outs) == 0
+    alone = llm.generate(PROMPTS[1], GREEDY)[0]
+    assert alone.token_ids == reference[1] and alone.metrics["num_drafts"] > 0
 
 
 class TreeOracle(Drafter):

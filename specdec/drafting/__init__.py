@@ -19,13 +19,8 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
         draft, src = load_model(cfg.model, target.dtype, target.device)
         check_same_vocabulary(cfg.model, draft.config.vocab_size, target.config.vocab_size,
                               load_tokenizer(src), tokenizer)
-        if cfg.tree_choices:
-            return TreeDrafter(target_runner.sibling(draft), cfg.tree_choices)
         return DraftModelDrafter(target_runner.sibling(draft), k)
     if cfg.method == "layer_skip":
-        LayerSkipDrafter.check_layers(target_runner.model, cfg.num_layers)
-        if cfg.tree_choices:
-            return TreeDrafter(target_runner, cfg.tree_choices, cfg.num_layers, shares_target_cache=True)
         return LayerSkipDrafter(target_runner, k, cfg.num_layers)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,

@@ -32,6 +32,7 @@ class DraftRequest:
     num_new: int  # how many of its last tokens were committed since the drafter's last call
     max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
     seq: "Sequence"  # block table, sampling params and generator, for drafters that run a model
+    tree: tuple[tuple[int, ...], ...] | None = None  # the static tree asked for (choice list); None: a chain
 
 
 @dataclass

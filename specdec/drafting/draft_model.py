@@ -6,7 +6,7 @@ rewound and freed for both models at once.
 from __future__ import annotations
 
 from specdec.config import SpecdecError
-from specdec.drafting.chain import ChainDrafter
+from specdec.drafting.tree_draft import TreeDrafter
 
 
 def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_size: int,
@@ -20,5 +20,5 @@ def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_s
                            "but a different tokenizer; the draft must use the target's tokenizer")
 
 
-class DraftModelDrafter(ChainDrafter):
-    """A ChainDrafter over its own model and KV pool (built by the engine: see `build_drafter`)."""
+class DraftModelDrafter(TreeDrafter):
+    """Chains or static trees from a draft LM with its own KV pool (built by the engine: see `build_drafter`)."""

@@ -7,10 +7,10 @@ last committed token and its own drafts (whose K/V the target overwrites when it
 from __future__ import annotations
 
 from specdec.config import SpecdecError
-from specdec.drafting.chain import ChainDrafter
+from specdec.drafting.tree_draft import TreeDrafter
 
 
-class LayerSkipDrafter(ChainDrafter):
+class LayerSkipDrafter(TreeDrafter):
     def __init__(self, target_runner, num_speculative_tokens: int, num_layers: int) -> None:
         self.check_layers(target_runner.model, num_layers)
         super().__init__(target_runner, num_speculative_tokens, num_layers=num_layers, shares_target_cache=True)

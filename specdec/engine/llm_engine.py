@@ -64,7 +64,7 @@ class LLMEngine:
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, self.allocator)
         self.speculator = Speculator(build_drafter(speculative, self.runner, tokenizer), self.runner,
-                                     lookahead) if speculative else None
+                                     speculative) if speculative else None
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}

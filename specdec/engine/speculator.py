@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import torch
 
+from specdec.config import SpecShape, SpeculativeConfig
 from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
@@ -31,22 +32,27 @@ def plain_result(tokens: torch.Tensor) -> VerifyResult:
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, runner: ModelRunner, num_speculative_tokens: int) -> None:
-        self.drafter, self.runner, self.k = drafter, runner, num_speculative_tokens
+    def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig) -> None:
+        self.drafter, self.runner, self.cfg = drafter, runner, cfg
+        self.history: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per step
 
-    def draft_budget(self, seq: Sequence) -> int:
+    @staticmethod
+    def draft_budget(seq: Sequence, shape: SpecShape) -> int:
         """Draft tokens worth verifying: none past the context, none past max_tokens, and a single one while
         this request's recent acceptance is low (verifying one draft costs about a plain step on our CPU
         kernels, verifying k costs more, so a poorly predicted request should not pay for k)."""
-        room_in_context = seq.max_len - len(seq.token_ids)
-        room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1
-        k = self.k if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else 1
-        return max(0, min(k, room_in_context, room_in_output))
+        room_in_context = seq.max_len - len(seq.token_ids)  # one slot per draft node
+        room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
+        k = shape.num_tokens if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else min(1, shape.num_tokens)
+        return max(0, min(k, room_in_context, shape.nodes_within(room_in_output)))
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token)."""
-        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s), s) for s in seqs]
-        draft = self.drafter.propose(requests)
+        """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token).
+        The draft shape (chain, tree or none) follows the batch size through the tree dispatcher."""
+        shape = self.cfg.shape_for(len(seqs))
+        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s, shape), s, shape.tree)
+                    for s in seqs]
+        draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
             else [0] * len(seqs)
@@ -65,6 +71,8 @@ class Speculator:
             seq.num_cached += 1 + accepted
             self.runner.allocator.truncate(seq.block_table, seq.num_cached)
             seq.spec.record(counts[i], accepted)
+            if self.history is not None:
+                self.history.append((result.accepted_nodes[i], counts[i]))
             emitted.append(result.emitted_tokens[i])
         return emitted
 

@@ -1,0 +1,121 @@
+"""`specdec tune`: choose the draft shape for each batch size by measuring, as Meta's tree dispatcher does.
+
+1. Acceptance statistics (tree methods): decode the prompts at batch 1 with a wide full tree and count,
+   per depth and child rank, how often the rank-r candidate is accepted when its parent was. Pruned
+   trees N_i (the i nodes most likely to be accepted, `tree.pruned_tree`) are built from that table.
+2. Cost: for each batch size, decode groups of that many prompts with every candidate shape (speculation
+   off included), candidates interleaved group by group so machine drift hits them alike, and time the
+   decode phase. The fastest candidate wins: small trees or chains for big batches, or no speculation.
+3. The winners form a dispatch table, written as JSON that `speculative_config` loads with
+   {"dispatch": "tune.json"}.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import sys
+from collections import defaultdict
+
+from tqdm import tqdm
+
+from specdec.bench import encode_prompts, load_questions, output_path, parse_batch_sizes, pick_round_robin, \
+    prompts_path, time_group
+from specdec.config import TREE_METHODS, SamplingParams, SpecdecError, SpecShape, SpeculativeConfig
+
+MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
+PRUNED_SIZES = (4, 8, 16, 32)
+
+
+def shape_json(shape: SpecShape) -> str | list[list[int]]:
+    """How a shape is written in a dispatch table."""
+    return "off" if shape.k == 0 else [list(p) for p in shape.tree] if shape.tree else f"chain-{shape.k}"
+
+
+def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:
+    """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
+    cfg = llm.engine.speculative
+    shape = cfg._parse_shape(MEASURE_TREE, "tree")
+    cfg.dispatch_table = [(1, shape)]
+    width, depth = 1 + max(p[-1] for p in shape.tree), max(len(p) for p in shape.tree)
+    reached, accepted = [0] * depth, [[0] * width for _ in range(depth)]
+    spec = llm.engine.speculator
+    for p in tqdm(prompts, desc="acceptance statistics", file=sys.stderr):
+        spec.history = []
+        llm.generate({"prompt_token_ids": p.token_ids}, params)
+        for nodes, num_drafted in spec.history:
+            if not num_drafted:
+                continue
+            deepest = max(len(shape.tree[n]) for n in range(num_drafted))
+            for d in range(min(len(nodes) + 1, deepest)):
+                reached[d] += 1
+            for d, n in enumerate(nodes):
+                accepted[d][shape.tree[n][-1]] += 1
+    spec.history = None
+    return [[a / r if r else 0.0 for a in row] for row, r in zip(accepted, reached)]
+
+
+def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[SpecShape]:
+    k = cfg.num_speculative_tokens
+    shapes = [SpecShape(0)] + [SpecShape(n) for n in sorted({1, 2, max(1, k // 2), k})]
+    if rates is not None:
+        from specdec.tree import pruned_tree
+
+        for size in PRUNED_SIZES:
+            shapes.append(cfg._parse_shape(pruned_tree(rates, size), "tree"))
+    unique: dict[SpecShape, None] = dict.fromkeys(shapes)
+    return list(unique)
+
+
+def run_tune(args: argparse.Namespace) -> dict:
+    from specdec.llm import LLM
+
+    if not args.speculative_config:
+        raise SpecdecError("specdec tune needs --speculative-config: the drafting method to tune")
+    cfg = SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
+    user = json.loads(args.speculative_config) if isinstance(args.speculative_config, str) else args.speculative_config
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
+    out = output_path(args.out)
+    tree_method = cfg.method in TREE_METHODS
+    measure = {**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})}
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=measure,
+              max_num_seqs=max(max(batch_sizes), 1))
+    prompts = encode_prompts(llm, rows)
+    rates = acceptance_table(llm, prompts, params) if tree_method else None
+    shapes = candidates(llm.engine.speculative, rates)
+    speeds: dict[int, dict[str, float]] = {}
+    for b in batch_sizes:
+        totals = defaultdict(lambda: [0, 0.0])
+        groups = [[prompts[(g + i) % len(prompts)] for i in range(b)] for g in range(0, max(len(prompts), b), b)]
+        for g, group in enumerate(tqdm(groups, desc=f"batch {b}", file=sys.stderr)):
+            for j in range(len(shapes)):  # rotate the order every group: drift hits every candidate alike
+                shape = shapes[(g + j) % len(shapes)]
+                llm.engine.speculative.dispatch_table = [(1, shape)]
+                record, _ = time_group(llm, group, params)
+                totals[shape][0] += record["decode_tokens"]
+                totals[shape][1] += record["decode_s"]
+        speeds[b] = {str(s): n / t for s, (n, t) in totals.items()}
+    best = {b: max(shapes, key=lambda s: speeds[b][str(s)]) for b in batch_sizes}
+    result = {"method": cfg.method, "dispatch": {str(b): shape_json(best[b]) for b in batch_sizes},
+              "chosen": {str(b): str(best[b]) for b in batch_sizes},
+              "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},
+              "acceptance_by_depth_and_rank": rates,
+              "candidates": {str(s): shape_json(s) for s in shapes},
+              "args": {k: v for k, v in vars(args).items() if k != "func"}}
+    out.write_text(json.dumps(result, indent=1))
+    print(format_tune(result))
+    print(f"\ndispatch table written to {out}; use it with "
+          f"--speculative-config '{{\"method\": \"{cfg.method}\", ..., \"dispatch\": \"{out}\"}}'")
+    return result
+
+
+def format_tune(result: dict) -> str:
+    lines = [f"Tree dispatcher for {result['method']} (decode tokens/s per candidate, best marked *)"]
+    for b, speeds in result["decode_tokens_per_s"].items():
+        off = speeds.get("off")
+        cells = [f"{name}{'*' if name == result['chosen'][b] else ''} {v:.1f}" for name, v in speeds.items()]
+        best = speeds[result["chosen"][b]]
+        ratio = f" ({best / off:.2f}x plain)" if off else ""
+        lines.append(f"batch {b}: {', '.join(cells)} -> {result['chosen'][b]}{ratio}")
+    return "\n".join(lines)

@@ -1,0 +1,31 @@
+"""`specdec tune`: the dispatch table it writes is measured, loadable, and its acceptance table is right."""
+from __future__ import annotations
+
+import json
+
+from specdec.cli import main
+from specdec.config import SpeculativeConfig
+
+
+def test_tune_writes_a_dispatch_table_that_speculative_config_loads(tiny_llama_dir, tmp_path, capsys):
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text("\n".join(json.dumps({"category": c, "turns": [t]}) for c, t in [
+        ("a", "The quick brown fox jumps over the lazy dog. The quick"), ("b", "1 2 3 4 5 6 1 2 3")]))
+    out = tmp_path / "tune.json"
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    rc = main(["tune", "--model", str(tiny_llama_dir), "--speculative-config", json.dumps(spec), "--prompts",
+               str(prompts), "--num-prompts", "2", "--max-tokens", "12", "--batch-sizes", "1,2", "--out", str(out)])
+    assert rc == 0
+    result = json.loads(out.read_text())
+    assert set(result["dispatch"]) == {"1", "2"}
+    # A self-draft: the draft's best candidate is the target's own choice, so at every depth the rank-0
+    # child is accepted whenever its parent was, and no other rank ever is.
+    rates = result["acceptance_by_depth_and_rank"]
+    assert len(rates) == 3 and all(row[0] == 1.0 and row[1] == row[2] == 0.0 for row in rates)
+    assert "tree(4 nodes)" in result["candidates"] and "off" in result["candidates"]
+    for b, speeds in result["decode_tokens_per_s"].items():
+        assert set(speeds) == set(result["candidates"]) and all(v > 0 for v in speeds.values())
+        assert speeds[result["chosen"][b]] == max(speeds.values())
+    cfg = SpeculativeConfig.parse({**spec, "dispatch": str(out)})
+    assert str(cfg.shape_for(1)) == result["chosen"]["1"] and str(cfg.shape_for(5)) == result["chosen"]["2"]
+    assert "batch 1:" in capsys.readouterr().out
