@@ -152,19 +152,31 @@ class SpecShape:
 
     k: int
     tree: tuple[tuple[int, ...], ...] | None = None
+    dynamic: tuple[int, int, int] | None = None  # EAGLE-2 (topk, num_steps, num_draft_tokens)
 
     @property
     def num_tokens(self) -> int:
-        return len(self.tree) if self.tree else self.k
+        """Draft nodes verified per sequence."""
+        return self.dynamic[2] if self.dynamic else len(self.tree) if self.tree else self.k
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots a step writes after the last committed token (a dynamic tree's drafter feeds
+        topk * (num_steps - 1) candidates before choosing which to verify)."""
+        return max(self.num_tokens, self.dynamic[0] * (self.dynamic[1] - 1)) if self.dynamic else self.num_tokens
 
     def nodes_within(self, depth: int) -> int:
         """How many nodes lie at most `depth` deep (nodes are in depth order): the draft that can still be
-        accepted when only `depth` more tokens may be emitted."""
+        accepted when only `depth` more tokens may be emitted. Dynamic trees limit their depth themselves."""
+        if self.dynamic:
+            return self.num_tokens if depth > 0 else 0
         if self.tree is None:
             return max(0, min(self.k, depth))
         return sum(1 for path in self.tree if len(path) <= depth)
 
     def __str__(self) -> str:
+        if self.dynamic:
+            return "dynamic(topk={}, num_steps={}, num_draft_tokens={})".format(*self.dynamic)
         return "off" if self.k == 0 else f"tree({len(self.tree)} nodes)" if self.tree else f"chain-{self.k}"
 
 
@@ -218,7 +230,7 @@ class SpeculativeConfig:
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens one step may verify per sequence, whatever the batch size (slots reserved for them)."""
-        return max(shape.num_tokens for shape in [self.shape, *dict(self.dispatch_table).values()])
+        return max(shape.num_slots for shape in [self.shape, *dict(self.dispatch_table).values()])
 
     def shape_for(self, batch_size: int) -> "SpecShape":
         """The draft shape for a step of this many sequences: the dispatch entry with the largest minimum
@@ -246,6 +258,8 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid {what} {value!r}: method {self.method!r} drafts chains only ('chain', "
                                f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (a custom "
                                "drafter returns its own trees)")
+        if isinstance(value, dict):
+            return self._parse_dynamic(value, what)
         try:
             if isinstance(value, str):
                 choices = parse_tree_spec(value)
@@ -253,8 +267,9 @@ class SpeculativeConfig:
                                                  for c in value):
                 choices = [list(c) for c in value]
             else:
-                raise ValueError("expected 'off', 'chain', 'chain-K', a full tree 'Dm-BFn' (e.g. 'D3-BF2') or "
-                                 "a choice list such as [[0], [1], [0, 0]]")
+                raise ValueError("expected 'off', 'chain', 'chain-K', a full tree 'Dm-BFn' (e.g. 'D3-BF2'), "
+                                 "a choice list such as [[0], [1], [0, 0]] or a dynamic tree "
+                                 '{"topk": 4, "num_steps": 3, "num_draft_tokens": 12}')
             tree = tree_from_choices(choices)
         except ValueError as e:
             raise SpecdecError(f"invalid {what} {value!r}: {e}") from None
@@ -262,6 +277,19 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
                                f"{MAX_TREE_NODES} are verified per step")
         return SpecShape(len(choices), tuple(tuple(p) for p in tree.paths))
+
+    @staticmethod
+    def _parse_dynamic(value: dict, what: str) -> "SpecShape":
+        """EAGLE-2's dynamic tree, with SGLang's knob names."""
+        limits = {"topk": (1, 8), "num_steps": (1, 8), "num_draft_tokens": (1, MAX_TREE_NODES)}
+        unknown = sorted(set(value) - set(limits))
+        if unknown or set(value) != set(limits):
+            raise SpecdecError(f"invalid {what} {value!r}: a dynamic tree needs exactly the keys {sorted(limits)}")
+        for key, (lo, hi) in limits.items():
+            v = value[key]
+            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+                raise SpecdecError(f"invalid {what}: {key}={v!r} must be an integer in [{lo}, {hi}]")
+        return SpecShape(value["num_draft_tokens"], dynamic=(value["topk"], value["num_steps"], value["num_draft_tokens"]))
 
     def _parse_dispatch(self) -> list[tuple[int, "SpecShape"]]:
         if self.dispatch is None:

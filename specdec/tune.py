@@ -3,8 +3,8 @@
 1. Acceptance statistics (tree methods): decode the prompts at batch 1 with a wide full tree and count,
    per depth and child rank, how often the rank-r candidate is accepted when its parent was. Pruned
    trees N_i (the i nodes most likely to be accepted, `tree.pruned_tree`) are built from that table.
-2. Cost: for each batch size, decode groups of that many prompts with every candidate shape (speculation
-   off included), candidates interleaved group by group so machine drift hits them alike, and time the
+2. Cost: for each batch size, decode groups of that many prompts with every candidate shape (chains,
+   pruned trees, EAGLE-2 dynamic trees, speculation off), candidates interleaved group by group so machine drift hits them alike, and time the
    decode phase. The fastest candidate wins: small trees or chains for big batches, or no speculation.
 3. The winners form a dispatch table, written as JSON that `speculative_config` loads with
    {"dispatch": "tune.json"}.
@@ -24,10 +24,13 @@ from specdec.config import TREE_METHODS, SamplingParams, SpecdecError, SpecShape
 
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
+DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6}, {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
 
 
-def shape_json(shape: SpecShape) -> str | list[list[int]]:
+def shape_json(shape: SpecShape) -> str | list[list[int]] | dict:
     """How a shape is written in a dispatch table."""
+    if shape.dynamic:
+        return dict(zip(("topk", "num_steps", "num_draft_tokens"), shape.dynamic))
     return "off" if shape.k == 0 else [list(p) for p in shape.tree] if shape.tree else f"chain-{shape.k}"
 
 
@@ -62,6 +65,7 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
 
         for size in PRUNED_SIZES:
             shapes.append(cfg._parse_shape(pruned_tree(rates, size), "tree"))
+        shapes += [cfg._parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
     unique: dict[SpecShape, None] = dict.fromkeys(shapes)
     return list(unique)
 

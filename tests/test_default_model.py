@@ -69,6 +69,8 @@ SPEC_CONFIGS = {
     "layer_skip": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3},
     "layer_skip_tree": {"method": "layer_skip", "num_layers": 20, "tree": "D2-BF2"},
+    "layer_skip_dynamic_tree": {"method": "layer_skip", "num_layers": 20,
+                                "tree": {"topk": 2, "num_steps": 3, "num_draft_tokens": 6}},
     "draft_model_tree": {"method": "draft_model", "model": "smollm2-135m",
                          "tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
 }

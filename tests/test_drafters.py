@@ -94,9 +94,10 @@ def test_draft_model_is_lossless_and_a_self_draft_is_always_accepted(target_dir,
 
 
 TREES = ["D2-BF2", [[0], [1], [2], [0, 0], [0, 1], [1, 0], [0, 0, 0]]]
+DYNAMIC = {"topk": 3, "num_steps": 3, "num_draft_tokens": 7}
 
 
-@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("tree", TREES + [DYNAMIC])
 def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(target_dir, other_draft_dir,
                                                                              reference, tree):
     other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
@@ -106,14 +107,14 @@ def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(tar
                                                           "tree": tree})
     outs = self_draft.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
-    depth = 2 if tree == "D2-BF2" else 3
+    depth = 2 if tree == "D2-BF2" else 3  # the dynamic tree's best path is 3 deep: its scores are highest
     for o in outs:  # the rank-0 path is the target's own greedy choice: accepted to full depth every step
         m = o.metrics  # but the last two, whose trees lose their deepest nodes to the max_tokens budget
         assert m["accepted_per_pos"][0] == m["num_drafts"] and m["num_accepted_tokens"] >= depth * (m["num_drafts"] - 2), m
     assert self_draft.engine.allocator.num_used == 0
 
 
-@pytest.mark.parametrize("tree", TREES)
+@pytest.mark.parametrize("tree", TREES + [DYNAMIC])
 def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
     llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2, "tree": tree})
     outs = llm.generate(PROMPTS, GREEDY)

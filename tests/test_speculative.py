@@ -166,7 +166,10 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     ({"method": "layer_skip", "num_layers": 2, "tree": "D2-X"}, "Dm-BFn"),
     ({"method": "layer_skip", "num_layers": 2, "tree": [[0], [1, 0]]}, "has no parent"),
     ({"method": "layer_skip", "num_layers": 2, "tree": "D4-BF3"}, "at most 64"),
-    ({"method": "layer_skip", "num_layers": 2, "tree": {"topk": 2}}, "choice list"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": {"topk": 2}}, "needs exactly the keys"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": {"topk": 9, "num_steps": 2, "num_draft_tokens": 4}},
+     r"topk=9 must be an integer in \[1, 8\]"),
+    ({"method": "layer_skip", "num_layers": 2, "tree": 3.5}, "choice list"),
     ({"method": "ngram", "dispatch": {"0": "off"}}, "batch size >= 1"),
     ({"method": "ngram", "dispatch": {"4": "D2-BF2"}}, "drafts chains only"),
     ({"method": "ngram", "dispatch": {"4": "chain-20"}}, "1 to 15"),
@@ -184,6 +187,10 @@ def test_dispatcher_picks_the_shape_by_batch_size():
     assert [str(cfg.shape_for(b)) for b in (1, 3, 4, 7, 8, 15, 16, 64)] == [
         "tree(6 nodes)", "tree(6 nodes)", "chain-3", "chain-3", "chain-2", "chain-2", "off", "off"]
     assert cfg.num_draft_tokens == 6  # slots the scheduler reserves: the largest shape
+    dynamic = SpeculativeConfig.parse({"method": "draft_model", "model": "x", "dispatch": {
+        "1": {"topk": 4, "num_steps": 4, "num_draft_tokens": 10}, "2": "chain-3"}})
+    assert str(dynamic.shape_for(1)) == "dynamic(topk=4, num_steps=4, num_draft_tokens=10)"
+    assert dynamic.num_draft_tokens == 12  # it feeds 4 * 3 candidates before keeping 10
 
 
 def test_dispatcher_turns_speculation_off_for_large_batches(tiny_llama_dir, reference):

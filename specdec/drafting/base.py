@@ -33,6 +33,8 @@ class DraftRequest:
     max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
     seq: "Sequence"  # block table, sampling params and generator, for drafters that run a model
     tree: tuple[tuple[int, ...], ...] | None = None  # the static tree asked for (choice list); None: a chain
+    dynamic: tuple[int, int, int] | None = None  # or an EAGLE-2 dynamic tree: (topk, num_steps, num_draft_tokens)
+    max_depth: int | None = None  # the deepest draft worth verifying (tokens the request may still emit - 1)
 
 
 @dataclass

@@ -12,9 +12,9 @@ from __future__ import annotations
 
 import torch
 
-from specdec.drafting.base import PAD, Draft, DraftRequest
+from specdec.drafting.base import PAD, ROOT, Draft, DraftRequest
 from specdec.drafting.chain import ChainDrafter, DraftCache
-from specdec.tree import TreeFeed, tree_from_choices
+from specdec.tree import TreeFeed, expand_step, select_dynamic_tree, tree_from_choices
 
 
 class _Shape:
@@ -40,6 +40,8 @@ class TreeDrafter(ChainDrafter):
         self.shapes: dict[tuple, _Shape] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
+        if requests and requests[0].dynamic is not None:
+            return self._propose_dynamic(requests, *requests[0].dynamic)
         if not requests or requests[0].tree is None:
             return super().propose(requests)
         shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, _Shape(requests[0].tree))
@@ -53,15 +55,10 @@ class TreeDrafter(ChainDrafter):
         if N == 0:
             return Draft(tokens, parents)
         tables = [r.seq.block_table.blocks for r in requests]
-        starts = [self._cached(r) for r in requests]
-        hidden = self.runner.run(tables, starts, [r.token_ids[s:] for r, s in zip(requests, starts)], self.num_layers)
-        last = torch.tensor([len(r.token_ids) - s for r, s in zip(requests, starts)], device=hidden.device).cumsum(0) - 1
-        top = self.runner.model.compute_logits(hidden[last]).topk(shape.width).indices.cpu()  # [B, width]
+        top = self._catch_up(requests).topk(shape.width).indices.cpu()  # [B, width]
         for c in shape.levels[0]:
             if c < N:
                 tokens[:, c] = top[:, shape.ranks[c]]
-        for r in requests:  # committed tokens only: the nodes' K/V below are not on the sequence's path
-            self.caches[r.seq_id] = DraftCache(r.seq.num_preemptions, list(r.token_ids), len(r.token_ids))
         for level, below in zip(shape.levels, shape.levels[1:]):
             rows = [[n for n in level if n < size and any(shape.parents[c] == n for c in below if c < size)]
                     for size in sizes]
@@ -79,3 +76,62 @@ class TreeDrafter(ChainDrafter):
                         tokens[i, c] = top[offset + rows[i].index(shape.parents[c]), shape.ranks[c]]
                 offset += len(rows[i])
         return Draft(tokens, parents)
+
+    def _catch_up(self, requests: list[DraftRequest]) -> torch.Tensor:
+        """Feed what the draft cache lacks up to the last committed token; the draft's logits there [B, V].
+        The cache then holds committed tokens only: node K/V written later are not on the sequence's path."""
+        starts = [self._cached(r) for r in requests]
+        hidden = self.runner.run([r.seq.block_table.blocks for r in requests], starts,
+                                 [r.token_ids[s:] for r, s in zip(requests, starts)], self.num_layers)
+        last = torch.tensor([len(r.token_ids) - s for r, s in zip(requests, starts)], device=hidden.device).cumsum(0) - 1
+        for r in requests:
+            self.caches[r.seq_id] = DraftCache(r.seq.num_preemptions, list(r.token_ids), len(r.token_ids))
+        return self.runner.model.compute_logits(hidden[last])
+
+    def _propose_dynamic(self, requests: list[DraftRequest], topk: int, num_steps: int, num_draft_tokens: int
+                         ) -> Draft:
+        """EAGLE-2: grow a candidate tree by expanding, `num_steps` times, the `topk` candidates with the highest
+        cumulative draft log-probability (each expanded node gets its `topk` best children), then keep the
+        `num_draft_tokens` best candidates. Expanded nodes are fed one level per forward into consecutive
+        slots after the last committed token (their ancestors were expanded before them)."""
+        B = len(requests)
+        logp = torch.log_softmax(self._catch_up(requests).float(), -1).cpu()
+        first = logp.topk(topk)  # [B, topk]
+        tokens, parents, scores = [first.indices], [torch.full((B, topk), ROOT)], [first.values]
+        depth = [torch.ones(B, topk, dtype=torch.long)]
+        frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
+        fed: list[torch.Tensor] = []  # candidate index of every expanded node, in slot order, [B] each
+        tables = [r.seq.block_table.blocks for r in requests]
+        for _ in range(num_steps - 1):
+            all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
+            fed += list(frontier.T)
+            feeds = []
+            for i in range(B):
+                slot_of = {int(f[i]): j for j, f in enumerate(fed)}  # candidate -> slot offset
+                visible = torch.zeros(topk, len(fed), dtype=torch.bool)
+                for row, node in enumerate(frontier[i].tolist()):
+                    while node != ROOT:
+                        visible[row, slot_of[node]] = True
+                        node = int(all_parents[i, node])
+                rows = frontier[i].tolist()
+                feeds.append(TreeFeed([slot_of[n] for n in rows], (torch.cat(depth, 1)[i, rows] - 1).tolist(), visible))
+            hidden = self.runner.run(tables, [len(r.token_ids) for r in requests],
+                                     [all_tokens[i, frontier[i]].tolist() for i in range(B)], self.num_layers, feeds)
+            child = torch.log_softmax(self.runner.model.compute_logits(hidden).float(), -1).cpu().topk(topk)
+            child_tokens, child_logp = child.indices.view(B, topk, topk), child.values.view(B, topk, topk)
+            step = expand_step(frontier, frontier_scores, child_tokens, child_logp, topk)
+            base = all_tokens.shape[1]
+            tokens.append(step.tokens)
+            parents.append(step.parents)
+            scores.append(step.scores)
+            depth.append(torch.cat(depth, 1).gather(1, step.parents) + 1)
+            frontier = base + step.next_frontier
+            frontier_scores = step.scores.gather(1, step.next_frontier)
+        all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
+        all_scores, all_depth = torch.cat(scores, 1), torch.cat(depth, 1)
+        max_depth = torch.tensor([r.max_depth if r.max_depth is not None else num_steps for r in requests])
+        all_parents = torch.where(all_depth <= max_depth[:, None], all_parents, PAD)  # too deep to be emitted
+        keep, new_parents = select_dynamic_tree(all_scores, all_parents, num_draft_tokens)
+        budget = torch.tensor([r.max_tokens for r in requests])
+        new_parents = torch.where(torch.arange(keep.shape[1]) < budget[:, None], new_parents, PAD)
+        return Draft(all_tokens.gather(1, keep), new_parents)

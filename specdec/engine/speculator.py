@@ -43,6 +43,8 @@ class Speculator:
         kernels, verifying k costs more, so a poorly predicted request should not pay for k)."""
         room_in_context = seq.max_len - len(seq.token_ids)  # one slot per draft node
         room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
+        if shape.dynamic and room_in_context < shape.num_slots:
+            return 0  # the candidates it would feed do not fit before the end of the context
         k = shape.num_tokens if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else min(1, shape.num_tokens)
         return max(0, min(k, room_in_context, shape.nodes_within(room_in_output)))
 
@@ -50,8 +52,8 @@ class Speculator:
         """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token).
         The draft shape (chain, tree or none) follows the batch size through the tree dispatcher."""
         shape = self.cfg.shape_for(len(seqs))
-        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s, shape), s, shape.tree)
-                    for s in seqs]
+        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s, shape), s, shape.tree,
+                                 shape.dynamic, s.params.max_tokens - len(s.output_token_ids) - 1) for s in seqs]
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
