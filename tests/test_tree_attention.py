@@ -176,3 +176,35 @@ def test_dtype_is_preserved():
     tm = ancestor_mask([-1, 0, 0]).expand(2, 3, 3)
     out = tree_attention(q, kn, vn, k_pool.bfloat16(), v_pool.bfloat16(), prefix_slots, [3, 5], tm, SCALE)
     assert out.dtype == torch.bfloat16 and torch.isfinite(out.float()).all()
+
+
+def test_engine_tree_layouts_split_into_prefix_and_suffix_match_the_full_mask():
+    """What the model runs: ModelRunner lays out verification trees (and a chain beside them) over the
+    paged cache; attention split into prefix + tree suffix equals attention with the full explicit mask."""
+    from specdec.engine.model_runner import ModelRunner
+    from specdec.kv_cache import BlockAllocator, BlockTable
+    from specdec.models.attention import paged_attention
+    from specdec.tree import TreeFeed
+
+    gen = torch.Generator().manual_seed(4)
+    allocator = BlockAllocator(64, 4)
+    runner = ModelRunner.__new__(ModelRunner)
+    runner.allocator, runner.device = allocator, torch.device("cpu")
+    starts, trees = [9, 3, 14], [random_parents(6, gen), None, random_parents(3, gen)]
+    feeds = [[1] * (len(p) + 1) if p is not None else [1, 1, 1] for p in trees]
+    tables = []
+    for s, f in zip(starts, feeds):
+        table = BlockTable()
+        allocator.allocate(table, s + len(f))
+        tables.append(table.blocks)
+    layouts = [TreeFeed.verification(p) if p is not None else None for p in trees]
+    _, _, meta = runner.build(tables, starts, feeds, layouts)
+    assert meta.tree_starts == starts
+    T, Hq, Hkv, D = sum(len(f) for f in feeds), 6, 2, 16
+    q = torch.randn(T, Hq, D, generator=gen)
+    k, v = torch.randn(T, Hkv, D, generator=gen), torch.randn(T, Hkv, D, generator=gen)
+    pools = [torch.randn(64 * 4, Hkv, D, generator=gen) for _ in range(2)]
+    split = paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, D ** -0.5)
+    meta.tree_starts = None
+    full = paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, D ** -0.5)
+    assert torch.allclose(split, full, atol=1e-5)

@@ -65,6 +65,8 @@ class ModelRunner:
         slot_mapping = context_slots.gather(1, padded_index.clamp(min=0))[is_new]
         meta = AttentionMetadata.causal(padded_index, context_slots, context_positions, slot_mapping, num_new)
         rope = padded_index.clone()
+        if any(t is not None for t in trees):
+            meta.tree_starts = list(starts)  # every sequence's fed region is its "tree"; a chain's is causal
         for i, tree in enumerate(trees):
             if tree is not None:
                 n, start = len(tree.index), starts[i]

@@ -25,6 +25,9 @@ class AttentionMetadata:
     mask: torch.Tensor  # [B, S, L] bool
     query_lens: list[int]  # rows of each sequence, host side
     context_lens: list[int]  # valid keys of each sequence, host side
+    # Draft trees: where each sequence's tree region begins in its context. Keys before it (the cached
+    # prefix) are visible to every row of the sequence; `mask` matters only from there on.
+    tree_starts: list[int] | None = None
 
     @property
     def uniform(self) -> bool:
@@ -33,7 +36,7 @@ class AttentionMetadata:
 
     def to(self, device: torch.device) -> "AttentionMetadata":
         return AttentionMetadata(self.slot_mapping.to(device), self.context_slots.to(device), self.mask.to(device),
-                                 self.query_lens, self.context_lens)
+                                 self.query_lens, self.context_lens, self.tree_starts)
 
     @classmethod
     def causal(cls, positions: torch.Tensor, context_slots: torch.Tensor, context_positions: torch.Tensor,
@@ -74,6 +77,8 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     Hkv = k.shape[1]
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
+    if meta.tree_starts is not None:
+        return _tree_split(q, k_pool, v_pool, meta, scale)
     if meta.uniform:
         B, S, L = len(meta.query_lens), meta.query_lens[0], meta.context_slots.shape[1]
         slots = meta.context_slots.reshape(-1)
@@ -88,3 +93,29 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
         outs.append(_sdpa(q[start:start + n][None], keys, values, meta.mask[i:i + 1, :n, :L], scale)[0])
         start += n
     return torch.cat(outs)
+
+
+def _tree_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, meta: AttentionMetadata,
+                scale: float) -> torch.Tensor:
+    """Draft trees the way the Meta report splits them: attention to the cached prefix without a mask,
+    attention within the tree region with the small tree mask, merged exactly by log-sum-exp."""
+    from specdec.models.tree_attention import paged_tree_attention
+
+    T, Hq, D = q.shape
+    B, S = len(meta.query_lens), max(meta.query_lens)
+    starts, ends = meta.tree_starts, meta.context_lens
+    P, W = max(starts), max(e - s for s, e in zip(starts, ends))
+    dev = q.device
+    qp = q.new_zeros(B, S, Hq, D)
+    prefix = torch.zeros(B, P, dtype=torch.long, device=dev)
+    suffix = torch.zeros(B, W, dtype=torch.long, device=dev)
+    suffix_mask = torch.zeros(B, S, W, dtype=torch.bool, device=dev)
+    row = 0
+    for i, (n, start, end) in enumerate(zip(meta.query_lens, starts, ends)):
+        qp[i, :n] = q[row:row + n]
+        row += n
+        prefix[i, :start] = meta.context_slots[i, :start]
+        suffix[i, :end - start] = meta.context_slots[i, start:end]
+        suffix_mask[i, :n, :end - start] = meta.mask[i, :n, start:end]
+    out = paged_tree_attention(qp, k_pool, v_pool, prefix, starts, suffix, suffix_mask, scale)
+    return torch.cat([out[i, :n] for i, n in enumerate(meta.query_lens)])

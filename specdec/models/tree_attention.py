@@ -126,6 +126,27 @@ def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
         merge:       log-sum-exp combination, exact since the key sets are disjoint
     """
     out, lse = attention_with_lse(q, k_new, v_new, tree_mask, scale)  # suffix
+    return _with_prefix(q, out, lse, k_pool, v_pool, prefix_slots, prefix_lens, scale)
+
+
+def paged_tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+                         prefix_slots: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor,
+                         suffix_slots: torch.Tensor, suffix_mask: torch.Tensor, scale: float) -> torch.Tensor:
+    """`tree_attention` with the suffix's K/V read from the pool too (the engine writes every fed token's
+    K/V before attending, and a drafter growing a tree level by level attends to nodes fed earlier).
+
+    suffix_slots: [B, W] pool slots of each sequence's tree region, right-padded; suffix_mask: [B, S, W]
+    bool, False on padding. Returns [B, S, Hq, D].
+    """
+    keys, values = gather_prefix(k_pool, suffix_slots), gather_prefix(v_pool, suffix_slots)
+    out, lse = attention_with_lse(q, keys, values, suffix_mask, scale)  # suffix
+    return _with_prefix(q, out, lse, k_pool, v_pool, prefix_slots, prefix_lens, scale)
+
+
+def _with_prefix(q: torch.Tensor, out: torch.Tensor, lse: torch.Tensor, k_pool: torch.Tensor,
+                 v_pool: torch.Tensor, prefix_slots: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor,
+                 scale: float) -> torch.Tensor:
+    """Merge the suffix part (out, lse) with the mask-free attention over each sequence's cached prefix."""
     P = prefix_slots.shape[1]
     if P == 0:
         return out
