@@ -191,6 +191,7 @@ class SpeculativeConfig:
     ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
+    ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
@@ -216,6 +217,8 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
         if self.ngram_pool not in ("request", "shared"):
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
+        if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
+            raise SpecdecError(f"invalid ngram_branches={self.ngram_branches!r}: must be an integer in [1, 8]")
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
         self.shape = self._parse_shape(self.tree, "tree")
@@ -256,8 +259,8 @@ class SpeculativeConfig:
             return SpecShape(k)
         if self.method not in TREE_METHODS:
             raise SpecdecError(f"invalid {what} {value!r}: method {self.method!r} drafts chains only ('chain', "
-                               f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (a custom "
-                               "drafter returns its own trees)")
+                               f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (ngram branches with "
+                               "'ngram_branches'; a custom drafter returns its own trees)")
         if isinstance(value, dict):
             return self._parse_dynamic(value, what)
         try:

@@ -74,6 +74,25 @@ def test_shared_ngram_pool_drafts_from_other_requests():
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == expected
 
 
+def test_ngram_branches_are_distinct_continuations_of_the_best_matches():
+    from specdec.drafting import DraftRequest, NgramDrafter
+
+    tokens = [1, 2, 3, 7, 8, 1, 2, 3, 5, 6, 9, 2, 3, 4, 1, 2, 3]  # [1, 2, 3] was followed by 7, later by 5
+    drafter = NgramDrafter(6, 1, 4, branches=3)  # a 3-token match drafts 2^2 = 4 tokens
+    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 6, None)])
+    assert draft.tokens[0].tolist() == [5, 6, 9, 2, 7, 8]  # latest occurrence first, the older one gets the rest
+    assert draft.parents[0].tolist() == [-1, 0, 1, 2, -1, 4]  # two branches from the last committed token
+
+
+@pytest.mark.parametrize("branches", [2, 3])
+def test_ngram_branches_are_lossless(target_dir, reference, branches):
+    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 6,
+                                                   "ngram_branches": branches})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
 def test_shared_ngram_pool_is_lossless(target_dir, reference):
     llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
                                                    "ngram_pool": "shared", "ngram_match": "oldest"})

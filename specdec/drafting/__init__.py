@@ -25,7 +25,7 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
     if cfg.method == "ngram":
         return NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                             cfg.ngram_match, cfg.ngram_pool,
-                            adaptive=cfg.ngram_draft_length == "adaptive")
+                            adaptive=cfg.ngram_draft_length == "adaptive", branches=cfg.ngram_branches)
     if cfg.method == "custom":
         if not callable(getattr(cfg.drafter, "propose", None)):
             raise SpecdecError("the custom drafter must have a propose(requests) -> Draft method")

@@ -46,13 +46,26 @@ class Draft:
     @classmethod
     def chains(cls, proposals: list[list[int]]) -> "Draft":
         """Deterministic chains of different lengths, padded to the longest."""
-        B, N = len(proposals), max((len(p) for p in proposals), default=0)
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        parents = torch.full((B, N), PAD, dtype=torch.long)
-        for i, p in enumerate(proposals):
-            tokens[i, : len(p)] = torch.tensor(p, dtype=torch.long)
-            parents[i, : len(p)] = torch.arange(len(p)) - 1
-        return cls(tokens, parents)
+        return cls.branches([[p] for p in proposals])
+
+    @classmethod
+    def branches(cls, proposals: list[list[list[int]]]) -> "Draft":
+        """Deterministic trees made of chains hanging from the last committed token (one list of chains per
+        sequence; a single chain is a plain chain)."""
+        rows = []
+        for chains in proposals:
+            tokens, parents = [], []
+            for chain in chains:
+                for j, t in enumerate(chain):
+                    parents.append(ROOT if j == 0 else len(tokens) - 1)
+                    tokens.append(t)
+            rows.append((tokens, parents))
+        B, N = len(rows), max((len(t) for t, _ in rows), default=0)
+        draft = cls(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
+        for i, (tokens, parents) in enumerate(rows):
+            draft.tokens[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
+            draft.parents[i, : len(parents)] = torch.tensor(parents, dtype=torch.long)
+        return draft
 
     def validate(self, batch_size: int, vocab_size: int) -> None:
         """Refuse a malformed draft (e.g. from a user's drafter) with a message naming what is wrong."""

@@ -5,7 +5,9 @@ occurrences. It is updated only with newly committed tokens, so a step costs O(n
 sizes), never a scan of the whole history. The pool options TensorRT-LLM documents:
 - `ngram_pool`: "request" (each request looks up its own prompt and output) or "shared" (requests also
   look up the text of other requests, finished ones included, up to `MAX_SHARED_TEXTS` of them);
-- `ngram_match`: continue from the "latest" or the "oldest" matching occurrence (all are kept).
+- `ngram_match`: continue from the "latest" or the "oldest" matching occurrence (all are kept);
+- `ngram_branches`: propose up to this many continuations that start with different tokens, as branches
+  of a tree (verification accepts at most one), instead of a single chain.
 
 Draft length. How far a continuation holds depends on how long the match is: on Spec-Bench outputs of
 the default model, a draft after a 1-token match keeps 0.8 tokens on average, after a 4-token match 6.2
@@ -52,6 +54,22 @@ class NgramIndex:
                     return text[start:start + k], n
         return [], 0
 
+    def lookup_branches(self, tokens: list[int], k: int, branches: int, latest: bool = True
+                        ) -> list[tuple[list[int], int]]:
+        """Up to `branches` continuations (with their match lengths) that start with different tokens: the
+        longest matching suffix's occurrences first, then shorter suffixes'."""
+        L, found, firsts = len(tokens), [], set()
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            places = self.positions.get(tuple(tokens[L - n:]), [])
+            for text_id, start in reversed(places) if latest else places:
+                text = self.texts.get(text_id)
+                if text is not None and start < len(text) and text[start] not in firsts:
+                    firsts.add(text[start])
+                    found.append((text[start:start + k], n))
+                    if len(found) == branches:
+                        return found
+        return found
+
     def forget(self, text_id: int) -> None:
         """Drop a text; its entries in `positions` are skipped by lookup."""
         self.texts.pop(text_id, None)
@@ -60,9 +78,9 @@ class NgramIndex:
 
 class NgramDrafter(Drafter):
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
-                 match: str = "latest", pool: str = "request", adaptive: bool = True) -> None:
+                 match: str = "latest", pool: str = "request", adaptive: bool = True, branches: int = 1) -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
-        self.adaptive = adaptive
+        self.adaptive, self.branches = adaptive, branches
         self.latest, self.shared = match == "latest", pool == "shared"
         self.indexes: dict[int, NgramIndex] = {}
         self.shared_index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
@@ -77,9 +95,20 @@ class NgramDrafter(Drafter):
         for r in requests:
             index = self.index_for(r.seq_id)
             index.extend(r.seq_id, r.token_ids)
-            tokens, n = index.lookup(r.token_ids, min(self.k, r.max_tokens), self.latest)
-            proposals.append(tokens[:self.draft_length(n)])
-        return Draft.chains(proposals)
+            budget = min(self.k, r.max_tokens)
+            if self.branches == 1:
+                tokens, n = index.lookup(r.token_ids, budget, self.latest)
+                proposals.append([tokens[:self.draft_length(n)]])
+                continue
+            depth = budget if r.max_depth is None else min(budget, r.max_depth)
+            found = index.lookup_branches(r.token_ids, depth, self.branches, self.latest)
+            chains = []
+            for tokens, n in found:  # the best match first; later branches share what budget is left
+                tokens = tokens[:min(self.draft_length(n), budget)]
+                budget -= len(tokens)
+                chains.append(tokens)
+            proposals.append([c for c in chains if c])
+        return Draft.branches(proposals)
 
     def draft_length(self, match_length: int) -> int:
         """Tokens worth drafting after a match of this many tokens (see the module docstring)."""
