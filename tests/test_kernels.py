@@ -33,41 +33,46 @@ def test_rms_norm_matches_torch():
     assert torch.allclose(kernels.rms_norm(x, w, 1e-5), F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
 
 
-def ragged_meta(lengths: list[int], new: int, block_size: int = 4, num_blocks: int = 64):
-    """Metadata for sequences with `lengths` cached tokens each feeding `new` tokens, blocks shuffled."""
+def ragged_meta(lengths: list[int], new: int | list[int], block_size: int = 4, num_blocks: int = 64):
+    """Metadata for sequences with `lengths` cached tokens each feeding `new` (or new[i]) tokens, blocks
+    shuffled."""
+    news = new if isinstance(new, list) else [new] * len(lengths)
     perm = torch.randperm(num_blocks - 1, generator=torch.Generator().manual_seed(0)) + 1
-    B, L = len(lengths), max(lengths) + new
+    B, L, S = len(lengths), max(n + m for n, m in zip(lengths, news)), max(news)
     ctx_slots = torch.zeros(B, L, dtype=torch.long)
     ctx_pos = torch.full((B, L), -1)
-    positions = torch.zeros(B, new, dtype=torch.long)
+    positions = torch.full((B, S), -1, dtype=torch.long)
     used = 0
-    for i, n in enumerate(lengths):
-        blocks = perm[used: used + -(-(n + new) // block_size)]
+    for i, (n, m) in enumerate(zip(lengths, news)):
+        blocks = perm[used: used + -(-(n + m) // block_size)]
         used += len(blocks)
-        p = torch.arange(n + new)
-        ctx_slots[i, : n + new] = blocks[p // block_size] * block_size + p % block_size
-        ctx_pos[i, : n + new] = p
-        positions[i] = torch.arange(n, n + new)
-    slot_mapping = ctx_slots.gather(1, positions).reshape(-1)
-    meta = AttentionMetadata.causal(positions, ctx_slots, ctx_pos, slot_mapping, [new] * len(lengths))
+        p = torch.arange(n + m)
+        ctx_slots[i, : n + m] = blocks[p // block_size] * block_size + p % block_size
+        ctx_pos[i, : n + m] = p
+        positions[i, :m] = torch.arange(n, n + m)
+    real = positions >= 0
+    slot_mapping = ctx_slots.gather(1, positions.clamp(min=0))[real]
+    meta = AttentionMetadata.causal(positions, ctx_slots, ctx_pos, slot_mapping, news)
     return meta, num_blocks * block_size
 
 
-@pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 2), ([30, 4], 4)])
+@pytest.mark.parametrize("lengths, new", [([9], 1), ([3, 17, 8], 1), ([5, 12], 2), ([30, 4], 4),
+                                          ([6, 20, 11], [3, 1, 5])])
 def test_paged_attention_kernel_matches_sdpa(lengths, new):
-    """The attention inside the fused decode layer, against the torch path, over shuffled blocks."""
+    """The attention inside the fused decode layer, against the torch path, over shuffled blocks; the last
+    case is ragged (verification of drafts of different lengths in one batch)."""
     meta, num_slots = ragged_meta(lengths, new)
     g = torch.Generator().manual_seed(1)
-    B, Hq, Hkv, D = len(lengths), 6, 2, 16
-    q = torch.randn(B * new, Hq, D, generator=g)
-    k, v = torch.randn(B * new, Hkv, D, generator=g), torch.randn(B * new, Hkv, D, generator=g)
+    T, Hq, Hkv, D = sum(meta.query_lens), 6, 2, 16
+    q = torch.randn(T, Hq, D, generator=g)
+    k, v = torch.randn(T, Hkv, D, generator=g), torch.randn(T, Hkv, D, generator=g)
     pools = [torch.randn(num_slots, Hkv, D, generator=g) for _ in range(2)]
     ref_pools = [p.clone() for p in pools]
     ref = paged_attention(q, k, v, *ref_pools, meta, D ** -0.5)
     out = torch.empty_like(q)
     kernels._paged_attention(q.numpy(), k.numpy(), v.numpy(), pools[0].numpy(), pools[1].numpy(),
-                             meta.slot_mapping.numpy(), meta.context_slots.numpy(), meta.mask.numpy(), new,
-                             D ** -0.5, out.numpy())
+                             meta.slot_mapping.numpy(), meta.context_slots.numpy(), meta.mask.numpy(),
+                             kernels.query_starts(meta.query_lens), D ** -0.5, out.numpy())
     assert torch.allclose(out, ref, atol=1e-5)
     assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes
 

@@ -182,11 +182,12 @@ if numba is not None:
             row[j] *= inv
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
-    def _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, out):
+    def _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, query_starts, scale, out):
         """Write the new K/V at their slots, then attend each query over its sequence's context slots.
 
-        q: [T, Hq, D]; k, v: [T, Hkv, D] (T = B * S); pools: [N, Hkv, D]; slot_mapping: [T];
-        context_slots: [B, L]; mask: [B, S, L] bool; out: [T, Hq, D].
+        q: [T, Hq, D]; k, v: [T, Hkv, D]; pools: [N, Hkv, D]; slot_mapping: [T]; context_slots: [B, L];
+        mask: [B, S, L] bool; query_starts: [B + 1], sequence b owns rows query_starts[b]..query_starts[b + 1]
+        (ragged: a batch may verify drafts of different lengths); out: [T, Hq, D].
         One task per (sequence, KV head): each cached K/V row is read once for all the queries sharing it.
         """  # pragma: no cover - compiled
         T, Hq, D = q.shape
@@ -196,8 +197,10 @@ if numba is not None:
         for t in range(T):
             k_pool[slot_mapping[t]] = k[t]
             v_pool[slot_mapping[t]] = v[t]
-        for task in prange((T // S) * Hkv):
+        B = query_starts.shape[0] - 1
+        for task in prange(B * Hkv):
             b, hk = task // Hkv, task % Hkv
+            first, S = query_starts[b], query_starts[b + 1] - query_starts[b]
             R = S * group  # query rows sharing this KV head: row s * group + g
             scores = np.full((R, L), -np.inf, np.float32)
             for j in range(L):
@@ -207,7 +210,7 @@ if numba is not None:
                         for g in range(group):
                             acc = np.float32(0.0)
                             for d in range(D):
-                                acc += q[b * S + s, hk * group + g, d] * key[d]
+                                acc += q[first + s, hk * group + g, d] * key[d]
                             scores[s * group + g, j] = acc * scale
             bits = np.empty(L, np.int32)
             for r in range(R):
@@ -222,7 +225,7 @@ if numba is not None:
                             acc_v[r, d] += p * value[d]
             for s in range(S):
                 for g in range(group):
-                    out[b * S + s, hk * group + g] = acc_v[s * group + g]
+                    out[first + s, hk * group + g] = acc_v[s * group + g]
 
     @njit(fastmath=True, cache=True, nogil=True)
     def _rope_and_qk_norm(qkv, n_rot, n_heads, q_norm, k_norm, eps, cos, ssin):
@@ -248,7 +251,7 @@ if numba is not None:
 
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _decoder_layer(x, ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, ln2, gate_up_w, down_w, eps, cos, ssin,
-                       k_pool, v_pool, slot_mapping, context_slots, mask, S, n_heads, n_kv, scale):
+                       k_pool, v_pool, slot_mapping, context_slots, mask, query_starts, n_heads, n_kv, scale):
         """One whole decoder layer for a few tokens, in place on x [T, H]: the decode fast path.
 
         Same math as `llama.DecoderLayer.forward`, without a dozen torch dispatches per layer.
@@ -268,7 +271,7 @@ if numba is not None:
         q = np.ascontiguousarray(heads[:, :n_heads])  # contiguous, so the score loop vectorizes
         k = np.ascontiguousarray(heads[:, n_heads:n_heads + n_kv])
         v = np.ascontiguousarray(heads[:, n_heads + n_kv:])
-        _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, S, scale, attn)
+        _paged_attention(q, k, v, k_pool, v_pool, slot_mapping, context_slots, mask, query_starts, scale, attn)
         out = np.empty((T, H), np.float32)
         _gemm_rows(o_w, attn.reshape(T, n_heads * D), out)
         x += out
@@ -314,20 +317,25 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
 
 
 def can_fuse_layer(x: torch.Tensor, meta_query_lens: list[int]) -> bool:
-    """Whether `decoder_layer` applies: a few float32 CPU tokens, one (or two) per sequence."""
-    return (max(meta_query_lens) <= MAX_FUSED_QUERIES and len(set(meta_query_lens)) == 1
-            and x.shape[0] <= SMALL_M and _fast(x))
+    """Whether `decoder_layer` applies: a few float32 CPU tokens (decode, or verification of drafts of any
+    lengths up to MAX_FUSED_QUERIES - 1 per sequence)."""
+    return max(meta_query_lens) <= MAX_FUSED_QUERIES and x.shape[0] <= SMALL_M and _fast(x)
+
+
+def query_starts(query_lens: list[int]) -> "np.ndarray":
+    """[B + 1] first row of every sequence (and the total), for the kernels' ragged batches."""
+    return np.cumsum([0, *query_lens], dtype=np.int64)
 
 
 def decoder_layer(x: torch.Tensor, weights: tuple, cos: torch.Tensor, signed_sin: torch.Tensor,
                   k_pool: torch.Tensor, v_pool: torch.Tensor, slot_mapping: torch.Tensor,
-                  context_slots: torch.Tensor, mask: torch.Tensor, num_heads: int, num_kv_heads: int,
-                  eps: float, scale: float) -> torch.Tensor:
+                  context_slots: torch.Tensor, mask: torch.Tensor, query_lens: list[int], num_heads: int,
+                  num_kv_heads: int, eps: float, scale: float) -> torch.Tensor:
     """One decoder layer through the fused kernel. weights: numpy arrays in `_decoder_layer` order
     (ln1, qkv_w, qkv_b, q_norm, k_norm, o_w, ln2, gate_up_w, down_w; absent ones empty). x: [T, H]."""
     out = x.clone()
     _decoder_layer(out.numpy(), *weights, eps, cos.numpy(), signed_sin.numpy(), k_pool.numpy(), v_pool.numpy(),
-                   slot_mapping.numpy(), context_slots.numpy(), mask.numpy(), mask.shape[1], num_heads,
+                   slot_mapping.numpy(), context_slots.numpy(), mask.numpy(), query_starts(query_lens), num_heads,
                    num_kv_heads, scale)
     return out
 

@@ -116,8 +116,8 @@ class DecoderLayer(nn.Module):
         """x: [T, H], the flattened new tokens of every sequence."""
         if kernels.can_fuse_layer(x, meta.query_lens):
             return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
-                                         meta.slot_mapping, meta.context_slots, meta.mask, self.num_heads,
-                                         self.num_kv_heads, self.input_layernorm.eps, self.scale)
+                                         meta.slot_mapping, meta.context_slots, meta.mask, meta.query_lens,
+                                         self.num_heads, self.num_kv_heads, self.input_layernorm.eps, self.scale)
         T = x.shape[0]
         qkv = self.qkv_proj(self.input_layernorm(x)).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
