@@ -66,6 +66,7 @@ def test_greedy_output_matches_transformers_for_64_tokens(llm, hf_model):
 
 SPEC_CONFIGS = {
     "ngram": {"method": "ngram", "num_speculative_tokens": 4},
+    "ngram_branches": {"method": "ngram", "num_speculative_tokens": 8, "ngram_branches": 3},
     "layer_skip": {"method": "layer_skip", "num_layers": 20, "num_speculative_tokens": 3},
     "draft_model": {"method": "draft_model", "model": "smollm2-135m", "num_speculative_tokens": 3},
     "layer_skip_tree": {"method": "layer_skip", "num_layers": 20, "tree": "D2-BF2"},
