@@ -291,3 +291,47 @@ def test_bfloat16_speculative_greedy_equals_plain(tiny_llama_dir):
     spec = plain.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+def test_drafters_receive_the_targets_features_of_every_committed_token(tmp_path):
+    """A drafter that declares feature_layers gets, over its calls, the outputs of those target layers for
+    every committed token exactly once and in order (prefill rows, then the last token and the accepted
+    drafts of every verification, trees included), equal to transformers' hidden states."""
+    import transformers
+
+    from conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path, "llama", num_hidden_layers=4)
+    plain = LLM(str(path))
+    prompts = PROMPTS[:3]
+    reference = [o.token_ids for o in plain.generate(prompts, GREEDY)]
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(prompts, reference)}
+
+    class FeatureReader(TreeOracle):
+        feature_layers = (0, 2)
+
+        def __init__(self):
+            super().__init__(truth, depth=2, width=2)
+            self.received: dict[tuple[int, ...], list[tuple[int, torch.Tensor]]] = {}
+
+        def propose(self, requests):
+            for r in requests:
+                prompt = next(p for p in self.truth if tuple(r.token_ids[:len(p)]) == p)
+                if r.features is not None:
+                    self.received.setdefault(prompt, []).append((r.features_start, r.features.clone()))
+            return super().propose(requests)
+
+    drafter = FeatureReader()
+    spec = LLM(str(path), speculative_config={"method": "custom", "num_speculative_tokens": 4, "drafter": drafter})
+    outs = spec.generate(prompts, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
+    for prompt, out in zip(truth, outs):
+        chunks = drafter.received[prompt]
+        assert chunks[0][0] == 0 and all(a + len(f) == b for (a, f), (b, _) in zip(chunks, chunks[1:]))
+        got = torch.cat([f for _, f in chunks])  # [n, 2 * H], tokens 0 .. n - 1
+        assert len(prompt) < got.shape[0] < len(prompt) + len(out.token_ids)
+        with torch.no_grad():
+            states = hf(torch.tensor([list(prompt) + out.token_ids]), output_hidden_states=True).hidden_states
+        want = torch.cat([states[1][0], states[3][0]], -1)[: got.shape[0]]  # outputs of layers 0 and 2
+        assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()

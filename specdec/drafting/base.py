@@ -35,6 +35,11 @@ class DraftRequest:
     tree: tuple[tuple[int, ...], ...] | None = None  # the static tree asked for (choice list); None: a chain
     dynamic: tuple[int, int, int] | None = None  # or an EAGLE-2 dynamic tree: (topk, num_steps, num_draft_tokens)
     max_depth: int | None = None  # the deepest draft worth verifying (tokens the request may still emit - 1)
+    # For drafters with `feature_layers`: the target's features (those layers' outputs, concatenated) of the
+    # tokens committed since the last call, one row per token from token index `features_start` on. The
+    # last committed token has none yet (the target computes it when it feeds that token next step).
+    features: "torch.Tensor | None" = None
+    features_start: int = 0
 
 
 @dataclass
@@ -96,6 +101,8 @@ class Draft:
 
 class Drafter(ABC):
     """Proposes draft tokens; never decides what is emitted (verification does)."""
+
+    feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs this drafter reads (EAGLE)
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:

@@ -65,6 +65,8 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, self.allocator)
         self.speculator = Speculator(build_drafter(speculative, self.runner, tokenizer), self.runner,
                                      speculative) if speculative else None
+        if self.speculator is not None:
+            self.runner.feature_layers = tuple(getattr(self.speculator.drafter, "feature_layers", ()))
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}

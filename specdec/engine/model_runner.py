@@ -25,6 +25,10 @@ class ModelRunner:
     def __init__(self, model: LlamaModel, kv: KVPool, allocator: BlockAllocator) -> None:
         self.model, self.kv, self.allocator = model, kv, allocator
         self.device = model.device
+        # Decoder layers whose outputs a drafter reads (EAGLE features); every forward of the engine then
+        # leaves them, concatenated per row, in `features` [T, len(feature_layers) * H].
+        self.feature_layers: tuple[int, ...] = ()
+        self.features: torch.Tensor | None = None
 
     def sibling(self, model: LlamaModel) -> "ModelRunner":
         """A runner for another model (a draft) with its own KV pool over the same blocks and block tables."""
@@ -93,7 +97,9 @@ class ModelRunner:
                      trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         """Run the model; the hidden state of every new token, [T, H] (sequence by sequence)."""
         tokens, positions, meta = self.prepare(seqs, num_new, extra_tokens, trees)
-        return self.model(tokens, positions, meta, self.kv)[0]
+        hidden, captured = self.model(tokens, positions, meta, self.kv, output_layers=self.feature_layers)
+        self.features = torch.cat([captured[i] for i in self.feature_layers], -1) if self.feature_layers else None
+        return hidden
 
     def compact(self, seq: Sequence, nodes: list[int]) -> None:
         """Move the K/V of accepted tree nodes (indices fed after the token at slot index seq.num_cached)
@@ -111,7 +117,11 @@ class ModelRunner:
     def step(self, batch: ScheduledBatch) -> list[int | None]:
         """One forward for the batch; the next token of every sequence whose input is now fully cached."""
         hidden = self.forward(batch.seqs, batch.num_new_tokens)
+        offset = 0
         for seq, n in zip(batch.seqs, batch.num_new_tokens):
+            if self.features is not None:  # every fed token is now cached: its features are final
+                seq.pending_features.append(self.features[offset:offset + n])
+            offset += n
             seq.num_cached += n
         ready = [i for i, s in enumerate(batch.seqs) if s.num_uncached == 0]
         out: list[int | None] = [None] * len(batch.seqs)

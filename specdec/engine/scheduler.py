@@ -94,6 +94,7 @@ class Scheduler:
         self.num_preemptions += 1
         seq.num_preemptions += 1
         seq.num_cached = 0
+        seq.pending_features, seq.features_start = [], 0  # recomputed with the prefix
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 

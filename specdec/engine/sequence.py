@@ -60,6 +60,16 @@ class Sequence:
     num_steps: int = 0  # target forwards that produced output tokens
     num_preemptions: int = 0  # each one drops all of the sequence's KV, the drafters' too
     spec: SpecStats = field(default_factory=SpecStats)
+    # Target hidden states not yet handed to the drafter (only for drafters that read them, e.g. EAGLE):
+    # one [n, F] tensor per forward, covering tokens features_start .. num_cached - 1 in order.
+    pending_features: list[torch.Tensor] = field(default_factory=list)
+    features_start: int = 0
+
+    def take_features(self) -> tuple[int, torch.Tensor | None]:
+        """The pending target features and the token index of their first row; they are handed over once."""
+        start, pending = self.features_start, self.pending_features
+        self.features_start, self.pending_features = self.num_cached, []
+        return start, (torch.cat(pending) if pending else None)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -54,6 +54,9 @@ class Speculator:
         shape = self.cfg.shape_for(len(seqs))
         requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s, shape), s, shape.tree,
                                  shape.dynamic, s.params.max_tokens - len(s.output_token_ids) - 1) for s in seqs]
+        if shape.k and self.runner.feature_layers:  # hand over the target features gathered since the last draft
+            for r, s in zip(requests, seqs):
+                r.features_start, r.features = s.take_features()
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
@@ -66,8 +69,13 @@ class Speculator:
         logits = self.runner.model.compute_logits(hidden)
         result = self._verify(seqs, draft, counts, logits)
         emitted = []
+        row = 0
         for i, seq in enumerate(seqs):
             accepted = int(result.num_accepted[i])
+            if self.runner.features is not None:  # the last token's and the accepted nodes' features
+                kept = [row] + [row + 1 + node for node in result.accepted_nodes[i]]
+                seq.pending_features.append(self.runner.features[kept])
+            row += 1 + counts[i]
             if trees[i] is not None:
                 self.runner.compact(seq, result.accepted_nodes[i])
             seq.num_cached += 1 + accepted
