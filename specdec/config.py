@@ -140,7 +140,7 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "custom")
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "eagle3", "custom")
 TREE_METHODS = ("draft_model", "layer_skip")
 MAX_TREE_NODES = 64
 
@@ -192,7 +192,7 @@ class SpeculativeConfig:
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
     ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)
-    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM
+    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM; eagle3: the head's directory
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
     # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for draft_model / layer_skip
@@ -223,6 +223,9 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
         self.shape = self._parse_shape(self.tree, "tree")
         self.dispatch_table = self._parse_dispatch()
+        if self.method == "eagle3" and not self.model:
+            raise SpecdecError("method 'eagle3' needs 'model': the directory of an EAGLE-3 head (config.json + "
+                               "model.safetensors)")
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):

@@ -4,6 +4,7 @@ from __future__ import annotations
 from specdec.config import SpecdecError, SpeculativeConfig
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 from specdec.drafting.draft_model import DraftModelDrafter, check_same_vocabulary
+from specdec.drafting.eagle3 import Eagle3Drafter
 from specdec.drafting.layer_skip import LayerSkipDrafter
 from specdec.drafting.ngram import NgramDrafter
 from specdec.drafting.tree_draft import TreeDrafter
@@ -22,6 +23,12 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
         return DraftModelDrafter(target_runner.sibling(draft), k)
     if cfg.method == "layer_skip":
         return LayerSkipDrafter(target_runner, k, cfg.num_layers)
+    if cfg.method == "eagle3":
+        from specdec.models.eagle3 import Eagle3Head
+
+        target = target_runner.model
+        head = Eagle3Head.load(cfg.model, target.config, target.dtype, target.device)
+        return Eagle3Drafter(head, target_runner, k)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                             cfg.ngram_match, cfg.ngram_pool,
@@ -33,5 +40,5 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
     raise SpecdecError(f"speculative method {cfg.method!r} is not available")  # pragma: no cover
 
 
-__all__ = ["Draft", "DraftRequest", "Drafter", "NgramDrafter", "DraftModelDrafter", "LayerSkipDrafter",
+__all__ = ["Draft", "DraftRequest", "Drafter", "Eagle3Drafter", "NgramDrafter", "DraftModelDrafter", "LayerSkipDrafter",
            "TreeDrafter", "build_drafter"]

@@ -1,0 +1,195 @@
+"""The EAGLE-3 draft head, in the checkpoint layout SpecForge trains and SGLang / vLLM serve.
+
+    features  = concat(target layer outputs at low, mid, high layers)       [T, 3H]   (first draft step)
+    h         = fc(features)  or  the head's own previous output            [T, H]
+    x         = concat(input_layernorm(embed(token)), hidden_norm(h))       [T, 2H]   (embed: the target's)
+    h'        = h + o_proj(attention(x))                                    one decoder layer whose q/k/v
+    out       = h' + mlp(post_attention_layernorm(h'))                      read 2H inputs
+    logits    = lm_head(norm(out))                                          [T, draft_vocab]
+    target id = draft id + d2t[draft id]
+
+Token alignment (as in EAGLE's training): the row at position t pairs the target's feature of token t with
+the embedding of token t + 1, and predicts token t + 2. `out` is fed back as h for the next draft step.
+
+Checkpoint (a directory): config.json (a Llama config with `draft_vocab_size` and optionally
+`eagle_config.eagle_aux_hidden_state_layer_ids`) + model.safetensors with `fc.weight`, `midlayer.*`
+(`input_layernorm`, `hidden_norm`, `self_attn.{q,k,v,o}_proj`, `post_attention_layernorm`,
+`mlp.{gate,up,down}_proj`), `norm.weight`, `lm_head.weight`, `d2t` and `t2d`.
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.config import ModelConfig, SpecdecError
+from specdec.models.attention import AttentionMetadata, paged_attention
+from specdec.models.kernels import linear
+from specdec.models.llama import Linear, RMSNorm, rope_inv_freq, rotate
+
+
+def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """Low, mid and high target layers (SGLang's choice): 2, N / 2, N - 3 (clamped for tiny models)."""
+    last = num_target_layers - 1
+    return tuple(min(max(i, 0), last) for i in (2, num_target_layers // 2, num_target_layers - 3))
+
+
+class Eagle3Layer(nn.Module):
+    """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+        super().__init__()
+        H, D = cfg.hidden_size, cfg.head_dim
+        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
+        self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
+        self.qkv_proj = Linear(2 * H, (self.num_heads + 2 * self.num_kv_heads) * D, False, dtype, device)
+        self.o_proj = Linear(self.num_heads * D, H, False, dtype, device)
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
+        self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
+        self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
+        self.scale = D ** -0.5
+
+    def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
+                meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        T = hidden.shape[0]
+        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
+        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
+        attn = paged_attention(q, k, v.contiguous(), k_pool, v_pool, meta, self.scale)
+        h = hidden + self.o_proj(attn.reshape(T, -1))
+        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
+        return h + self.down_proj(F.silu(gate) * up)
+
+
+class Eagle3Head(nn.Module):
+    """config: the head's own Llama config (num_hidden_layers = 1); it shares the target's embedding."""
+
+    def __init__(self, config: ModelConfig, draft_vocab_size: int, aux_layers: tuple[int, ...],
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+        super().__init__()
+        H = config.hidden_size
+        self.config, self.draft_vocab_size, self.aux_layers = config, draft_vocab_size, tuple(aux_layers)
+        self.dtype, self.device = dtype, torch.device(device)
+        self.fc = Linear(len(self.aux_layers) * H, H, False, dtype, device)
+        self.midlayer = Eagle3Layer(config, dtype, device)
+        self.norm = RMSNorm(H, config.rms_norm_eps, torch.float32, device)
+        self.lm_head = nn.Parameter(torch.empty(draft_vocab_size, H, dtype=dtype, device=device), requires_grad=False)
+        self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device=device))
+        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float64), rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = emb.shape[-1] // 2
+        self.register_buffer("rope_cos", emb.cos().float().to(device), persistent=False)
+        self.register_buffer("rope_sin", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).float().to(device),
+                             persistent=False)
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv,
+                features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft step for T rows: the target's `features` [T, 3H] (through fc) or the head's own previous
+        output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
+        h = self.fc(features.float()) if features is not None else hidden
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        return self.midlayer(embeds.float(), h, cos, sin, meta, kv.k[0], kv.v[0])
+
+    @torch.inference_mode()
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> float32 logits over the draft vocabulary [N, draft_vocab]."""
+        return linear(self.norm(out), self.lm_head).float()
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids + self.d2t[draft_ids]
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
+             device: str | torch.device = "cpu") -> "Eagle3Head":
+        """A head directory in the SpecForge / SGLang layout, checked against the target it drafts for."""
+        from safetensors.torch import load_file
+
+        path = Path(path).expanduser()
+        if not (path / "config.json").is_file():
+            raise SpecdecError(f"EAGLE-3 head {path} has no config.json (expected a directory with config.json "
+                               "and model.safetensors)")
+        hf = json.loads((path / "config.json").read_text())
+        hf.setdefault("model_type", "llama")
+        config = dataclasses.replace(ModelConfig.from_hf(hf), num_hidden_layers=1)
+        if config.hidden_size != target.hidden_size or hf.get("vocab_size", target.vocab_size) != target.vocab_size:
+            raise SpecdecError(f"EAGLE-3 head {path} was made for hidden size {config.hidden_size} and vocab size "
+                               f"{hf.get('vocab_size')}, the target has {target.hidden_size} and {target.vocab_size}")
+        aux = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
+            or default_aux_layers(target.num_hidden_layers)
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SpecdecError(f"EAGLE-3 head {path} has no *.safetensors weights")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(f))
+        head = cls(config, int(hf.get("draft_vocab_size", target.vocab_size)), tuple(aux), dtype, device)
+        head.load_state_dict_reference(sd)
+        return head
+
+    def load_state_dict_reference(self, sd: dict[str, torch.Tensor]) -> None:
+        """Copy weights named as SpecForge saves them (q/k/v and gate/up fused here)."""
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise SpecdecError(f"EAGLE-3 checkpoint is missing tensor {name!r}")
+            return sd[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise SpecdecError(f"EAGLE-3 tensor {name!r} has shape {tuple(value.shape)}, expected "
+                                   f"{tuple(param.shape)}")
+            param.data.copy_(value.to(param.dtype))
+
+        m = "midlayer."
+        put(self.fc.weight, take("fc.weight"), "fc.weight")
+        put(self.midlayer.qkv_proj.weight, torch.cat([take(f"{m}self_attn.{n}_proj.weight") for n in "qkv"]),
+            "midlayer.self_attn.qkv_proj")
+        put(self.midlayer.o_proj.weight, take(f"{m}self_attn.o_proj.weight"), "midlayer.self_attn.o_proj.weight")
+        put(self.midlayer.gate_up_proj.weight, torch.cat([take(f"{m}mlp.gate_proj.weight"),
+                                                          take(f"{m}mlp.up_proj.weight")]), "midlayer.mlp.gate_up")
+        put(self.midlayer.down_proj.weight, take(f"{m}mlp.down_proj.weight"), "midlayer.mlp.down_proj.weight")
+        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            put(getattr(self.midlayer, norm).weight, take(f"{m}{norm}.weight"), f"{m}{norm}.weight")
+        put(self.norm.weight, take("norm.weight"), "norm.weight")
+        put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+        put(self.d2t, take("d2t") if "d2t" in sd else torch.zeros(self.draft_vocab_size, dtype=torch.long), "d2t")
+
+    def state_dict_reference(self) -> dict[str, torch.Tensor]:
+        """Weights in the SpecForge / SGLang layout (q/k/v and gate/up split), plus d2t and t2d."""
+        L, m = self.midlayer, "midlayer."
+        q, k, v = L.qkv_proj.weight.split([L.num_heads * L.head_dim, L.num_kv_heads * L.head_dim,
+                                           L.num_kv_heads * L.head_dim])
+        gate, up = L.gate_up_proj.weight.chunk(2)
+        t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
+        t2d[self.target_ids(torch.arange(self.draft_vocab_size, device=self.device)).cpu()] = True
+        sd = {"fc.weight": self.fc.weight, f"{m}self_attn.q_proj.weight": q, f"{m}self_attn.k_proj.weight": k,
+              f"{m}self_attn.v_proj.weight": v, f"{m}self_attn.o_proj.weight": L.o_proj.weight,
+              f"{m}mlp.gate_proj.weight": gate, f"{m}mlp.up_proj.weight": up,
+              f"{m}mlp.down_proj.weight": L.down_proj.weight, "norm.weight": self.norm.weight,
+              "lm_head.weight": self.lm_head, "d2t": self.d2t, "t2d": t2d}
+        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
+            sd[f"{m}{norm}.weight"] = getattr(L, norm).weight
+        return {k: t.detach().contiguous().cpu() for k, t in sd.items()}
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
+                  "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+                  "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
+                  "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
+                  "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
+                  "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}}
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})

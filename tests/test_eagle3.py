@@ -1,0 +1,106 @@
+"""EAGLE-3 heads: the reference checkpoint layout, and drafting that never changes the output."""
+from __future__ import annotations
+
+import dataclasses
+import json
+
+import pytest
+import torch
+
+from conftest import save_tiny_model
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec.drafting import DraftRequest
+from specdec.drafting.eagle3 import Eagle3Drafter
+from specdec.models.eagle3 import Eagle3Head
+
+PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
+GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=4)
+
+
+def random_head(target_config, draft_vocab: int = 100, seed: int = 0) -> Eagle3Head:
+    """A head with random weights and a draft vocabulary of `draft_vocab` target tokens (d2t offsets)."""
+    g = torch.Generator().manual_seed(seed)
+    head = Eagle3Head(dataclasses.replace(target_config, num_hidden_layers=1), draft_vocab, (0, 1, 2))
+    for p in head.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    chosen = torch.randperm(target_config.vocab_size, generator=g)[:draft_vocab].sort().values
+    head.d2t.copy_(chosen - torch.arange(draft_vocab))
+    return head
+
+
+@pytest.fixture(scope="module")
+def head_dir(target_dir, tmp_path_factory):
+    path = tmp_path_factory.mktemp("head")
+    random_head(LLM(str(target_dir)).engine.model.config).save(path)
+    return path
+
+
+def test_checkpoint_round_trip_in_the_reference_layout(target_dir, head_dir):
+    from safetensors.torch import load_file
+
+    config = json.loads((head_dir / "config.json").read_text())
+    assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 100
+    keys = set(load_file(head_dir / "model.safetensors"))
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.up_proj.weight",
+            "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
+    target = LLM(str(target_dir)).engine.model.config
+    head = Eagle3Head.load(head_dir, target)
+    assert load_file(head_dir / "model.safetensors").keys() == head.state_dict_reference().keys()
+    for name, t in head.state_dict_reference().items():
+        assert torch.equal(t, load_file(head_dir / "model.safetensors")[name]), name
+    assert head.aux_layers == (0, 1, 2)
+    t2d = load_file(head_dir / "model.safetensors")["t2d"]
+    assert t2d.sum() == 100 and t2d[head.target_ids(torch.arange(100))].all()
+
+
+def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
+    config = json.loads((head_dir / "config.json").read_text())
+    (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    with pytest.raises(SpecdecError, match="hidden size 128"):
+        LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path)})
+    with pytest.raises(SpecdecError, match="no config.json"):
+        LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
+
+
+def test_eagle3_greedy_equals_plain(target_dir, head_dir):
+    reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
+    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                   "num_speculative_tokens": 3})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, head_dir):
+    """The head's cache, re-aligned from target features each step, holds exactly what a fresh head fed the
+    whole history would compute: every step's draft equals a from-scratch recomputation."""
+    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                   "num_speculative_tokens": 3})
+    drafter = llm.engine.speculator.drafter
+    history: dict[int, list[torch.Tensor]] = {}
+    compared = []
+
+    class Checked(Eagle3Drafter):
+        def propose(self, requests):
+            draft = Eagle3Drafter.propose(drafter, requests)
+            for i, r in enumerate(requests):
+                history.setdefault(r.seq_id, []).append(r.features)
+                fresh = Eagle3Drafter(drafter.head, drafter.runner, drafter.k)
+                full = DraftRequest(r.seq_id, r.token_ids, r.num_new, r.max_tokens, r.seq,
+                                    features=torch.cat(history[r.seq_id]), features_start=0)
+                again = fresh.propose([full])
+                n = draft.num_nodes()[i]
+                compared.append(draft.tokens[i, :n].tolist() == again.tokens[0, :again.num_nodes()[0]].tolist())
+            return draft
+
+    llm.engine.speculator.drafter = Checked.__new__(Checked)
+    llm.engine.speculator.drafter.__dict__.update(drafter.__dict__)
+    llm.generate(PROMPTS, GREEDY)
+    assert len(compared) > 10 and all(compared)
