@@ -141,7 +141,7 @@ class EngineConfig:
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "eagle3", "custom")
-TREE_METHODS = ("draft_model", "layer_skip")
+TREE_METHODS = ("draft_model", "layer_skip", "eagle3")
 MAX_TREE_NODES = 64
 
 
@@ -265,6 +265,9 @@ class SpeculativeConfig:
                                f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (ngram branches with "
                                "'ngram_branches'; a custom drafter returns its own trees)")
         if isinstance(value, dict):
+            if self.method == "eagle3":
+                raise SpecdecError(f"invalid {what} {value!r}: dynamic trees are available for draft_model and "
+                                   "layer_skip; eagle3 drafts chains and static trees")
             return self._parse_dynamic(value, what)
         try:
             if isinstance(value, str):

@@ -67,10 +67,11 @@ def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
         LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
 
 
-def test_eagle3_greedy_equals_plain(target_dir, head_dir):
+@pytest.mark.parametrize("tree", ["chain", "D2-BF2", [[0], [1], [0, 0], [0, 0, 0], [1, 0]]])
+def test_eagle3_greedy_equals_plain(target_dir, head_dir, tree):
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
     llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                   "num_speculative_tokens": 3})
+                                                   "num_speculative_tokens": 3, "tree": tree})
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
@@ -104,3 +105,39 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
     llm.engine.speculator.drafter.__dict__.update(drafter.__dict__)
     llm.generate(PROMPTS, GREEDY)
     assert len(compared) > 10 and all(compared)
+
+
+def test_eagle3_tree_nodes_follow_the_heads_own_chain(target_dir, head_dir):
+    """The rank-0 path of a tree is the chain the head drafts: each node is fed its parent's output."""
+    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                   "num_speculative_tokens": 3, "tree": "D3-BF2"})
+    drafter = llm.engine.speculator.drafter
+    seen = []
+
+    original = type(drafter).propose
+
+    def propose(self, requests):
+        tree = original(self, requests)
+        chain_requests = [dataclasses.replace(r, tree=None, max_tokens=3) for r in requests]
+        # replay the same catch-up (features are consumed by the call above, so hand them over again)
+        chain = original(self, chain_requests)
+        for i in range(len(requests)):
+            if tree.num_nodes()[i] >= 14 and chain.num_nodes()[i] == 3:
+                path = [0, 2, 6]  # D3-BF2 node order: [0], [1], [0,0], [0,1], [1,0], [1,1], [0,0,0], ...
+                seen.append(tree.tokens[i, path].tolist() == chain.tokens[i, :3].tolist())
+        return tree
+
+    type(drafter).propose = propose
+    try:
+        llm.generate(PROMPTS, GREEDY)
+    finally:
+        type(drafter).propose = original
+    assert len(seen) > 5 and all(seen)
+
+
+def test_dynamic_trees_are_refused_for_eagle3(head_dir):
+    from specdec.config import SpeculativeConfig
+
+    with pytest.raises(SpecdecError, match="eagle3 drafts chains and static trees"):
+        SpeculativeConfig.parse({"method": "eagle3", "model": str(head_dir),
+                                 "tree": {"topk": 2, "num_steps": 2, "num_draft_tokens": 4}})

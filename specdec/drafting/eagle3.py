@@ -1,4 +1,6 @@
-"""EAGLE-3 drafting: a one-layer head over the target's low/mid/high features drafts a chain of k tokens.
+"""EAGLE-3 drafting: a one-layer head over the target's low/mid/high features drafts a chain of k tokens,
+or a static tree of its top-ranked tokens (one batched forward per level, each node feeding its own output
+to its children).
 
 Each step (Meta's alignment: the head is re-aligned from target features only):
 
@@ -13,11 +15,15 @@ head's argmax (q = one-hot), which verification handles losslessly at any temper
 """
 from __future__ import annotations
 
+import dataclasses
+
 import torch
 
 from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.drafting.tree_draft import TreeShape, grow_static_tree
 from specdec.kv_cache import KVPool
 from specdec.models.eagle3 import Eagle3Head
+from specdec.tree import TreeFeed
 
 
 class Eagle3Drafter(Drafter):
@@ -27,37 +33,75 @@ class Eagle3Drafter(Drafter):
         alloc = target_runner.allocator
         self.kv = KVPool(head.config, alloc.num_blocks, alloc.block_size, torch.float32, head.device)
         self.feature_layers = head.aux_layers
+        self.shapes: dict[tuple, TreeShape] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
-        proposals: list[list[int]] = [[] for _ in requests]
         if not active:
-            return Draft.chains(proposals)
-        reqs = [requests[i] for i in active]
-        tables = [r.seq.block_table.blocks for r in reqs]
+            return Draft.chains([[] for _ in requests])
+        root = self._catch_up([requests[i] for i in active])  # [len(active), H]
+        if requests[0].tree is not None:
+            return self._tree(requests, active, root)
+        return self._chain(requests, active, root)
+
+    def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:
+        """Feed each request's new target features (paired with the next tokens); the head's output at its
+        last row, from which the first draft tokens come, [B, H]."""
         starts = [r.features_start for r in reqs]
         feeds = [r.token_ids[s + 1:s + 1 + len(r.features)] for r, s in zip(reqs, starts)]
-        out = self._run(tables, starts, feeds, features=torch.cat([r.features for r in reqs]))
-        last = torch.tensor([len(f) for f in feeds]).cumsum(0) - 1
-        hidden = out[last]  # [B, H] the head's output at each request's last row
-        positions = [s + len(f) for s, f in zip(starts, feeds)]  # where the first draft token's row goes
+        out = self._run([r.seq.block_table.blocks for r in reqs], starts, feeds,
+                        features=torch.cat([r.features for r in reqs]))
+        return out[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
+
+    def _chain(self, requests: list[DraftRequest], active: list[int], hidden: torch.Tensor) -> Draft:
+        reqs = [requests[i] for i in active]
+        tables = [r.seq.block_table.blocks for r in reqs]
+        first_row = [len(r.token_ids) - 1 for r in reqs]  # the first draft token's row: right after the features
         budget = [min(self.k, r.max_tokens) for r in reqs]
-        tokens = self._next(hidden)
-        chains = [[t] for t in tokens.tolist()]
+        chains = [[t] for t in self._next(hidden).tolist()]
         for step in range(1, max(budget)):
             rows = [i for i, b in enumerate(budget) if b > step]
-            out = self._run([tables[i] for i in rows], [positions[i] + step - 1 for i in rows],
+            out = self._run([tables[i] for i in rows], [first_row[i] + step - 1 for i in rows],
                             [[chains[i][-1]] for i in rows], hidden=hidden[rows])
             hidden = hidden.clone()
             hidden[rows] = out
             for i, t in zip(rows, self._next(out).tolist()):
                 chains[i].append(t)
+        proposals: list[list[int]] = [[] for _ in requests]
         for i, chain, b in zip(active, chains, budget):
             proposals[i] = chain[:b]
         return Draft.chains(proposals)
 
-    def _run(self, tables, starts, feeds, features=None, hidden=None) -> torch.Tensor:
-        tokens, positions, meta = self.runner.build(tables, starts, feeds)
+    def _tree(self, requests: list[DraftRequest], active: list[int], root: torch.Tensor) -> Draft:
+        """A static tree of the head's top-ranked tokens; each node feeds its own output to its children."""
+        shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, TreeShape(requests[0].tree))
+        reqs = [r if i in active else dataclasses.replace(r, max_tokens=0) for i, r in enumerate(requests)]
+        slot = {i: j for j, i in enumerate(active)}
+        outputs: dict[tuple[int, int], torch.Tensor] = {}
+
+        def root_logits() -> torch.Tensor:
+            logits = self.head.target_logits(root)
+            full = logits.new_zeros(len(reqs), logits.shape[1])
+            full[active] = logits
+            return full
+
+        def expand(batch: list[int], rows: list[list[int]], tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
+            hidden = torch.stack([root[slot[i]] if shape.parents[n] < 0 else outputs[(i, shape.parents[n])]
+                                  for i in batch for n in rows[i]])
+            trees = [TreeFeed.level(shape.parents[:sizes[i]], rows[i]) for i in batch]
+            out = self._run([reqs[i].seq.block_table.blocks for i in batch], [len(reqs[i].token_ids) - 1 for i in batch],
+                            [tokens[i, rows[i]].tolist() for i in batch], hidden=hidden, trees=trees)
+            j = 0
+            for i in batch:
+                for n in rows[i]:
+                    outputs[(i, n)] = out[j]
+                    j += 1
+            return self.head.target_logits(out)
+
+        return grow_static_tree(shape, reqs, root_logits, expand)
+
+    def _run(self, tables, starts, feeds, features=None, hidden=None, trees=None) -> torch.Tensor:
+        tokens, positions, meta = self.runner.build(tables, starts, feeds, trees)
         return self.head(self.embed(tokens), positions, meta, self.kv, features=features, hidden=hidden)
 
     def _next(self, out: torch.Tensor) -> torch.Tensor:

@@ -17,7 +17,7 @@ from specdec.drafting.chain import ChainDrafter, DraftCache
 from specdec.tree import TreeFeed, expand_step, select_dynamic_tree, tree_from_choices
 
 
-class _Shape:
+class TreeShape:
     """A static tree prepared for drafting: parents, ranks and the nodes of each level."""
 
     def __init__(self, choices: tuple[tuple[int, ...], ...]) -> None:
@@ -29,6 +29,44 @@ class _Shape:
         self.levels = [[n for n, d in enumerate(depth) if d == level] for level in range(1, max(depth) + 1)]
 
 
+def grow_static_tree(shape: TreeShape, requests: list[DraftRequest], root_logits, expand) -> Draft:
+    """Fill a static tree with the drafter's top-ranked tokens, one forward per level.
+
+    root_logits() -> [B, V] the draft's logits after the last committed token (called once, first);
+    expand(batch, rows, tokens, sizes) -> [sum of len(rows[i]) for i in batch, V] logits after each node in
+    rows[i] (node indices of request i, one level), fed in that order; `tokens` [B, N] is the tree so far
+    and request i has sizes[i] nodes.
+    Each request gets the first min(nodes, max_tokens) nodes (a prefix of the node order is a tree).
+    """
+    B = len(requests)
+    sizes = [min(len(shape.parents), r.max_tokens) for r in requests]
+    N = max(sizes, default=0)
+    tokens = torch.zeros(B, N, dtype=torch.long)
+    parents = torch.full((B, N), PAD, dtype=torch.long)
+    for i, n in enumerate(sizes):
+        parents[i, :n] = shape.tensor_parents[:n]
+    if N == 0:
+        return Draft(tokens, parents)
+    top = root_logits().topk(shape.width).indices.cpu()  # [B, width]
+    for c in shape.levels[0]:
+        if c < N:
+            tokens[:, c] = top[:, shape.ranks[c]]
+    for level, below in zip(shape.levels, shape.levels[1:]):
+        rows = [[n for n in level if n < size and any(shape.parents[c] == n for c in below if c < size)]
+                for size in sizes]
+        batch = [i for i in range(B) if rows[i]]
+        if not batch:
+            break
+        top = expand(batch, rows, tokens, sizes).topk(shape.width).indices.cpu()  # [rows fed, width]
+        offset = 0
+        for i in batch:
+            for c in below:
+                if c < sizes[i] and shape.parents[c] in rows[i]:
+                    tokens[i, c] = top[offset + rows[i].index(shape.parents[c]), shape.ranks[c]]
+            offset += len(rows[i])
+    return Draft(tokens, parents)
+
+
 class TreeDrafter(ChainDrafter):
     """A ChainDrafter that drafts the static tree a request asks for (`DraftRequest.tree`), all requests of
     a step sharing one shape; chains when none is asked for. One drafter (and one draft cache) serves
@@ -37,45 +75,23 @@ class TreeDrafter(ChainDrafter):
     def __init__(self, runner, num_speculative_tokens: int, num_layers: int | None = None,
                  shares_target_cache: bool = False) -> None:
         super().__init__(runner, num_speculative_tokens, num_layers, shares_target_cache)
-        self.shapes: dict[tuple, _Shape] = {}
+        self.shapes: dict[tuple, TreeShape] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         if requests and requests[0].dynamic is not None:
             return self._propose_dynamic(requests, *requests[0].dynamic)
         if not requests or requests[0].tree is None:
             return super().propose(requests)
-        shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, _Shape(requests[0].tree))
-        B = len(requests)
-        sizes = [min(len(shape.parents), r.max_tokens) for r in requests]  # a prefix of the node order is a tree
-        N = max(sizes, default=0)
-        tokens = torch.zeros(B, N, dtype=torch.long)
-        parents = torch.full((B, N), PAD, dtype=torch.long)
-        for i, n in enumerate(sizes):
-            parents[i, :n] = shape.tensor_parents[:n]
-        if N == 0:
-            return Draft(tokens, parents)
+        shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, TreeShape(requests[0].tree))
         tables = [r.seq.block_table.blocks for r in requests]
-        top = self._catch_up(requests).topk(shape.width).indices.cpu()  # [B, width]
-        for c in shape.levels[0]:
-            if c < N:
-                tokens[:, c] = top[:, shape.ranks[c]]
-        for level, below in zip(shape.levels, shape.levels[1:]):
-            rows = [[n for n in level if n < size and any(shape.parents[c] == n for c in below if c < size)]
-                    for size in sizes]
-            batch = [i for i in range(B) if rows[i]]
-            if not batch:
-                break
+
+        def expand(batch: list[int], rows: list[list[int]], tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
             trees = [TreeFeed.level(shape.parents[:sizes[i]], rows[i]) for i in batch]
             hidden = self.runner.run([tables[i] for i in batch], [len(requests[i].token_ids) for i in batch],
                                      [tokens[i, rows[i]].tolist() for i in batch], self.num_layers, trees)
-            top = self.runner.model.compute_logits(hidden).topk(shape.width).indices.cpu()  # [rows fed, width]
-            offset = 0
-            for i in batch:
-                for c in below:
-                    if c < sizes[i] and shape.parents[c] in rows[i]:
-                        tokens[i, c] = top[offset + rows[i].index(shape.parents[c]), shape.ranks[c]]
-                offset += len(rows[i])
-        return Draft(tokens, parents)
+            return self.runner.model.compute_logits(hidden)
+
+        return grow_static_tree(shape, requests, lambda: self._catch_up(requests), expand)
 
     def _catch_up(self, requests: list[DraftRequest]) -> torch.Tensor:
         """Feed what the draft cache lacks up to the last committed token; the draft's logits there [B, V].

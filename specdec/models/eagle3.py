@@ -105,6 +105,13 @@ class Eagle3Head(nn.Module):
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
 
+    def target_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """Logits over the target's vocabulary [N, V]: -inf for tokens outside the draft vocabulary."""
+        logits = self.compute_logits(out)
+        full = logits.new_full((logits.shape[0], self.config.vocab_size), float("-inf"))
+        full[:, self.target_ids(torch.arange(self.draft_vocab_size, device=logits.device))] = logits
+        return full
+
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
