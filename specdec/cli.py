@@ -49,6 +49,23 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure draft shapes per batch size and write the tree dispatcher's table")
     add_model_args(t)
     add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
+    tr = sub.add_parser("train", help="train an EAGLE-3 draft head by online distillation from the target")
+    tr.add_argument("--method", default="eagle3", help="eagle3")
+    tr.add_argument("--target", default=DEFAULT_MODEL, help=f"the frozen target (default {DEFAULT_MODEL})")
+    tr.add_argument("--data", nargs="+", required=True, help="chat JSONL files ({'messages': [...]} per line)")
+    tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")
+    tr.add_argument("--steps", type=int, default=1000, help="conversations to train on (default 1000)")
+    tr.add_argument("--max-len", type=int, default=512, help="tokens per conversation (default 512)")
+    tr.add_argument("--lr", type=float, default=2e-4)
+    tr.add_argument("--weight-decay", type=float, default=0.1)
+    tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
+    tr.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (default 200)")
+    tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    tr.add_argument("--regenerate", action="store_true",
+                    help="train on the target's own greedy answers to the data's prompts (cached in --out)")
+    tr.add_argument("--val-prompts", type=int, default=8, help="held-out conversations for validation")
+    tr.add_argument("--val-tokens", type=int, default=64, help="greedy tokens per validation prompt")
+    tr.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -97,6 +114,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench import run_bench
 
             run_bench(args)
+        elif args.command == "train":
+            from specdec.train import run_train
+
+            run_train(args)
         elif args.command == "tune":
             from specdec.tune import run_tune
 

@@ -1,0 +1,265 @@
+"""`specdec train`: fit an EAGLE-3 draft head to a frozen target by online distillation.
+
+For every training conversation the target (our own serving runtime) runs once and yields, per token t,
+its low/mid/high layer outputs (the head's input features), its last layer's output h_t and its logits.
+The head's row t pairs feature t with the embedding of token t + 1 and predicts token t + 2, so it is
+trained against the target at t + 1 (the Meta report's equation 1, shifted by one):
+
+    loss = 0.1 * CE(softmax(target logits_(t+1) over the draft vocabulary), head logits_t)
+         + 1.0 * SmoothL1(head output_t, target h_(t+1))
+
+averaged over the assistant tokens. Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
+draft vocabulary is the most frequent assistant tokens of the training data. `--regenerate` replaces the
+assistant turns with the target's own greedy answers (self-distillation). Checkpoints (the head in the
+serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
+`--resume` continues from the last one. Validation measures the acceptance length with the real engine.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import random
+import sys
+import time
+from collections import Counter
+from pathlib import Path
+
+import torch
+import torch.nn.functional as F
+from tqdm import tqdm
+
+from specdec.config import SamplingParams, SpecdecError
+
+CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
+
+
+# ---------------------------------------------------------------------------------------------- data
+def load_conversations(paths: list[str]) -> list[list[dict]]:
+    convs = []
+    for p in paths:
+        path = Path(p).expanduser()
+        if not path.is_file():
+            raise SpecdecError(f"training data {path} does not exist")
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+            if not line.strip():
+                continue
+            try:
+                messages = json.loads(line)["messages"]
+            except (json.JSONDecodeError, KeyError, TypeError):
+                raise SpecdecError(f"{path}:{lineno}: expected a JSON object with a 'messages' list") from None
+            if any(m.get("role") == "assistant" for m in messages):
+                convs.append(messages)
+    if not convs:
+        raise SpecdecError("the training data holds no conversation with an assistant turn")
+    return convs
+
+
+def tokenize(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[bool]]:
+    """Chat-templated token ids and, per token, whether it belongs to an assistant turn (the loss mask)."""
+    def render(msgs, generation_prompt):
+        text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
+        return tokenizer.encode(text, add_special_tokens=False)
+
+    ids = render(messages, False)
+    mask = [False] * len(ids)
+    for i, m in enumerate(messages):
+        if m["role"] == "assistant":
+            start, end = len(render(messages[:i], True)), len(render(messages[:i + 1], False))
+            mask[start:end] = [True] * (end - start)
+    return ids[:max_len], mask[:max_len]
+
+
+def regenerate(llm, convs: list[list[dict]], max_len: int, cache: Path) -> list[tuple[list[int], list[bool]]]:
+    """Self-distillation data: each conversation's first user turn answered by the target itself (greedy,
+    batched), as token ids with the answer masked in. Cached on disk, so a resumed run reuses it."""
+    if cache.is_file():
+        return [tuple(x) for x in json.loads(cache.read_text())]
+    prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in convs]
+    encoded = [llm.apply_chat_template(p) for p in prompts]
+    keep = [i for i, ids in enumerate(encoded) if len(ids) < max_len - 2]
+    outs = llm.generate([{"prompt_token_ids": encoded[i]} for i in keep],
+                        SamplingParams(temperature=0, max_tokens=max_len))
+    samples = []
+    for i, out in zip(keep, outs):
+        ids = (encoded[i] + out.token_ids)[:max_len]
+        samples.append((ids, [j >= len(encoded[i]) for j in range(len(ids))]))
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    cache.write_text(json.dumps(samples))
+    return samples
+
+
+def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, vocab_size: int) -> torch.Tensor:
+    """The `size` most frequent assistant tokens (sorted ids); rarer ones are never drafted."""
+    counts = Counter(t for ids, mask in samples for t, m in zip(ids, mask) if m)
+    chosen = [t for t, _ in counts.most_common(size)]
+    for t in range(vocab_size):  # pad with the lowest unseen ids when the data is small
+        if len(chosen) >= size:
+            break
+        if t not in counts:
+            chosen.append(t)
+    return torch.tensor(sorted(chosen[:size]), dtype=torch.long)
+
+
+# ---------------------------------------------------------------------------------------------- target
+@torch.inference_mode()
+def target_outputs(model, ids: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """One causal forward of the target over `ids` with a private cache: (features [T, 3H], last layer
+    output before the final norm [T, H], logits [T, V])."""
+    from specdec.kv_cache import KVPool
+    from specdec.models.attention import AttentionMetadata
+
+    T, bs = len(ids), 16
+    kv = KVPool(model.config, -(-T // bs) + 1, bs, model.act_dtype, model.device)
+    pos = torch.arange(T, device=model.device)
+    slots = (pos + bs)[None]  # block 0 is the null block
+    meta = AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T])
+    last = model.config.num_hidden_layers - 1
+    normed, captured = model(torch.tensor(ids, device=model.device), pos, meta, kv, output_layers=(*layers, last))
+    return torch.cat([captured[i] for i in layers], -1), captured[last], model.compute_logits(normed)
+
+
+# ---------------------------------------------------------------------------------------------- loss
+def head_train_forward(head, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The head over one whole sequence with plain causal attention (differentiable): row t pairs features[t]
+    with embeds[t] (the embedding of token t + 1). Same math as serving, which reads a paged cache."""
+    L = head.midlayer
+    T = embeds.shape[0]
+    h = F.linear(features, head.fc.weight)
+    x = torch.cat([_norm(L.input_layernorm, embeds), _norm(L.hidden_norm, h)], -1)
+    qkv = F.linear(x, L.qkv_proj.weight).view(T, L.num_heads + 2 * L.num_kv_heads, L.head_dim)
+    pos = torch.arange(T, device=embeds.device)
+    cos, sin = head.rope_cos[pos][:, None, :], head.rope_sin[pos][:, None, :]
+    qk = qkv[:, :L.num_heads + L.num_kv_heads]
+    qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
+    q, k, v = qk[:, :L.num_heads], qk[:, L.num_heads:], qkv[:, L.num_heads + L.num_kv_heads:]
+    group = L.num_heads // L.num_kv_heads
+    attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
+                                          v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True, scale=L.scale)
+    h = h + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
+    gate, up = F.linear(_norm(L.post_attention_layernorm, h), L.gate_up_proj.weight).chunk(2, -1)
+    return h + F.linear(F.silu(gate) * up, L.down_proj.weight)
+
+
+def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+
+
+def eagle3_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
+                mask: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+    """Equation 1 on rows whose predicted token (t + 2) is an assistant token. out: [T, H] head outputs;
+    target_hidden / target_logits: the target at t + 1 for row t ([T, H], [T, V]); mask [T] bool."""
+    out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask]
+    logits = F.linear(_norm(head.norm, out), head.lm_head)  # [N, draft_vocab]
+    p = torch.softmax(target_logits[:, draft_ids].float(), -1)
+    ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
+    regression = F.smooth_l1_loss(out, target_hidden)
+    top1 = (logits.argmax(-1) == target_logits[:, draft_ids].argmax(-1)).float().mean()
+    return CE_WEIGHT * ce + REGRESSION_WEIGHT * regression, {"ce": ce.item(), "l1": regression.item(),
+                                                            "top1": top1.item()}
+
+
+# ---------------------------------------------------------------------------------------------- run
+def run_train(args: argparse.Namespace) -> dict:
+    from specdec.llm import LLM
+    from specdec.models.eagle3 import Eagle3Head, default_aux_layers
+
+    if args.method != "eagle3":
+        raise SpecdecError(f"--method {args.method}: the trainer supports eagle3 so far")
+    for name in ("steps", "max_len", "draft_vocab", "save_every"):
+        if getattr(args, name) < 1:
+            raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    torch.manual_seed(args.seed)
+    llm = LLM(args.target)
+    target, tok = llm.engine.model, llm.tokenizer
+    out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
+    convs = load_conversations(args.data)
+    random.Random(args.seed).shuffle(convs)
+    held_out = convs[:args.val_prompts]
+    if args.regenerate:
+        samples = regenerate(llm, convs[args.val_prompts:], args.max_len, out_dir / "regenerated.json")
+    else:
+        samples = [tokenize(tok, c, args.max_len) for c in convs[args.val_prompts:]]
+    samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
+    if not samples:
+        raise SpecdecError("no training conversation has assistant tokens within --max-len")
+    cfg = target.config
+    if args.resume and ckpt.is_file():
+        head = Eagle3Head.load(out_dir, cfg)
+        state = torch.load(ckpt, weights_only=False)
+    else:
+        import dataclasses
+
+        head = Eagle3Head(dataclasses.replace(cfg, num_hidden_layers=1), min(args.draft_vocab, cfg.vocab_size),
+                          default_aux_layers(cfg.num_hidden_layers))
+        init_head(head, target, draft_vocabulary(samples, head.draft_vocab_size, cfg.vocab_size))
+        state = None
+    draft_ids = head.target_ids(torch.arange(head.draft_vocab_size))
+    params = [p for p in head.parameters()]
+    for p in params:
+        p.requires_grad_(True)
+    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    step = 0
+    if state is not None:
+        opt.load_state_dict(state["optimizer"])
+        step = state["step"]
+    history = []
+    bar = tqdm(total=args.steps, initial=step, desc="train eagle3", file=sys.stderr)
+    tokens_seen, start = 0, time.perf_counter()
+    while step < args.steps:
+        ids, mask = samples[step % len(samples)]
+        features, hidden, logits = target_outputs(target, ids, head.aux_layers)
+        # row t: feature t, embedding of token t + 1, trained against the target at t + 1 (token t + 2)
+        embeds = target.embed(torch.tensor(ids[1:])).float()
+        rows = len(ids) - 2
+        out = head_train_forward(head, embeds[:rows], features[:rows].clone())
+        loss, stats = eagle3_loss(head, out, hidden[1:rows + 1].clone(), logits[1:rows + 1].clone(),
+                                  torch.tensor(mask[2:rows + 2]), draft_ids)
+        opt.zero_grad()
+        loss.backward()
+        opt.step()
+        step += 1
+        tokens_seen += len(ids)
+        history.append({"step": step, "loss": loss.item(), **stats})
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats['top1']:.2f}",
+                        tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
+        bar.update()
+        if step % args.save_every == 0 or step == args.steps:
+            save_checkpoint(head, opt, step, out_dir, ckpt)
+    bar.close()
+    result = {"steps": step, "history": history[-50:]}
+    if held_out:
+        result["validation"] = validate(args.target, out_dir, held_out, tok, args.val_tokens)
+        print(json.dumps(result["validation"]))
+    (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
+    return result
+
+
+def init_head(head, target, draft_ids: torch.Tensor) -> None:
+    """Small random weights, unit norms, and the LM head started from the target's rows of the draft
+    vocabulary (the head begins by reading h like the target reads its last hidden state)."""
+    g = torch.Generator().manual_seed(0)
+    for name, p in head.named_parameters():
+        if p.dim() == 1:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
+    head.lm_head.data.copy_(target.lm_head[draft_ids].float())
+    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+
+
+def save_checkpoint(head, opt, step: int, out_dir: Path, ckpt: Path) -> None:
+    head.save(out_dir)
+    torch.save({"optimizer": opt.state_dict(), "step": step}, ckpt)
+
+
+def validate(target: str, head_dir: Path, conversations: list[list[dict]], tokenizer, max_tokens: int) -> dict:
+    """Acceptance length of the trained head with the serving engine, greedy, on held-out prompts."""
+    from specdec.llm import LLM
+
+    llm = LLM(target, speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3})
+    prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in conversations]
+    outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
+    steps = sum(o.metrics["num_steps"] for o in outs)
+    return {"acceptance_length": sum(len(o.token_ids) for o in outs) / steps if steps else None,
+            "num_prompts": len(outs)}
