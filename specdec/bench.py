@@ -77,7 +77,7 @@ def prompts_path(arg: str | None) -> Path:
 def load_questions(path: Path) -> list[dict]:
     """Spec-Bench rows: a JSON object per line with a non-empty 'turns' list (only the first turn is used)."""
     rows = []
-    for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+    for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
         if not line.strip():
             continue
         try:

@@ -41,7 +41,7 @@ def load_conversations(paths: list[str]) -> list[list[dict]]:
         path = Path(p).expanduser()
         if not path.is_file():
             raise SpecdecError(f"training data {path} does not exist")
-        for lineno, line in enumerate(path.read_text(encoding="utf-8").splitlines(), 1):
+        for lineno, line in enumerate(path.read_text(encoding="utf-8").split("\n"), 1):
             if not line.strip():
                 continue
             try:

@@ -114,3 +114,13 @@ def test_bad_training_input_is_refused(target_dir, tmp_path, capsys):
     assert main(["train", "--method", "medusa", "--target", str(target_dir), "--data", str(bad),
                  "--out", str(tmp_path / "o")]) == 2
     assert "supports eagle3 so far" in capsys.readouterr().err
+
+
+def test_data_lines_may_hold_unicode_line_separators(tmp_path):
+    """JSONL splits on newlines only: U+2028 inside a JSON string (seen in our training data) is content."""
+    from specdec.train import load_conversations
+
+    data = tmp_path / "d.jsonl"
+    data.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"},
+                                             {"role": "assistant", "content": "c\u2029d"}]}, ensure_ascii=False) + "\n")
+    assert load_conversations([str(data)])[0][0]["content"] == "a\u2028b"
