@@ -61,6 +61,8 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
     tr.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (default 200)")
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    tr.add_argument("--ttt-steps", type=int, default=3,
+                    help="unroll the head on its own outputs this many steps (EAGLE-3's training-time test)")
     tr.add_argument("--regenerate", action="store_true",
                     help="train on the target's own greedy answers to the data's prompts (cached in --out)")
     tr.add_argument("--val-prompts", type=int, default=8, help="held-out conversations for validation")

@@ -8,7 +8,9 @@ trained against the target at t + 1 (the Meta report's equation 1, shifted by on
     loss = 0.1 * CE(softmax(target logits_(t+1) over the draft vocabulary), head logits_t)
          + 1.0 * SmoothL1(head output_t, target h_(t+1))
 
-averaged over the assistant tokens. Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
+averaged over the assistant tokens. With `--ttt-steps K` (EAGLE-3's training-time test) the head is also
+unrolled K - 1 more times on its own outputs, exactly as serving drafts tokens 2..K, each step's loss
+weighted 0.8^(s-1). Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
 draft vocabulary is the most frequent assistant tokens of the training data. `--regenerate` replaces the
 assistant turns with the target's own greedy answers (self-distillation). Checkpoints (the head in the
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
@@ -32,6 +34,7 @@ from tqdm import tqdm
 from specdec.config import SamplingParams, SpecdecError
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
+TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -120,25 +123,55 @@ def target_outputs(model, ids: list[int], layers: tuple[int, ...]) -> tuple[torc
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def head_train_forward(head, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
-    """The head over one whole sequence with plain causal attention (differentiable): row t pairs features[t]
-    with embeds[t] (the embedding of token t + 1). Same math as serving, which reads a paged cache."""
+def head_train_forward(head, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+    """The head over one whole sequence, differentiable, unrolled `steps` times on its own outputs (EAGLE-3's
+    training-time test). Returns out_s [T, H] for s = 1..steps; row p of step s is what serving computes
+    for the s-th draft token when the last feature it had was token p - s + 1's:
+
+        step 1, row p: hidden fc(features[p]),  token p + 1 (embeds[p]), keys: step-1 rows 0..p
+        step s, row p: hidden out_(s-1)[p - 1], token p + 1,             keys: step-1 rows 0..p-s+1, and the
+                       step-r row p - s + r for r = 2..s (the draft rows serving wrote before it)
+
+    so rows p < s - 1 of step s are meaningless. Same math as serving, which reads a paged cache.
+    """
     L = head.midlayer
-    T = embeds.shape[0]
-    h = F.linear(features, head.fc.weight)
-    x = torch.cat([_norm(L.input_layernorm, embeds), _norm(L.hidden_norm, h)], -1)
-    qkv = F.linear(x, L.qkv_proj.weight).view(T, L.num_heads + 2 * L.num_kv_heads, L.head_dim)
+    T, H = embeds.shape
     pos = torch.arange(T, device=embeds.device)
     cos, sin = head.rope_cos[pos][:, None, :], head.rope_sin[pos][:, None, :]
-    qk = qkv[:, :L.num_heads + L.num_kv_heads]
-    qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
-    q, k, v = qk[:, :L.num_heads], qk[:, L.num_heads:], qkv[:, L.num_heads + L.num_kv_heads:]
-    group = L.num_heads // L.num_kv_heads
-    attn = F.scaled_dot_product_attention(q.transpose(0, 1), k.repeat_interleave(group, 1).transpose(0, 1),
-                                          v.repeat_interleave(group, 1).transpose(0, 1), is_causal=True, scale=L.scale)
-    h = h + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
-    gate, up = F.linear(_norm(L.post_attention_layernorm, h), L.gate_up_proj.weight).chunk(2, -1)
-    return h + F.linear(F.silu(gate) * up, L.down_proj.weight)
+    group, nq, nkv = L.num_heads // L.num_kv_heads, L.num_heads, L.num_kv_heads
+    e = _norm(L.input_layernorm, embeds)
+    h = F.linear(features, head.fc.weight)
+    keys: list[torch.Tensor] = []
+    values: list[torch.Tensor] = []
+    outs: list[torch.Tensor] = []
+    for s in range(1, steps + 1):
+        if s > 1:
+            h = torch.cat([outs[-1][:1] * 0, outs[-1][:-1]])  # row p reads the previous step's row p - 1
+        qkv = F.linear(torch.cat([e, _norm(L.hidden_norm, h)], -1), L.qkv_proj.weight).view(T, nq + 2 * nkv, -1)
+        qk = qkv[:, :nq + nkv]
+        qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
+        q = qk[:, :nq].transpose(0, 1)  # [Hq, T, D]
+        keys.append(qk[:, nq:].repeat_interleave(group, 1).transpose(0, 1))  # [Hq, T, D]
+        values.append(qkv[:, nq + nkv:].repeat_interleave(group, 1).transpose(0, 1))
+        scores = (q @ keys[0].transpose(1, 2)) * L.scale  # [Hq, T, T] against step-1 rows
+        visible = pos[None, :] <= pos[:, None] - (s - 1)
+        scores = scores.masked_fill(~visible, float("-inf"))
+        shifted_values, extra = [], []
+        for r in range(2, s + 1):  # one earlier draft row per step r: row p - (s - r)
+            shift = s - r
+            k_r = torch.cat([keys[r - 1][:, :1].expand(-1, shift, -1) * 0, keys[r - 1][:, :T - shift]], 1)
+            v_r = torch.cat([values[r - 1][:, :1].expand(-1, shift, -1) * 0, values[r - 1][:, :T - shift]], 1)
+            d = (q * k_r).sum(-1) * L.scale  # [Hq, T]
+            extra.append(d.masked_fill(pos[None, :] < shift, float("-inf"))[..., None])
+            shifted_values.append(v_r)
+        probs = torch.softmax(torch.cat([scores, *extra], -1), -1)
+        attn = probs[..., :T] @ values[0]
+        for j, v_r in enumerate(shifted_values):
+            attn = attn + probs[..., T + j:T + j + 1] * v_r
+        h2 = h + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
+        gate, up = F.linear(_norm(L.post_attention_layernorm, h2), L.gate_up_proj.weight).chunk(2, -1)
+        outs.append(h2 + F.linear(F.silu(gate) * up, L.down_proj.weight))
+    return outs
 
 
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
@@ -166,7 +199,7 @@ def run_train(args: argparse.Namespace) -> dict:
 
     if args.method != "eagle3":
         raise SpecdecError(f"--method {args.method}: the trainer supports eagle3 so far")
-    for name in ("steps", "max_len", "draft_vocab", "save_every"):
+    for name in ("steps", "max_len", "draft_vocab", "save_every", "ttt_steps"):
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     torch.manual_seed(args.seed)
@@ -212,9 +245,17 @@ def run_train(args: argparse.Namespace) -> dict:
         # row t: feature t, embedding of token t + 1, trained against the target at t + 1 (token t + 2)
         embeds = target.embed(torch.tensor(ids[1:])).float()
         rows = len(ids) - 2
-        out = head_train_forward(head, embeds[:rows], features[:rows].clone())
-        loss, stats = eagle3_loss(head, out, hidden[1:rows + 1].clone(), logits[1:rows + 1].clone(),
-                                  torch.tensor(mask[2:rows + 2]), draft_ids)
+        outs = head_train_forward(head, embeds[:rows], features[:rows].clone(), args.ttt_steps)
+        target_mask = torch.tensor(mask[2:rows + 2])
+        loss, stats = 0.0, {}
+        for s, out in enumerate(outs):  # step s + 1 is meaningful from row s on; later steps weigh less
+            step_mask = target_mask & (torch.arange(rows) >= s)
+            if not step_mask.any():
+                continue
+            step_loss, step_stats = eagle3_loss(head, out, hidden[1:rows + 1].clone(), logits[1:rows + 1].clone(),
+                                                step_mask, draft_ids)
+            loss = loss + TTT_DECAY ** s * step_loss
+            stats = stats or step_stats  # the progress bar reports step 1
         opt.zero_grad()
         loss.backward()
         opt.step()

@@ -39,13 +39,42 @@ def test_training_forward_equals_the_serving_forward(target_dir):
     T = len(ids) - 1
     embeds = model.embed(torch.tensor(ids[1:])).float()
     with torch.no_grad():
-        trained = head_train_forward(head, embeds, features[:T])
+        trained = head_train_forward(head, embeds, features[:T])[0]
     kv = KVPool(head.config, 8, 16, torch.float32, "cpu")
     pos = torch.arange(T)
     slots = (pos + 16)[None]
     served = head(embeds, pos, AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T]), kv,
                   features=features[:T])
     assert torch.allclose(trained, served, atol=1e-4)
+
+
+def test_unrolled_training_steps_equal_serving_draft_steps(target_dir):
+    """EAGLE-3's training-time test: step s of the unrolled training forward at row p is exactly what
+    serving computes for the s-th draft token after catching up on features 0 .. p - s + 1 (same inputs,
+    same keys: the catch-up rows plus the draft rows written before it)."""
+    model = LLM(str(target_dir)).engine.model
+    head = random_head(model.config, 100, seed=3)
+    ids = list(range(7, 40))
+    features, _, _ = target_outputs(model, ids, head.aux_layers)
+    T = len(ids) - 1
+    embeds = model.embed(torch.tensor(ids[1:])).float()
+    with torch.no_grad():
+        outs = head_train_forward(head, embeds, features[:T], steps=3)
+    p = 20
+    kv = KVPool(head.config, 8, 16, torch.float32, "cpu")
+
+    def serve(rows: range, **inputs):
+        pos = torch.tensor(list(rows))
+        ctx = torch.arange(rows.stop)[None]
+        meta = AttentionMetadata.causal(pos[None], ctx + 16, ctx, pos + 16, [len(pos)])
+        return head(embeds[pos], pos, meta, kv, **inputs)
+
+    caught_up = serve(range(0, p), features=features[:p])  # features 0 .. p - 1
+    second = serve(range(p, p + 1), hidden=caught_up[p - 1:p])  # draft token 2 (token p + 1 fed)
+    third = serve(range(p + 1, p + 2), hidden=second)  # draft token 3
+    assert torch.allclose(outs[0][:p], caught_up, atol=1e-4)
+    assert torch.allclose(outs[1][p], second[0], atol=1e-4)
+    assert torch.allclose(outs[2][p + 1], third[0], atol=1e-4)
 
 
 def test_loss_is_equation_one_on_a_hand_checked_batch(target_dir):
