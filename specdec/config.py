@@ -195,9 +195,10 @@ class SpeculativeConfig:
     model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM; eagle3: the head's directory
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
-    # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for draft_model / layer_skip
-    # a full tree "Dm-BFn" (e.g. "D3-BF2") or a static tree as a choice list [[0], [1], [0, 0], ...]
-    # (a node is its path of child ranks: the EAGLE/Medusa format).
+    # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for TREE_METHODS a full tree
+    # "Dm-BFn" (e.g. "D3-BF2"), a static tree as a choice list [[0], [1], [0, 0], ...] (a node is its path of
+    # child ranks: the EAGLE/Medusa format) or, for draft_model / layer_skip, an EAGLE-2 dynamic tree
+    # {"topk": 4, "num_steps": 3, "num_draft_tokens": 12}.
     tree: Any = "chain"
     # The tree dispatcher: {"<min batch size>": shape} picks the shape by the step's batch size, e.g.
     # {"1": "D2-BF2", "8": "chain-2", "32": "off"}; batch sizes below the smallest key use `tree`. Or the
@@ -221,7 +222,7 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_branches={self.ngram_branches!r}: must be an integer in [1, 8]")
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
-        self.shape = self._parse_shape(self.tree, "tree")
+        self.shape = self.parse_shape(self.tree, "tree")
         self.dispatch_table = self._parse_dispatch()
         if self.method == "eagle3" and not self.model:
             raise SpecdecError("method 'eagle3' needs 'model': the directory of an EAGLE-3 head (config.json + "
@@ -247,7 +248,8 @@ class SpeculativeConfig:
                 shape = entry
         return shape
 
-    def _parse_shape(self, value: Any, what: str) -> "SpecShape":
+    def parse_shape(self, value: Any, what: str = "tree") -> "SpecShape":
+        """A draft shape as `tree` and dispatch entries write it, checked against this method."""
         from specdec.tree import parse_tree_spec, tree_from_choices
 
         if value == "off":
@@ -324,7 +326,7 @@ class SpeculativeConfig:
                 min_batch = 0
             if min_batch < 1:
                 raise SpecdecError(f"invalid dispatch key {key!r}: must be a batch size >= 1")
-            table.append((min_batch, self._parse_shape(value, f"dispatch[{key!r}]")))
+            table.append((min_batch, self.parse_shape(value, f"dispatch[{key!r}]")))
         return sorted(table)
 
     @classmethod

@@ -37,7 +37,7 @@ def shape_json(shape: SpecShape) -> str | list[list[int]] | dict:
 def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:
     """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
     cfg = llm.engine.speculative
-    shape = cfg._parse_shape(MEASURE_TREE, "tree")
+    shape = cfg.parse_shape(MEASURE_TREE, "tree")
     cfg.dispatch_table = [(1, shape)]
     width, depth = 1 + max(p[-1] for p in shape.tree), max(len(p) for p in shape.tree)
     reached, accepted = [0] * depth, [[0] * width for _ in range(depth)]
@@ -64,8 +64,8 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
         from specdec.tree import pruned_tree
 
         for size in PRUNED_SIZES:
-            shapes.append(cfg._parse_shape(pruned_tree(rates, size), "tree"))
-        shapes += [cfg._parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
+            shapes.append(cfg.parse_shape(pruned_tree(rates, size), "tree"))
+        shapes += [cfg.parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
     unique: dict[SpecShape, None] = dict.fromkeys(shapes)
     return list(unique)
 

@@ -20,7 +20,7 @@ import dataclasses
 import torch
 
 from specdec.drafting.base import Draft, DraftRequest, Drafter
-from specdec.drafting.tree_draft import TreeShape, grow_static_tree
+from specdec.drafting.tree_draft import grow_static_tree, tree_shape
 from specdec.kv_cache import KVPool
 from specdec.models.eagle3 import Eagle3Head
 from specdec.tree import TreeFeed
@@ -33,7 +33,6 @@ class Eagle3Drafter(Drafter):
         alloc = target_runner.allocator
         self.kv = KVPool(head.config, alloc.num_blocks, alloc.block_size, torch.float32, head.device)
         self.feature_layers = head.aux_layers
-        self.shapes: dict[tuple, TreeShape] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
@@ -74,7 +73,7 @@ class Eagle3Drafter(Drafter):
 
     def _tree(self, requests: list[DraftRequest], active: list[int], root: torch.Tensor) -> Draft:
         """A static tree of the head's top-ranked tokens; each node feeds its own output to its children."""
-        shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, TreeShape(requests[0].tree))
+        shape = tree_shape(requests[0].tree)
         reqs = [r if i in active else dataclasses.replace(r, max_tokens=0) for i, r in enumerate(requests)]
         slot = {i: j for j, i in enumerate(active)}
         outputs: dict[tuple[int, int], torch.Tensor] = {}

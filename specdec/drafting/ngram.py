@@ -45,14 +45,8 @@ class NgramIndex:
     def lookup(self, tokens: list[int], k: int, latest: bool = True) -> tuple[list[int], int]:
         """Up to k tokens that followed the longest suffix of `tokens` seen earlier (in any indexed text),
         and that suffix's length (0: no match)."""
-        L = len(tokens)
-        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
-            places = self.positions.get(tuple(tokens[L - n:]), [])
-            for text_id, start in reversed(places) if latest else places:
-                text = self.texts.get(text_id)  # None once forgotten; the suffix itself is never indexed
-                if text is not None:
-                    return text[start:start + k], n
-        return [], 0
+        found = self.lookup_branches(tokens, k, 1, latest)
+        return found[0] if found else ([], 0)
 
     def lookup_branches(self, tokens: list[int], k: int, branches: int, latest: bool = True
                         ) -> list[tuple[list[int], int]]:
@@ -62,8 +56,8 @@ class NgramIndex:
         for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
             places = self.positions.get(tuple(tokens[L - n:]), [])
             for text_id, start in reversed(places) if latest else places:
-                text = self.texts.get(text_id)
-                if text is not None and start < len(text) and text[start] not in firsts:
+                text = self.texts.get(text_id)  # None once forgotten; the suffix itself is never indexed
+                if text is not None and text[start] not in firsts:
                     firsts.add(text[start])
                     found.append((text[start:start + k], n))
                     if len(found) == branches:

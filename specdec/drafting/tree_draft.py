@@ -10,11 +10,19 @@ verification overwrites) and are not kept: the next catch-up feeds the accepted 
 """
 from __future__ import annotations
 
+import functools
+
 import torch
 
 from specdec.drafting.base import PAD, ROOT, Draft, DraftRequest
 from specdec.drafting.chain import ChainDrafter, DraftCache
 from specdec.tree import TreeFeed, expand_step, select_dynamic_tree, tree_from_choices
+
+
+@functools.lru_cache(maxsize=64)
+def tree_shape(choices: tuple[tuple[int, ...], ...]) -> "TreeShape":
+    """The prepared form of a static tree (shared by every drafter; a step asks for it by its choices)."""
+    return TreeShape(choices)
 
 
 class TreeShape:
@@ -75,14 +83,13 @@ class TreeDrafter(ChainDrafter):
     def __init__(self, runner, num_speculative_tokens: int, num_layers: int | None = None,
                  shares_target_cache: bool = False) -> None:
         super().__init__(runner, num_speculative_tokens, num_layers, shares_target_cache)
-        self.shapes: dict[tuple, TreeShape] = {}
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         if requests and requests[0].dynamic is not None:
             return self._propose_dynamic(requests, *requests[0].dynamic)
         if not requests or requests[0].tree is None:
             return super().propose(requests)
-        shape = self.shapes.get(requests[0].tree) or self.shapes.setdefault(requests[0].tree, TreeShape(requests[0].tree))
+        shape = tree_shape(requests[0].tree)
         tables = [r.seq.block_table.blocks for r in requests]
 
         def expand(batch: list[int], rows: list[list[int]], tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
@@ -121,6 +128,7 @@ class TreeDrafter(ChainDrafter):
         for _ in range(num_steps - 1):
             all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
             fed += list(frontier.T)
+            all_depth = torch.cat(depth, 1)
             feeds = []
             for i in range(B):
                 slot_of = {int(f[i]): j for j, f in enumerate(fed)}  # candidate -> slot offset
@@ -130,7 +138,7 @@ class TreeDrafter(ChainDrafter):
                         visible[row, slot_of[node]] = True
                         node = int(all_parents[i, node])
                 rows = frontier[i].tolist()
-                feeds.append(TreeFeed([slot_of[n] for n in rows], (torch.cat(depth, 1)[i, rows] - 1).tolist(), visible))
+                feeds.append(TreeFeed([slot_of[n] for n in rows], (all_depth[i, rows] - 1).tolist(), visible))
             hidden = self.runner.run(tables, [len(r.token_ids) for r in requests],
                                      [all_tokens[i, frontier[i]].tolist() for i in range(B)], self.num_layers, feeds)
             child = torch.log_softmax(self.runner.model.compute_logits(hidden).float(), -1).cpu().topk(topk)
@@ -140,7 +148,7 @@ class TreeDrafter(ChainDrafter):
             tokens.append(step.tokens)
             parents.append(step.parents)
             scores.append(step.scores)
-            depth.append(torch.cat(depth, 1).gather(1, step.parents) + 1)
+            depth.append(all_depth.gather(1, step.parents) + 1)
             frontier = base + step.next_frontier
             frontier_scores = step.scores.gather(1, step.next_frontier)
         all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
