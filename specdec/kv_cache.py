@@ -57,6 +57,9 @@ class BlockAllocator:
         self.num_blocks, self.block_size = num_blocks, block_size
         self.free_blocks: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() gives low ids first
         self.ref_count = [0] * num_blocks
+        self.num_cached_free = 0  # blocks kept only by the prefix cache
+        self.prefix_queried_tokens = 0
+        self.prefix_hit_tokens = 0
 
     @property
     def num_free(self) -> int:

@@ -101,6 +101,25 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    def stats(self) -> dict:
+        """A snapshot of the engine's gauges and cumulative counters (what /metrics exports)."""
+        totals = self.speculator.totals if self.speculator is not None else None
+        alloc = self.allocator
+        return {
+            "requests_running": len(self.scheduler.running),
+            "requests_waiting": len(self.scheduler.waiting),
+            "kv_blocks_used": alloc.num_used,  # blocks held by requests or kept by the prefix cache
+            "kv_blocks_total": alloc.num_blocks - 1,
+            "kv_blocks_cached": alloc.num_cached_free,  # kept only by the prefix cache (evictable)
+            "prefix_cache_queried_tokens": alloc.prefix_queried_tokens,
+            "prefix_cache_hit_tokens": alloc.prefix_hit_tokens,
+            "num_preemptions": self.scheduler.num_preemptions,
+            "spec_num_drafts": totals.num_drafts if totals else 0,
+            "spec_num_draft_tokens": totals.num_draft_tokens if totals else 0,
+            "spec_num_accepted_tokens": totals.num_accepted_tokens if totals else 0,
+            "spec_accepted_per_pos": list(totals.accepted_per_pos) if totals else [],
+        }
+
     def step(self) -> list[tuple[Sequence, list[int]]]:
         """Advance every scheduled sequence; returns (sequence, tokens it gained this step)."""
         batch = self.scheduler.schedule()

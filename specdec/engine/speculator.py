@@ -15,7 +15,7 @@ import torch
 from specdec.config import SpecShape, SpeculativeConfig
 from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.sequence import Sequence
+from specdec.engine.sequence import Sequence, SpecStats
 from specdec.sampling import SamplingTensors, logits_to_probs, sample
 from specdec.tree import TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy
@@ -35,6 +35,7 @@ class Speculator:
     def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig) -> None:
         self.drafter, self.runner, self.cfg = drafter, runner, cfg
         self.history: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per step
+        self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
 
     @staticmethod
     def draft_budget(seq: Sequence, shape: SpecShape) -> int:
@@ -81,6 +82,7 @@ class Speculator:
             seq.num_cached += 1 + accepted
             self.runner.allocator.truncate(seq.block_table, seq.num_cached)
             seq.spec.record(counts[i], accepted)
+            self.totals.record(counts[i], accepted)
             if self.history is not None:
                 self.history.append((result.accepted_nodes[i], counts[i]))
             emitted.append(result.emitted_tokens[i])
