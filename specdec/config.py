@@ -138,6 +138,7 @@ class EngineConfig:
     max_num_seqs: int = 64
     max_num_batched_tokens: int = 4096  # prefill tokens per step
     max_model_len: int | None = None  # None: the model's context length
+    enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose token prefix was seen before
 
 
 SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "eagle3", "custom")

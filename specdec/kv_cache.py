@@ -6,10 +6,17 @@ Memory layout (one pool per model; a draft model gets its own pool over the same
                     |-- block 0 --|-- block 1 --| ...      block 0 is the null block: padding writes land there
     block_table(seq) = [7, 3, 12]  ->  token at position p lives in slot block_table[p // bs] * bs + p % bs
 
-Blocks carry reference counts so that a later prefix cache can share full blocks between sequences.
+Prefix caching (Meta's persistent KV): once a block is full of committed tokens it is keyed by a hash of
+every token up to its end (chained block by block, so a key names the whole prefix). Blocks are reference
+counted: a new request whose prompt starts with a cached prefix shares those blocks instead of prefilling
+them; a block nobody holds but that has a key is kept in an LRU pool and only evicted when no truly free
+block is left. Draft KV pools live over the same blocks, so target and draft caches hit and evict together.
 """
 from __future__ import annotations
 
+import hashlib
+from array import array
+from collections import OrderedDict
 from dataclasses import dataclass, field
 
 import torch
@@ -43,31 +50,46 @@ class OutOfBlocks(RuntimeError):
 
 @dataclass
 class BlockTable:
-    """The blocks one sequence owns, in order."""
+    """The blocks one sequence owns, in order; `keys[i]` is block i's prefix key once it is registered."""
 
     blocks: list[int] = field(default_factory=list)
+    keys: list[bytes] = field(default_factory=list)
+
+
+def block_key(parent: bytes, tokens: list[int]) -> bytes:
+    """Key of a full block: a 128-bit digest of the parent block's key and this block's tokens."""
+    return hashlib.blake2b(parent + array("q", tokens).tobytes(), digest_size=16).digest()
 
 
 class BlockAllocator:
     """Hands out KV blocks and takes them back; sequences grow, rewind and free through it."""
 
-    def __init__(self, num_blocks: int, block_size: int) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
+        self.enable_prefix_caching = enable_prefix_caching
         self.free_blocks: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() gives low ids first
         self.ref_count = [0] * num_blocks
-        self.num_cached_free = 0  # blocks kept only by the prefix cache
-        self.prefix_queried_tokens = 0
-        self.prefix_hit_tokens = 0
+        self.block_of: dict[bytes, int] = {}  # prefix key -> block holding it
+        self.key_of: dict[int, bytes] = {}
+        self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, oldest first
+        self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
+        self.prefix_hit_tokens = 0  # of those, tokens whose K/V were reused
 
     @property
     def num_free(self) -> int:
-        return len(self.free_blocks)
+        """Blocks an allocation can take: free ones, then cached ones nobody holds (evicted on demand)."""
+        return len(self.free_blocks) + len(self.evictable)
 
     @property
     def num_used(self) -> int:
-        return self.num_blocks - 1 - len(self.free_blocks)
+        """Blocks held by sequences (not counting those kept only by the prefix cache)."""
+        return self.num_blocks - 1 - self.num_free
+
+    @property
+    def num_cached_free(self) -> int:
+        return len(self.evictable)
 
     def blocks_needed(self, table: BlockTable, num_tokens: int) -> int:
         """Blocks to add so that `table` holds `num_tokens` tokens."""
@@ -82,7 +104,11 @@ class BlockAllocator:
         if need > self.num_free:
             raise OutOfBlocks(f"need {need} KV blocks, {self.num_free} free")
         for _ in range(need):
-            block = self.free_blocks.pop()
+            if self.free_blocks:
+                block = self.free_blocks.pop()
+            else:  # evict the least recently used cached block
+                block, _ = self.evictable.popitem(last=False)
+                del self.block_of[self.key_of.pop(block)]
             self.ref_count[block] = 1
             table.blocks.append(block)
 
@@ -91,6 +117,7 @@ class BlockAllocator:
         keep = -(-num_tokens // self.block_size)
         while len(table.blocks) > keep:
             self._release(table.blocks.pop())
+        del table.keys[keep:]
 
     def free(self, table: BlockTable) -> None:
         self.truncate(table, 0)
@@ -98,7 +125,54 @@ class BlockAllocator:
     def _release(self, block: int) -> None:
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
-            self.free_blocks.append(block)
+            if block in self.key_of:
+                self.evictable[block] = None  # most recently used last
+            else:
+                self.free_blocks.append(block)
+
+    # -- prefix caching ---------------------------------------------------------------------------
+    def admit(self, table: BlockTable, token_ids: list[int], max_new: int) -> int | None:
+        """Give an empty `table` the cached blocks of the longest cached prefix of `token_ids` (never the
+        last token: it must be fed to get logits), then grow it by up to `max_new` of the remaining tokens.
+        Returns how many tokens came from the cache, or None (nothing changed) when blocks are short."""
+        assert not table.blocks, "admit() starts a sequence's table"
+        hits: list[tuple[int, bytes]] = []
+        if self.enable_prefix_caching:
+            key, bs = b"", self.block_size
+            for b in range((len(token_ids) - 1) // bs):
+                key = block_key(key, token_ids[b * bs:(b + 1) * bs])
+                block = self.block_of.get(key)
+                if block is None:
+                    break
+                hits.append((block, key))
+        num_hit = len(hits) * self.block_size
+        num_tokens = min(len(token_ids) - num_hit, max_new)
+        reused_idle = sum(1 for block, _ in hits if block in self.evictable)
+        need = -(-(num_hit + num_tokens) // self.block_size) - len(hits)
+        if need > self.num_free - reused_idle:
+            return None
+        for block, key in hits:
+            self.evictable.pop(block, None)
+            self.ref_count[block] += 1
+            table.blocks.append(block)
+            table.keys.append(key)
+        self.allocate(table, num_hit + num_tokens)
+        self.prefix_queried_tokens += len(token_ids)
+        self.prefix_hit_tokens += num_hit
+        return num_hit
+
+    def register(self, table: BlockTable, token_ids: list[int], num_tokens: int) -> None:
+        """Key the full blocks among the first `num_tokens` tokens (whose K/V, target's and drafts', are final)
+        so that later requests can reuse them."""
+        if not self.enable_prefix_caching:
+            return
+        bs = self.block_size
+        for b in range(len(table.keys), min(num_tokens // bs, len(table.blocks))):
+            key = block_key(table.keys[-1] if table.keys else b"", token_ids[b * bs:(b + 1) * bs])
+            table.keys.append(key)
+            block = table.blocks[b]
+            if key not in self.block_of and block not in self.key_of:  # else an identical block is cached
+                self.block_of[key], self.key_of[block] = block, key
 
     def slots(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Flat slot indices of positions [start, end)."""

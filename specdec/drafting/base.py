@@ -110,3 +110,9 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: drop any state kept for it."""
+
+    def cached_prefix(self, seq: "Sequence") -> int | None:
+        """How many leading tokens of `seq` have final K/V in this drafter's own pool over the shared blocks;
+        None when it keeps none there. Blocks enter the prefix cache only where target and draft both hold
+        them, so a later request that reuses them finds the draft's K/V too."""
+        return None

@@ -75,8 +75,14 @@ class ChainDrafter(Drafter):
         """How many leading tokens of the sequence already have valid K/V in the draft cache."""
         if self.shares_target_cache:
             return r.seq.num_cached  # the target wrote these layers' K/V for every committed token
-        cache = self.caches.get(r.seq_id, DraftCache())
-        return min(cache.valid_prefix(r.token_ids, r.seq.num_preemptions), len(r.token_ids) - 1)
+        return min(self.cached_prefix(r.seq), len(r.token_ids) - 1)
+
+    def cached_prefix(self, seq) -> int | None:
+        if self.shares_target_cache:
+            return None  # the target's own K/V
+        cache = self.caches.get(seq.seq_id, DraftCache())
+        # Blocks reused from the prefix cache came with the draft's K/V (they were cached where both held them).
+        return max(cache.valid_prefix(seq.token_ids, seq.num_preemptions), seq.num_prefix_hit)
 
     @staticmethod
     def _sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:

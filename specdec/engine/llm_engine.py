@@ -56,7 +56,7 @@ class LLMEngine:
             by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.act_dtype))
             by_need = self.cfg.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(by_memory, by_need))
-        self.allocator = BlockAllocator(num_blocks, bs)
+        self.allocator = BlockAllocator(num_blocks, bs, self.cfg.enable_prefix_caching)
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(mcfg, num_blocks, bs, model.act_dtype, model.device)
@@ -67,6 +67,10 @@ class LLMEngine:
                                      speculative) if speculative else None
         if self.speculator is not None:
             self.runner.feature_layers = tuple(getattr(self.speculator.drafter, "feature_layers", ()))
+        if self.runner.feature_layers:
+            # A feature drafter (EAGLE) reads the target's hidden states of every token it is re-aligned from;
+            # a prefix-cache hit skips computing them, so such engines do not cache prefixes.
+            self.allocator.enable_prefix_caching = False
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}
@@ -94,6 +98,7 @@ class LLMEngine:
             self._finish(seq, "abort")
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
             self.speculator.drafter.release(seq.seq_id)
@@ -108,7 +113,7 @@ class LLMEngine:
         return {
             "requests_running": len(self.scheduler.running),
             "requests_waiting": len(self.scheduler.waiting),
-            "kv_blocks_used": alloc.num_used,  # blocks held by requests or kept by the prefix cache
+            "kv_blocks_used": alloc.num_used + alloc.num_cached_free,  # held by requests or by the prefix cache
             "kv_blocks_total": alloc.num_blocks - 1,
             "kv_blocks_cached": alloc.num_cached_free,  # kept only by the prefix cache (evictable)
             "prefix_cache_queried_tokens": alloc.prefix_queried_tokens,
@@ -135,7 +140,19 @@ class LLMEngine:
                 continue
             seq.num_steps += 1
             events.append((seq, self._commit(seq, tokens)))
+        for seq in batch.seqs:
+            if not seq.is_finished:
+                self._register_prefix(seq)
         return events
+
+    def _register_prefix(self, seq: Sequence) -> None:
+        """Offer the sequence's full blocks to the prefix cache, up to where both the target's K/V and the
+        drafter's (when it keeps any in the shared blocks) hold committed tokens."""
+        n = min(seq.num_cached, len(seq.token_ids))
+        if self.speculator is not None:
+            drafted = self.speculator.drafter.cached_prefix(seq)
+            n = n if drafted is None else min(n, drafted)
+        self.allocator.register(seq.block_table, seq.token_ids, n)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens until a stop condition; finish the sequence if one fired."""
@@ -186,6 +203,7 @@ def request_metrics(seq: Sequence) -> dict:
         "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else None,
         "acceptance_length": n / seq.num_steps if seq.num_steps else None,
         "num_prompt_tokens": seq.num_prompt_tokens,
+        "num_cached_tokens": seq.num_prefix_hit,  # prompt tokens served from the prefix cache
         "num_generated_tokens": n,
         "num_steps": seq.num_steps,
         "ttft_s": ttft,

@@ -2,8 +2,11 @@
 
 A step is either a prefill step (new or preempted sequences feed their uncached tokens, chunked by a
 token budget) or a decode step (every running sequence feeds its last token, plus up to `lookahead`
-draft tokens whose slots are reserved here). When blocks run out during decode, the newest sequence is
-preempted: its blocks are freed and it is recomputed later.
+draft tokens whose slots are reserved here). While both kinds of work wait, prefill and decode steps
+alternate, so a long prompt arriving never stalls the requests already decoding for more than one chunk.
+A new sequence starts from the longest cached prefix of its tokens (prefix caching). When blocks run out
+during decode, the newest sequence is preempted: its blocks are freed and it is recomputed later (its
+full blocks stay in the prefix cache, so the recompute is usually cheap).
 """
 from __future__ import annotations
 
@@ -29,6 +32,7 @@ class Scheduler:
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
+        self.last_was_prefill = False
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -37,8 +41,14 @@ class Scheduler:
         return bool(self.waiting or self.running)
 
     def schedule(self) -> ScheduledBatch | None:
-        batch = self._schedule_prefill()
-        return batch if batch is not None else self._schedule_decode()
+        decodable = any(s.num_uncached == 1 for s in self.running)
+        batch = None
+        if not (self.last_was_prefill and decodable):
+            batch = self._schedule_prefill()
+        if batch is None:
+            batch = self._schedule_decode()
+        self.last_was_prefill = batch is not None and batch.is_prefill
+        return batch
 
     def _schedule_prefill(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
@@ -51,12 +61,19 @@ class Scheduler:
             is_new = seq.status == Status.WAITING
             if is_new and len(self.running) + num_admitted >= self.cfg.max_num_seqs:
                 break
-            n = min(seq.num_uncached, budget - sum(counts))  # a prompt over the budget is chunked
-            if n <= 0:
+            room = budget - sum(counts)
+            if room <= 0:
                 break
-            if not self.allocator.can_allocate(seq.block_table, seq.num_cached + n):
-                break
-            self.allocator.allocate(seq.block_table, seq.num_cached + n)
+            if is_new:  # start from the longest cached prefix, then reserve the first chunk after it
+                hit = self.allocator.admit(seq.block_table, seq.token_ids, room)
+                if hit is None:
+                    break
+                seq.num_cached = seq.num_prefix_hit = hit
+            n = min(seq.num_uncached, room)  # a prompt over the budget is chunked
+            if not is_new:
+                if not self.allocator.can_allocate(seq.block_table, seq.num_cached + n):
+                    break
+                self.allocator.allocate(seq.block_table, seq.num_cached + n)
             seqs.append(seq)
             counts.append(n)
             num_admitted += is_new
@@ -93,7 +110,7 @@ class Scheduler:
         self.allocator.free(seq.block_table)
         self.num_preemptions += 1
         seq.num_preemptions += 1
-        seq.num_cached = 0
+        seq.num_cached = seq.num_prefix_hit = 0
         seq.pending_features, seq.features_start = [], 0  # recomputed with the prefix
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)

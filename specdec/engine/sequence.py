@@ -50,6 +50,7 @@ class Sequence:
     generator: torch.Generator | None = None
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_cached: int = 0  # tokens whose K/V are in the cache
+    num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at the latest admission
     block_table: BlockTable = field(default_factory=BlockTable)
     status: Status = Status.WAITING
     finish_reason: str | None = None  # "stop" | "length" | "abort"

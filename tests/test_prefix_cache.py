@@ -1,0 +1,130 @@
+"""Prefix caching: full blocks outlive their request, a later request with the same prefix reuses them
+(target and draft K/V together), and reuse never changes a token."""
+from __future__ import annotations
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.kv_cache import BlockAllocator, BlockTable
+
+SYSTEM = list(range(20, 60))  # a 40-token shared "system prompt": 10 full blocks of 4
+
+
+def test_freed_full_blocks_are_found_again_by_prefix():
+    alloc = BlockAllocator(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(10, 21))  # 11 tokens: 2 full blocks and a partial one
+    t = BlockTable()
+    assert alloc.admit(t, tokens, max_new=100) == 0
+    alloc.register(t, tokens, len(tokens))
+    first_two = t.blocks[:2]
+    alloc.free(t)
+    assert alloc.num_used == 0 and alloc.num_cached_free == 2  # kept, but evictable
+
+    again = BlockTable()
+    assert alloc.admit(again, tokens + [99], max_new=100) == 8
+    assert again.blocks[:2] == first_two and alloc.num_cached_free == 0
+    other = BlockTable()  # same second block, different first block: the chained key does not match
+    assert alloc.admit(other, [0, 0, 0, 0] + tokens[4:], max_new=100) == 0
+    assert alloc.prefix_hit_tokens == 8
+
+
+def test_a_prompt_that_is_all_cached_still_feeds_its_last_token():
+    alloc = BlockAllocator(num_blocks=8, block_size=4, enable_prefix_caching=True)
+    tokens = list(range(8))
+    t = BlockTable()
+    alloc.admit(t, tokens, 100)
+    alloc.register(t, tokens, 8)
+    alloc.free(t)
+    t = BlockTable()
+    assert alloc.admit(t, tokens, 100) == 4  # block 2 holds the last token, which must produce logits
+
+
+def test_cached_blocks_are_evicted_least_recently_used_first():
+    alloc = BlockAllocator(num_blocks=7, block_size=2, enable_prefix_caching=True)  # 6 usable blocks
+    for prompt in ([1, 2, 9], [3, 4, 9], [5, 6, 9]):
+        t = BlockTable()
+        alloc.admit(t, prompt, 100)
+        alloc.register(t, prompt, 2)
+        alloc.free(t)
+    assert alloc.num_cached_free == 3 and alloc.num_free == 6
+    t = BlockTable()
+    alloc.admit(t, [1, 2, 9], 100)  # touches [1, 2]: now the most recently used
+    alloc.free(t)
+    t = BlockTable()
+    alloc.allocate(t, 8)  # 3 free blocks, then evicts the oldest cached one, [3, 4]
+    alloc.free(t)
+    hits = []
+    for prompt in ([1, 2, 9], [3, 4, 9], [5, 6, 9]):
+        t = BlockTable()
+        hits.append(alloc.admit(t, prompt, 100))
+        alloc.free(t)
+    assert hits == [2, 0, 2]
+
+
+def test_admission_without_room_changes_nothing():
+    alloc = BlockAllocator(num_blocks=3, block_size=4, enable_prefix_caching=True)
+    t = BlockTable()
+    assert alloc.admit(t, list(range(12)), 100) is None
+    assert t.blocks == [] and alloc.num_free == 2 and alloc.prefix_queried_tokens == 0
+
+
+@pytest.mark.parametrize("spec", [None, {"method": "ngram", "num_speculative_tokens": 3},
+                                  {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 3},
+                                  "draft_model"])
+def test_prefix_hits_give_identical_outputs_and_skip_prefill(tiny_llama_dir, spec):
+    if spec == "draft_model":
+        spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=10, ignore_eos=True)
+    prompts = [{"prompt_token_ids": SYSTEM + [100 + i, 101 + i, 102]} for i in range(3)]
+    cold = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec, enable_prefix_caching=False)
+    expected = [o.token_ids for o in cold.generate(prompts, params)]
+
+    warm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
+    first = warm.generate(prompts[0], params)[0]
+    rest = [warm.generate(p, params)[0] for p in prompts[1:]]
+    assert [o.token_ids for o in [first] + rest] == expected
+    assert first.metrics["num_cached_tokens"] == 0
+    assert [o.metrics["num_cached_tokens"] for o in rest] == [len(SYSTEM)] * 2
+    eng = warm.engine
+    assert eng.allocator.num_used == 0 and eng.stats()["kv_blocks_used"] == eng.allocator.num_cached_free > 0
+
+
+def test_draft_model_reuses_its_own_cached_kv(tiny_llama_dir, monkeypatch):
+    """Target and draft caches hit together: after a hit the draft model does not prefill the prefix again."""
+    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
+    params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
+    llm.generate({"prompt_token_ids": SYSTEM + [7]}, params)
+    draft_runner = llm.engine.speculator.drafter.runner
+    fed = []
+    run = draft_runner.run
+    monkeypatch.setattr(draft_runner, "run", lambda t, s, f, *a, **k: fed.append((s, f)) or run(t, s, f, *a, **k))
+    llm.generate({"prompt_token_ids": SYSTEM + [8, 9]}, params)
+    starts, feeds = fed[0]  # the first catch-up of the second request: its prompt after the prefix, and the
+    assert starts == [len(SYSTEM)] and feeds[0][:2] == [8, 9] and len(feeds[0]) == 3  # token prefill sampled
+
+
+def test_preempted_sequences_resume_from_their_cached_blocks(tiny_llama_dir):
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    prompts = [{"prompt_token_ids": list(range(10 + 7 * i, 30 + 7 * i))} for i in range(4)]
+    roomy = LLM(str(tiny_llama_dir), block_size=4).generate(prompts, params)
+    tight = LLM(str(tiny_llama_dir), block_size=4, num_kv_blocks=24)
+    outs = tight.generate(prompts, params)
+    assert tight.engine.scheduler.num_preemptions > 0
+    assert tight.engine.stats()["prefix_cache_hit_tokens"] > 0  # recomputes started from cached blocks
+    assert [o.token_ids for o in outs] == [o.token_ids for o in roomy]
+    assert tight.engine.allocator.num_used == 0
+
+
+def test_eagle_style_drafters_turn_prefix_caching_off(tiny_llama_dir):
+    """A feature drafter needs the target's hidden states of every token, which a cache hit would skip."""
+    from specdec.drafting import Draft, Drafter
+
+    class FeatureDrafter(Drafter):
+        feature_layers = (0,)
+
+        def propose(self, requests):
+            return Draft.chains([[] for _ in requests])
+
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "drafter": FeatureDrafter()})
+    assert not llm.engine.allocator.enable_prefix_caching
