@@ -1,4 +1,4 @@
-"""`specdec` command line: generate, bench. Every command defaults to the built-in model."""
+"""`specdec` command line: generate, serve, bench, tune, train. Every command defaults to the built-in model."""
 from __future__ import annotations
 
 import argparse
@@ -37,6 +37,18 @@ def build_parser() -> argparse.ArgumentParser:
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
 
+    s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, /metrics)",
+                       description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, "
+                       "/v1/completions, /v1/models, /health, /metrics. --speculative-config also takes 'off'.")
+    s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
+    add_model_args(s)
+    s.set_defaults(model=None)  # so that a positional MODEL and --model can be told apart
+    s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
+    s.add_argument("--port", type=int, default=8000)
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
+    s.add_argument("--max-num-seqs", type=int, default=None, help="most requests decoded together")
+
     b = sub.add_parser("bench", help="measure decoding speed on Spec-Bench prompts")
     add_model_args(b)
     add_prompt_set_args(b, max_tokens=128, batch_sizes="1", out="bench_results/bench.json")
@@ -45,6 +57,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same prompts, interleaved, and compare token ids")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    b.add_argument("--serve", action="store_true",
+                   help="load-test `specdec serve` over HTTP instead: plain vs --speculative-config at each "
+                   "--concurrency level (writes JSON and a PNG plot)")
+    b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
+    b.add_argument("--requests-per-level", type=int, default=None,
+                   help="with --serve: requests per level (default: 2x the concurrency, at least --num-prompts at 1)")
 
     t = sub.add_parser("tune", help="measure draft shapes per batch size and write the tree dispatcher's table")
     add_model_args(t)
@@ -107,11 +125,32 @@ def cmd_generate(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def cmd_serve(args: argparse.Namespace) -> None:
+    from specdec.llm import LLM
+    from specdec.server import serve
+
+    if args.model_arg and args.model and args.model_arg != args.model:
+        raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
+    model = args.model_arg or args.model or DEFAULT_MODEL
+    if args.max_num_seqs is not None and args.max_num_seqs < 1:
+        raise SpecdecError(f"invalid --max-num-seqs {args.max_num_seqs}: must be at least 1")
+    spec = None if args.speculative_config in (None, "off") else args.speculative_config
+    engine_kwargs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=spec, **engine_kwargs)
+    serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
         if args.command == "generate":
             cmd_generate(args)
+        elif args.command == "serve":
+            cmd_serve(args)
+        elif args.command == "bench" and args.serve:
+            from specdec.serve_bench import run_serve_bench
+
+            run_serve_bench(args)
         elif args.command == "bench":
             from specdec.bench import run_bench
 

@@ -1,0 +1,332 @@
+"""`specdec bench --serve`: load test of the OpenAI-compatible server, speculative against plain.
+
+Two servers over the same model run as subprocesses, one with the speculative config and one without.
+At each concurrency level C, C client workers stream chat completions of Spec-Bench prompts (greedy) from
+one server, then from the other (the order alternates by level, so machine drift does not favour a side);
+only one server is loaded at a time. Per level and side:
+
+    throughput       completion tokens / wall time of the level
+    TTFT             request sent -> first content chunk            (p50, p99)
+    TPOT             (last chunk - first chunk) / (tokens - 1)      (p50, p99 over requests: inter-token latency)
+    acceptance       completion tokens / target forwards, from the `usage` the server reports
+
+and the speculative/plain ratio of throughput, which is plotted against concurrency (PNG) next to the JSON.
+"""
+from __future__ import annotations
+
+import argparse
+import asyncio
+import json
+import os
+import socket
+import subprocess
+import sys
+import time
+from dataclasses import dataclass, field
+from pathlib import Path
+
+from specdec.bench import format_table, load_questions, machine_info, output_path, pick_round_robin, prompts_path
+from specdec.config import SpecdecError, SpeculativeConfig
+
+STARTUP_TIMEOUT_S = 600
+
+
+def parse_levels(text: str) -> list[int]:
+    try:
+        levels = sorted({int(s) for s in text.split(",") if s.strip()})
+    except ValueError:
+        levels = []
+    if not levels or levels[0] < 1:
+        raise SpecdecError(f"invalid --concurrency {text!r}: expected comma-separated positive integers, e.g. 1,4,16,64")
+    return levels
+
+
+# ------------------------------------------------------------------------------------------ servers
+class ServerProcess:
+    """`specdec serve` in a subprocess on a free loopback port; stopped on exit."""
+
+    def __init__(self, args: argparse.Namespace, speculative_config: str, max_num_seqs: int, log: Path) -> None:
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            self.port = s.getsockname()[1]
+        self.url = f"http://127.0.0.1:{self.port}"
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
+               "--device", args.device, "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
+               "--speculative-config", speculative_config, "--served-model-name", "bench"]
+        self.log = log.open("w")
+        self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    def wait_ready(self) -> None:
+        import httpx
+
+        deadline = time.monotonic() + STARTUP_TIMEOUT_S
+        while time.monotonic() < deadline:
+            if self.proc.poll() is not None:
+                raise SpecdecError(f"the server exited with code {self.proc.returncode} while starting; "
+                                   f"see its log at {self.log.name}")
+            try:
+                if httpx.get(self.url + "/health", timeout=2).status_code == 200:
+                    return
+            except httpx.HTTPError:
+                pass
+            time.sleep(0.5)
+        raise SpecdecError(f"the server did not become healthy within {STARTUP_TIMEOUT_S} s; see {self.log.name}")
+
+    def stop(self) -> None:
+        if self.proc.poll() is None:
+            self.proc.terminate()
+            try:
+                self.proc.wait(timeout=30)
+            except subprocess.TimeoutExpired:
+                self.proc.kill()
+        self.log.close()
+
+
+# ------------------------------------------------------------------------------------------ client
+@dataclass
+class RequestResult:
+    prompt_index: int
+    text: str = ""
+    sent: float = 0.0
+    first: float | None = None
+    last: float | None = None
+    chunk_times: list[float] = field(default_factory=list)
+    usage: dict = field(default_factory=dict)
+    error: str | None = None
+
+
+async def one_request(client, url: str, index: int, prompt: str, max_tokens: int) -> RequestResult:
+    body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
+            "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
+    r = RequestResult(index, sent=time.perf_counter())
+    try:
+        async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+            if resp.status_code != 200:
+                r.error = f"HTTP {resp.status_code}: {(await resp.aread()).decode()[:200]}"
+                return r
+            async for line in resp.aiter_lines():
+                if not line.startswith("data: ") or line == "data: [DONE]":
+                    continue
+                chunk = json.loads(line[6:])
+                now = time.perf_counter()
+                if chunk.get("usage"):
+                    r.usage = chunk["usage"]
+                for choice in chunk.get("choices", []):
+                    content = choice.get("delta", {}).get("content")
+                    if content:
+                        r.first = r.first or now
+                        r.last = now
+                        r.chunk_times.append(now)
+                        r.text += content
+    except Exception as e:  # noqa: BLE001  a failed request is reported, not fatal to the run
+        r.error = f"{type(e).__name__}: {e}"
+    return r
+
+
+async def drive(url: str, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int
+                ) -> tuple[list[RequestResult], float]:
+    """`concurrency` workers send `num_requests` requests (prompts taken in turn); returns results and wall time."""
+    import httpx
+
+    queue: asyncio.Queue[int] = asyncio.Queue()
+    for i in range(num_requests):
+        queue.put_nowait(i)
+    results: list[RequestResult] = []
+    limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None), limits=limits) as client:
+        async def worker() -> None:
+            while not queue.empty():
+                i = queue.get_nowait()
+                results.append(await one_request(client, url, i % len(prompts), prompts[i % len(prompts)], max_tokens))
+
+        start = time.perf_counter()
+        await asyncio.gather(*(worker() for _ in range(concurrency)))
+        wall = time.perf_counter() - start
+    return sorted(results, key=lambda r: (r.prompt_index, r.sent)), wall
+
+
+def percentile(values: list[float], q: float) -> float | None:
+    if not values:
+        return None
+    values = sorted(values)
+    k = (len(values) - 1) * q
+    lo, hi = int(k), min(int(k) + 1, len(values) - 1)
+    return values[lo] + (values[hi] - values[lo]) * (k - lo)
+
+
+def summarize_level(results: list[RequestResult], wall: float) -> dict:
+    ok = [r for r in results if r.error is None]
+    tokens = sum(r.usage.get("completion_tokens", 0) for r in ok)
+    steps = sum(r.usage["completion_tokens"] / r.usage["acceptance_length"] for r in ok
+                if r.usage.get("acceptance_length"))
+    ttft = [r.first - r.sent for r in ok if r.first is not None]
+    tpot = [(r.last - r.first) / (r.usage["completion_tokens"] - 1) for r in ok
+            if r.first is not None and r.usage.get("completion_tokens", 0) > 1]
+    gaps = [b - a for r in ok for a, b in zip(r.chunk_times, r.chunk_times[1:])]
+    return {
+        "requests": len(results), "errors": [r.error for r in results if r.error], "completion_tokens": tokens,
+        "wall_s": wall, "throughput_tok_s": tokens / wall if wall > 0 else None,
+        "ttft_p50_s": percentile(ttft, 0.5), "ttft_p99_s": percentile(ttft, 0.99),
+        "tpot_p50_s": percentile(tpot, 0.5), "tpot_p99_s": percentile(tpot, 0.99),
+        "chunk_gap_p50_s": percentile(gaps, 0.5), "chunk_gap_p99_s": percentile(gaps, 0.99),
+        "acceptance_length": tokens / steps if steps else None,
+    }
+
+
+QUESTIONS = ["Summarize the text above in one sentence.", "What is the main topic of the text above?",
+             "List three key facts from the text above.", "Who is mentioned first in the text above?",
+             "Give the text above a short title.", "Is the tone of the text above positive or negative?"]
+
+
+async def prefix_cache_ttft(url: str, system: str, questions: list[str] = QUESTIONS, repeats: int = 3) -> dict:
+    """TTFT of a request whose long system prompt is new (a miss: a fresh tag starts it) against the same
+    system prompt with another short question right after (a hit on every full block of the system prompt)."""
+    import httpx
+
+    cold, warm = [], []
+    async with httpx.AsyncClient(timeout=httpx.Timeout(None)) as client:
+        for rep in range(repeats):
+            tagged = f"[session {time.time_ns()}-{rep}] {system}"
+            for i, bucket in enumerate((cold, warm)):
+                body = {"model": "bench", "max_tokens": 1, "temperature": 0, "stream": True,
+                        "messages": [{"role": "system", "content": tagged},
+                                     {"role": "user", "content": questions[(2 * rep + i) % len(questions)]}]}
+                sent = time.perf_counter()
+                async with client.stream("POST", url + "/v1/chat/completions", json=body) as resp:
+                    async for line in resp.aiter_lines():  # one token: its chunk comes with the finish reason
+                        if line.startswith("data: {") and json.loads(line[6:])["choices"][0]["finish_reason"]:
+                            bucket.append(time.perf_counter() - sent)
+    miss, hit = percentile(cold, 0.5), percentile(warm, 0.5)
+    return {"system_prompt_chars": len(system), "ttft_miss_s": miss, "ttft_hit_s": hit,
+            "ratio": miss / hit if hit else None}
+
+
+def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> dict:
+    """The same prompts decoded offline at batch 1 (LLM.chat, plain and speculative interleaved prompt by
+    prompt): the speedup serving at concurrency 1 should keep."""
+    from specdec.config import SamplingParams
+    from specdec.llm import LLM
+
+    plain = LLM(args.model, dtype=args.dtype, device=args.device)
+    fast = plain.with_speculative_config(spec)
+    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    seconds = {"plain": 0.0, "speculative": 0.0}
+    tokens = 0
+    for prompt in prompts:
+        for side, llm in (("plain", plain), ("speculative", fast)):
+            start = time.perf_counter()
+            out = llm.chat([{"role": "user", "content": prompt}], params)[0]
+            seconds[side] += time.perf_counter() - start
+        tokens += len(out.token_ids)
+    return {"tokens": tokens, "plain_tok_s": tokens / seconds["plain"], "speculative_tok_s": tokens / seconds["speculative"],
+            "speedup": seconds["plain"] / seconds["speculative"]}
+
+
+# ------------------------------------------------------------------------------------------ the run
+def run_serve_bench(args: argparse.Namespace) -> dict:
+    spec = args.speculative_config
+    if spec in (None, "off"):
+        raise SpecdecError("--serve compares speculative against plain serving: pass --speculative-config JSON")
+    SpeculativeConfig.parse(spec)  # validates before any server starts
+    levels = parse_levels(args.concurrency)
+    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
+    prompts = [row["turns"][0] for row in rows]
+    out = output_path(args.out)
+    result: dict = {"machine": machine_info_cpu(args), "args": vars(args), "levels": []}
+    result["offline"] = offline_speedup(args, prompts, spec)  # before the servers start: nothing else runs
+    print(f"offline, batch 1: {result['offline']['speedup']:.2f}x "
+          f"({result['offline']['speculative_tok_s']:.1f} vs {result['offline']['plain_tok_s']:.1f} tok/s)", flush=True)
+    servers = {"plain": ServerProcess(args, "off", max(levels), out.with_suffix(".plain.log")),
+               "speculative": ServerProcess(args, spec, max(levels), out.with_suffix(".spec.log"))}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        system = " ".join(row["turns"][0] for row in rows if "ummar" in str(row.get("category", "")))[:6000]
+        result["prefix_cache"] = asyncio.run(prefix_cache_ttft(servers["plain"].url, system or prompts[0] * 20))
+        pc = result["prefix_cache"]
+        print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms "
+              f"on a hit ({pc['system_prompt_chars']}-character system prompt)", flush=True)
+        for j, c in enumerate(levels):
+            n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
+            order = ["plain", "speculative"] if j % 2 == 0 else ["speculative", "plain"]
+            level: dict = {"concurrency": c, "num_requests": n}
+            texts = {}
+            for side in order:
+                results, wall = asyncio.run(drive(servers[side].url, prompts, c, n, args.max_tokens))
+                level[side] = summarize_level(results, wall)
+                texts[side] = {r.prompt_index: r.text for r in results if r.error is None}
+                print(f"concurrency {c:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
+            same = [texts["plain"][i] == texts["speculative"][i] for i in texts["plain"] if i in texts["speculative"]]
+            level["identical"] = [sum(same), len(same)]
+            p, s = level["plain"]["throughput_tok_s"], level["speculative"]["throughput_tok_s"]
+            level["throughput_ratio"] = s / p if p and s else None
+            result["levels"].append(level)
+    finally:
+        for server in servers.values():
+            server.stop()
+    out.write_text(json.dumps(result, indent=1, default=str))
+    plot = plot_levels(result, out.with_suffix(".png"))
+    first = result["levels"][0]
+    if first["concurrency"] == 1 and first["throughput_ratio"]:
+        result["offline"]["kept_at_concurrency_1"] = first["throughput_ratio"] / result["offline"]["speedup"]
+    print(format_serve_report(result))
+    off = result["offline"]
+    if "kept_at_concurrency_1" in off:
+        print(f"\noffline speedup {off['speedup']:.2f}x; served at concurrency 1: "
+              f"{first['throughput_ratio']:.2f}x = {off['kept_at_concurrency_1']:.0%} of it")
+    if "prefix_cache" in result:
+        pc = result["prefix_cache"]
+        print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms on a hit "
+              f"({pc['ratio']:.1f}x lower)")
+    print(f"\nresults written to {out} and {plot}")
+    return result
+
+
+def machine_info_cpu(args: argparse.Namespace) -> dict:
+    import torch
+
+    return machine_info(torch.device(args.device))
+
+
+def plot_levels(result: dict, path: Path) -> Path:
+    """Speculative/plain throughput against concurrency (the shape of Meta's figure 9)."""
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+
+    levels = [lv["concurrency"] for lv in result["levels"]]
+    fig, (ax1, ax2) = plt.subplots(1, 2, figsize=(10, 4))
+    ax1.plot(levels, [lv["throughput_ratio"] or 0 for lv in result["levels"]], "o-")
+    ax1.axhline(1.0, color="gray", lw=0.8, ls="--")
+    ax1.set(xscale="log", xlabel="concurrent requests", ylabel="speculative / plain throughput",
+            title="Speedup vs concurrency")
+    for side in ("plain", "speculative"):
+        ax2.plot(levels, [lv[side]["throughput_tok_s"] or 0 for lv in result["levels"]], "o-", label=side)
+    ax2.set(xscale="log", xlabel="concurrent requests", ylabel="tokens/s", title="Throughput")
+    ax2.legend()
+    for ax in (ax1, ax2):
+        ax.set_xticks(levels, [str(c) for c in levels])
+    fig.tight_layout()
+    fig.savefig(path, dpi=110)
+    plt.close(fig)
+    return path
+
+
+def format_serve_report(result: dict) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    rows = []
+    for lv in result["levels"]:
+        for side in ("plain", "speculative"):
+            s = lv[side]
+            rows.append([str(lv["concurrency"]), side, f"{s['throughput_tok_s']:.1f}", ms(s["ttft_p50_s"]),
+                         ms(s["ttft_p99_s"]), ms(s["tpot_p50_s"]), ms(s["tpot_p99_s"]),
+                         "-" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}",
+                         f"{lv['throughput_ratio']:.2f}x" if side == "speculative" and lv["throughput_ratio"] else "",
+                         f"{lv['identical'][0]}/{lv['identical'][1]}" if side == "speculative" else "",
+                         str(len(s["errors"]))])
+    headers = ["conc", "server", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
+               "accept len", "spec/plain", "identical", "errors"]
+    return format_table(headers, rows, left=2)

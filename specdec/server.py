@@ -1,0 +1,674 @@
+"""`specdec serve`: an OpenAI-compatible HTTP API (chat and text completions, SSE streaming, /metrics).
+
+The engine is not thread-safe, so one engine thread owns it: it tokenizes prompts, admits requests,
+steps the engine while there is work (it sleeps on its inbox when idle) and hands every request its
+events through an `asyncio.Queue` on the server's event loop. The asyncio side only validates,
+formats and streams; it never touches the engine or the tokenizer.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import dataclasses
+import json
+import logging
+import queue
+import re
+import secrets
+import sys
+import threading
+import time
+import uuid
+from collections.abc import AsyncIterator, Callable
+from dataclasses import dataclass
+from typing import Any
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.responses import JSONResponse, Response, StreamingResponse
+from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
+from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.config import SamplingParams, SpecdecError
+from specdec.engine.llm_engine import RequestOutput
+from specdec.llm import LLM
+
+log = logging.getLogger("specdec.server")
+
+DISCONNECT_POLL_S = 0.25  # how often a non-streaming request checks whether its client is still there
+LATENCY_BUCKETS = (0.001, 0.0025, 0.005, 0.01, 0.02, 0.04, 0.06, 0.08, 0.1, 0.15, 0.2, 0.3, 0.5, 0.75,
+                   1.0, 2.5, 5.0, 10.0, 20.0, 40.0)
+
+
+class APIError(Exception):
+    """An error the client sees in OpenAI's shape; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error") -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status)
+
+
+def internal_error(message: str) -> APIError:
+    return APIError(500, message, type="internal_server_error", code="internal_error")
+
+
+# -- request bodies (extra fields are ignored: OpenAI clients send many we do not use) ----------------
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+class _GenerationBody(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    model: str
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool | None = False
+    stream_options: _StreamOptions | None = None
+
+
+class _ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: str
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_GenerationBody):
+    messages: list[_ChatMessage]
+
+
+class CompletionBody(_GenerationBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# -- the engine thread ---------------------------------------------------------------------------------
+@dataclass
+class _Event:
+    """What the engine thread tells a request: text so far (streaming only), then its output or an error."""
+
+    text: str = ""
+    output: RequestOutput | None = None
+    error: APIError | None = None
+
+
+Prepare = Callable[[], tuple[list[int], SamplingParams]]
+
+
+class EngineRequest:
+    """One request as both sides see it. `prepare` runs on the engine thread (tokenizers are not safe
+    to share across threads) and returns the prompt ids and final sampling params, or raises APIError."""
+
+    def __init__(self, prepare: Prepare, stream: bool, prompt_field: str) -> None:
+        self.loop = asyncio.get_running_loop()
+        self.prepare, self.stream, self.prompt_field = prepare, stream, prompt_field
+        self.events: asyncio.Queue[_Event] = asyncio.Queue()
+        self.admitted: asyncio.Future[None] = self.loop.create_future()
+        self.seq = None  # the engine's Sequence, set on the engine thread
+        self.arrival = time.perf_counter()
+        self.last_token_time: float | None = None
+
+    # Called from the engine thread.
+    def post(self, event: _Event) -> None:
+        self._call(self.events.put_nowait, event)
+
+    def resolve(self, error: APIError | None = None) -> None:
+        self._call(self._resolve, error)
+
+    def _resolve(self, error: APIError | None) -> None:
+        if not self.admitted.done():  # the handler may have been cancelled meanwhile
+            self.admitted.set_exception(error) if error else self.admitted.set_result(None)
+
+    def _call(self, fn: Callable, *args: Any) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is gone
+            self.loop.call_soon_threadsafe(fn, *args)
+
+
+class AsyncEngine:
+    """Runs an LLMEngine on one thread (`run`); requests and aborts arrive through a thread-safe inbox."""
+
+    def __init__(self, llm: LLM, metrics: "ServerMetrics") -> None:
+        self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+        self.stats: dict = self.engine.stats()  # the latest snapshot, replaced whole after every step
+        self._inbox: queue.Queue[tuple[str, EngineRequest | None]] = queue.Queue()
+        self._active: dict[int, EngineRequest] = {}  # seq_id -> request; touched by the engine thread only
+        self._running, self._stopped = threading.Event(), threading.Event()
+
+    @property
+    def alive(self) -> bool:
+        return self._running.is_set()
+
+    def start(self) -> None:
+        """Run the engine loop on a new thread (how tests and embedding apps use it; `serve` runs the loop
+        on the main thread instead, see there)."""
+        if not self.alive:
+            self._running.set()
+            threading.Thread(target=self.run, name="specdec-engine", daemon=True).start()
+
+    def stop(self, timeout: float = 10.0) -> None:
+        if self.alive:
+            self._inbox.put(("stop", None))
+            self._stopped.wait(timeout)
+
+    async def submit(self, prepare: Prepare, stream: bool, prompt_field: str) -> EngineRequest:
+        """Queue a request and wait until the engine admitted it (raises APIError when it refused)."""
+        if not self.alive:
+            raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_dead")
+        req = EngineRequest(prepare, stream, prompt_field)
+        self._inbox.put(("add", req))
+        try:
+            await req.admitted
+        except asyncio.CancelledError:
+            self.abort(req)
+            raise
+        return req
+
+    def abort(self, req: EngineRequest) -> None:
+        """Thread-safe and idempotent: a finished or unknown request is left alone."""
+        self._inbox.put(("abort", req))
+
+    # Everything below runs on the engine thread.
+    def run(self) -> None:
+        """The engine loop, on the calling thread, until `stop()`."""
+        self._stopped.clear()
+        self._running.set()
+        try:
+            self._loop()
+        finally:
+            self._running.clear()
+            self._stopped.set()
+
+    def _loop(self) -> None:
+        while True:
+            try:
+                commands = [] if self.engine.has_unfinished() else [self._inbox.get()]  # idle: sleep here
+                with contextlib.suppress(queue.Empty):
+                    while True:
+                        commands.append(self._inbox.get_nowait())
+                for kind, req in commands:
+                    if kind == "stop":
+                        error = APIError(503, "the server is shutting down", type="service_unavailable")
+                        self._fail_all(error)
+                        for _, pending in commands:  # requests queued behind the stop (no-op for admitted ones)
+                            if pending is not None:
+                                pending.resolve(error)
+                        return
+                    self._admit(req) if kind == "add" else self._abort(req)
+                if self.engine.has_unfinished():
+                    self._step()
+                self.stats = self.engine.stats()
+            except Exception:  # a bug in this loop's own bookkeeping: fail what is in flight, keep serving
+                log.exception("engine loop error")
+                self._fail_all(internal_error("internal error in the engine loop"))
+
+    def _admit(self, req: EngineRequest) -> None:
+        try:
+            prompt_ids, params = req.prepare()
+            req.seq = self.engine.add_request(prompt_ids, params)
+        except APIError as e:
+            return req.resolve(e)
+        except SpecdecError as e:  # empty prompt, prompt too long, token ids out of range, no chat template
+            return req.resolve(APIError(400, str(e), param=req.prompt_field))
+        except Exception as e:
+            log.exception("could not admit a request")
+            return req.resolve(internal_error(f"could not admit the request: {type(e).__name__}: {e}"))
+        self._active[req.seq.seq_id] = req
+        self.metrics.prompt_tokens.inc(len(prompt_ids))
+        req.resolve()
+
+    def _abort(self, req: EngineRequest) -> None:
+        if req.seq is not None and self._active.pop(req.seq.seq_id, None) is req:
+            self.engine.abort(req.seq)  # frees its KV blocks
+            self.metrics.requests.labels("abort").inc()
+
+    def _step(self) -> None:
+        try:
+            events = self.engine.step()
+        except Exception as e:
+            # We cannot tell which sequences a failed step had already touched, so every request in
+            # flight is failed and aborted (its blocks freed); the next requests start clean.
+            log.exception("engine step failed")
+            self._fail_all(internal_error(f"the engine failed while generating: {type(e).__name__}: {e}"))
+            return
+        now = time.perf_counter()
+        for seq, new_ids in events:
+            req = self._active.get(seq.seq_id)
+            if req is None:
+                continue
+            if new_ids:
+                self._record_latency(req, len(new_ids), now)
+            if seq.is_finished:
+                self._finish(req)
+            elif req.stream and new_ids:
+                req.post(_Event(text=self.engine.decode(seq.output_token_ids)))
+        for req in [r for r in self._active.values() if r.seq.is_finished]:  # finished without an event
+            self._finish(req)
+
+    def _record_latency(self, req: EngineRequest, n: int, now: float) -> None:
+        """TTFT once per request. Inter-token latency once per emitted token: a step that emits n tokens
+        (speculation) records its gap divided by n, n times, so the histogram's count is the number of
+        tokens after the first and its sum the decode time."""
+        if req.last_token_time is None:
+            self.metrics.ttft.observe(now - req.arrival)
+            gap, count = 0.0, n - 1  # tokens that arrived together with the first one
+        else:
+            gap, count = (now - req.last_token_time) / n, n
+        for _ in range(count):
+            self.metrics.itl.observe(gap)
+        req.last_token_time = now
+
+    def _finish(self, req: EngineRequest) -> None:
+        del self._active[req.seq.seq_id]
+        out = self.engine.output(req.seq)  # once: it pops the stop-truncated text
+        self.metrics.requests.labels(out.finish_reason or "abort").inc()
+        self.metrics.generation_tokens.inc(len(out.token_ids))
+        req.post(_Event(output=out))
+
+    def _fail_all(self, error: APIError) -> None:
+        for req in list(self._active.values()):
+            with contextlib.suppress(Exception):
+                self.engine.abort(req.seq)
+            self.metrics.requests.labels("error").inc()
+            req.post(_Event(error=error))
+        self._active.clear()
+
+
+# -- metrics ---------------------------------------------------------------------------------------------
+class _EngineStatsCollector:
+    """Exports the engine's own gauges and cumulative counters from the latest snapshot, so the
+    numbers are exactly the engine's (no second bookkeeping that could drift)."""
+
+    def __init__(self, snapshot: Callable[[], dict]) -> None:
+        self.snapshot = snapshot
+
+    def collect(self):
+        s = self.snapshot()
+        for key, doc in [("requests_running", "Requests being decoded"), ("requests_waiting", "Requests queued"),
+                         ("kv_blocks_used", "KV blocks held by requests or the prefix cache"),
+                         ("kv_blocks_total", "KV blocks in the cache"),
+                         ("kv_blocks_cached", "KV blocks kept only by the prefix cache")]:
+            yield GaugeMetricFamily(f"specdec_{key}", doc, value=s[key])
+        for name, key, doc in [
+            ("prefix_cache_queries", "prefix_cache_queried_tokens", "Prompt tokens looked up in the prefix cache"),
+            ("prefix_cache_hits", "prefix_cache_hit_tokens", "Prompt tokens served from the prefix cache"),
+            ("preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks"),
+            ("spec_drafts", "spec_num_drafts", "Speculative drafts verified"),
+            ("spec_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified"),
+            ("spec_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted")]:
+            yield CounterMetricFamily(f"specdec_{name}", doc, value=s[key])
+        per_pos = CounterMetricFamily("specdec_spec_accepted_per_position",
+                                      "Drafts whose token at this position was accepted", labels=["position"])
+        for j, count in enumerate(s["spec_accepted_per_pos"]):
+            per_pos.add_metric([str(j + 1)], count)
+        yield per_pos
+
+
+class ServerMetrics:
+    """One registry per app, so several apps can live in one process (tests)."""
+
+    def __init__(self) -> None:
+        self.registry = CollectorRegistry()
+        r = self.registry
+        self.ttft = Histogram("specdec_time_to_first_token_seconds", "From request arrival to its first token",
+                              buckets=LATENCY_BUCKETS, registry=r)
+        self.itl = Histogram("specdec_inter_token_latency_seconds", "Time per output token after the first "
+                             "(a speculative step's gap is divided across the tokens it emits)",
+                             buckets=LATENCY_BUCKETS, registry=r)
+        self.requests = Counter("specdec_requests", "Finished requests", ["finish_reason"], registry=r)
+        for reason in ("stop", "length", "abort", "error"):
+            self.requests.labels(reason)
+        self.prompt_tokens = Counter("specdec_prompt_tokens", "Prompt tokens of admitted requests", registry=r)
+        self.generation_tokens = Counter("specdec_generation_tokens", "Tokens generated by finished requests",
+                                         registry=r)
+
+    def watch(self, engine: AsyncEngine) -> None:
+        self.registry.register(_EngineStatsCollector(lambda: engine.stats))
+
+
+# -- streaming text ----------------------------------------------------------------------------------------
+def streamable_length(text: str, stops: list[str]) -> int:
+    """How much of `text` may be sent now: not a trailing incomplete UTF-8 character ("\\ufffd"), and not
+    a tail that could still grow into a stop string (text past a stop string must never be sent)."""
+    end = len(text.rstrip("\ufffd"))
+    held = 0
+    for stop in stops:
+        for k in range(min(len(stop) - 1, end), held, -1):
+            if text.startswith(stop[:k], end - k):
+                held = k
+                break
+    return end - held
+
+
+def _sse(payload: dict | str) -> str:
+    return f"data: {payload if isinstance(payload, str) else json.dumps(payload, ensure_ascii=False)}\n\n"
+
+
+class _AbortOnClose(StreamingResponse):
+    """A stream that aborts its request however it ends (a disconnect may leave the body generator
+    suspended, so its `finally` alone is not enough)."""
+
+    def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
+        super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
+        self.on_close = on_close
+
+    async def __call__(self, scope, receive, send) -> None:
+        try:
+            await super().__call__(scope, receive, send)
+        finally:
+            self.on_close()
+
+
+# -- the OpenAI API --------------------------------------------------------------------------------------
+class OpenAIServer:
+    def __init__(self, llm: LLM, served_model_name: str | None = None) -> None:
+        self.llm = llm
+        self.model = served_model_name or llm.model_name
+        self.metrics = ServerMetrics()
+        self.engine = AsyncEngine(llm, self.metrics)
+        self.metrics.watch(self.engine)
+        self.created = int(time.time())
+
+    def sampling_params(self, body: _GenerationBody) -> tuple[SamplingParams, int | None, str]:
+        """Validate sampling fields here, where we still know their names; max_tokens is settled on
+        the engine thread once the prompt length is known."""
+        if body.n not in (None, 1):
+            raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)",
+                           param="n")
+        max_field = "max_completion_tokens" if body.max_completion_tokens is not None else "max_tokens"
+        max_tokens = body.max_completion_tokens if body.max_completion_tokens is not None else body.max_tokens
+        if max_tokens is not None and max_tokens < 1:
+            raise APIError(400, f"invalid {max_field}={max_tokens}: must be at least 1", param=max_field)
+        temperature = 1.0 if body.temperature is None else body.temperature
+        if not 0 <= temperature <= 2:
+            raise APIError(400, f"invalid temperature={temperature}: must be in [0, 2]", param="temperature")
+        if body.seed is not None and not -2**63 <= body.seed < 2**64:
+            raise APIError(400, f"invalid seed={body.seed}: must fit in 64 bits", param="seed")
+        try:
+            params = SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
+                                    top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed,
+                                    max_tokens=max_tokens or 1, stop=body.stop, ignore_eos=body.ignore_eos)
+        except SpecdecError as e:  # "invalid top_p=1.5: must be in (0, 1]"
+            match = re.match(r"invalid (\w+)=", str(e))
+            raise APIError(400, str(e), param=match[1] if match else None) from None
+        return params, max_tokens, max_field
+
+    def preparer(self, tokenize: Callable[[], list[int]], params: SamplingParams, max_tokens: int | None,
+                 max_field: str, prompt_field: str) -> Prepare:
+        def prepare() -> tuple[list[int], SamplingParams]:
+            ids = tokenize()
+            n, limit = len(ids), self.llm.engine.max_model_len
+            if n >= limit:
+                raise APIError(400, f"the prompt has {n} tokens but the model's context is {limit} tokens; "
+                               f"shorten it to at most {limit - 1}", param=prompt_field, code="context_length_exceeded")
+            if max_tokens is not None and n + max_tokens > limit:
+                raise APIError(400, f"{max_field}={max_tokens} plus the prompt's {n} tokens exceeds the model's "
+                               f"context of {limit} tokens; ask for at most {limit - n}", param=max_field,
+                               code="context_length_exceeded")
+            return ids, dataclasses.replace(params, max_tokens=max_tokens or limit - n)
+        return prepare
+
+    def tokenizer_for(self, body: ChatBody | CompletionBody) -> tuple[Callable[[], list[int]], str]:
+        if isinstance(body, ChatBody):
+            if not body.messages:
+                raise APIError(400, "messages must contain at least one message", param="messages")
+            conversation = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
+            return lambda: self.llm.apply_chat_template(conversation), "messages"
+        prompt = body.prompt
+        if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
+            if len(prompt) != 1:
+                raise APIError(400, f"prompt holds {len(prompt)} prompts; send one prompt per request", param="prompt")
+            prompt = prompt[0]
+        if isinstance(prompt, str):
+            return lambda: self.llm.encode(prompt)[1], "prompt"
+        return lambda: list(prompt), "prompt"
+
+    async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
+        if body.model != self.model:
+            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model!r}",
+                           param="model", code="model_not_found")
+        params, max_tokens, max_field = self.sampling_params(body)
+        tokenize, prompt_field = self.tokenizer_for(body)
+        prepare = self.preparer(tokenize, params, max_tokens, max_field, prompt_field)
+        req = await self.engine.submit(prepare, bool(body.stream), prompt_field)
+        chat = isinstance(body, ChatBody)
+        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
+        if body.stream:
+            include_usage = bool(body.stream_options and body.stream_options.include_usage)
+            return _AbortOnClose(self.stream(req, rid, chat, params.stop, include_usage),
+                                 on_close=lambda: self.engine.abort(req))
+        try:
+            out = await self.wait_for_output(req, request)
+        finally:
+            self.engine.abort(req)  # a no-op once finished; frees the blocks when we stop early
+        if out is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        choice.update({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})
+        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
+                             "created": int(time.time()), "model": self.model, "choices": [choice],
+                             "usage": _usage(out)})
+
+    async def wait_for_output(self, req: EngineRequest, request: Request) -> RequestOutput | None:
+        """The finished output, or None when the client disconnected first (polled meanwhile)."""
+        while True:
+            try:
+                event = await asyncio.wait_for(req.events.get(), DISCONNECT_POLL_S)
+            except asyncio.TimeoutError:
+                if await request.is_disconnected():
+                    return None
+                continue
+            if event.error is not None:
+                raise event.error
+            if event.output is not None:
+                return event.output
+
+    async def stream(self, req: EngineRequest, rid: str, chat: bool, stops: list[str],
+                     include_usage: bool) -> AsyncIterator[str]:
+        """SSE chunks: the decoded text's new suffix as it becomes safe to send, then the remainder of
+        the final (stop-truncated) text with the finish reason, optionally usage, then [DONE]."""
+        created = int(time.time())
+
+        def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            if chat:
+                delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
+                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+            else:
+                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+            body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                    "created": created, "model": self.model, "choices": [choice]}
+            return _sse(body | ({"usage": None} if include_usage else {}))
+
+        sent = ""
+        try:
+            if chat:
+                yield chunk("", role=True)
+            while True:
+                event = await req.events.get()
+                while event.output is None and event.error is None and not req.events.empty():
+                    event = req.events.get_nowait()  # fall behind gracefully: only the latest text matters
+                if event.error is not None:
+                    yield _sse(event.error.body())
+                    break
+                out = event.output
+                if out is None:
+                    text = event.text
+                    safe = streamable_length(text, stops)
+                    if safe > len(sent) and text.startswith(sent):
+                        yield chunk(text[len(sent):safe])
+                        sent = text[:safe]
+                    continue
+                rest = out.text[len(sent):]
+                if chat:
+                    if rest:
+                        yield chunk(rest)
+                    yield chunk(None, out.finish_reason)
+                else:
+                    yield chunk(rest, out.finish_reason)
+                if include_usage:
+                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                                "created": created, "model": self.model, "choices": [], "usage": _usage(out)})
+                break
+            yield _sse("[DONE]")
+        finally:
+            self.engine.abort(req)
+
+
+def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
+    """OpenAI clients may send content as parts; only text parts are understood."""
+    if content is None or isinstance(content, str):
+        return content or ""
+    texts = []
+    for part in content:
+        if part.get("type") != "text" or not isinstance(part.get("text"), str):
+            raise APIError(400, f"messages[{index}].content: only text parts are supported, got "
+                           f"{part.get('type')!r}", param="messages")
+        texts.append(part["text"])
+    return "".join(texts)
+
+
+def _usage(out: RequestOutput) -> dict:
+    m = out.metrics
+    prompt, completion = len(out.prompt_token_ids), len(out.token_ids)
+    return {"prompt_tokens": prompt, "completion_tokens": completion, "total_tokens": prompt + completion,
+            "acceptance_length": m.get("acceptance_length"), "num_drafts": m.get("num_drafts", 0),
+            "num_draft_tokens": m.get("num_draft_tokens", 0), "num_accepted_tokens": m.get("num_accepted_tokens", 0)}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if not loc:  # no body, a body not sent as JSON (raw bytes reach us), or JSON that is not an object
+        raw = err.get("type") == "missing" or isinstance(err.get("input"), (bytes, str))
+        return APIError(400, "the request body must be a JSON object" +
+                        (", sent with Content-Type: application/json" if raw else ""))
+    where = ".".join(loc)
+    if err.get("type") == "missing":
+        return APIError(400, f"missing required field '{where}'", param=loc[0])
+    return APIError(400, f"invalid value for '{where}': {err['msg']}", param=loc[0])
+
+
+def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
+               engine_thread: bool = True) -> FastAPI:
+    """An app over `llm`; its engine loop runs while the app is up, on a thread of its own unless
+    `engine_thread` is False and the caller runs `app.state.server.engine.run()` itself (one app per LLM:
+    the engine is not thread-safe). With `api_key`, every route (/health and /metrics too: they tell what the
+    server is doing) needs `Authorization: Bearer <key>`; probes and scrapers send it as well."""
+    server = OpenAIServer(llm, served_model_name)
+
+    @contextlib.asynccontextmanager
+    async def lifespan(_: FastAPI):
+        if engine_thread:
+            server.engine.start()
+        try:
+            yield
+        finally:
+            await asyncio.to_thread(server.engine.stop)
+
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    app = FastAPI(title="specdec", lifespan=lifespan, dependencies=[Depends(check_api_key)])
+    app.state.server = server
+    v1 = APIRouter(prefix="/v1")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return internal_error(f"internal error: {type(exc).__name__}").response()
+
+    @v1.post("/chat/completions")
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        return await server.generate(body, request)
+
+    @v1.post("/completions")
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        return await server.generate(body, request)
+
+    @v1.get("/models")
+    async def models() -> dict:
+        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": server.created,
+                                            "owned_by": "specdec", "max_model_len": llm.engine.max_model_len}]}
+
+    app.include_router(v1)
+
+    @app.get("/health")
+    async def health() -> Response:
+        return Response(status_code=200 if server.engine.alive else 503)
+
+    @app.get("/metrics")
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    return app
+
+
+def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
+          served_model_name: str | None = None) -> None:
+    """Run the server in the foreground until interrupted (Ctrl-C or SIGTERM).
+
+    The engine loop runs on the main thread and HTTP on a second one. The main thread loaded the model, so
+    it already owns an OpenMP thread team (torch's and numba's kernels); when another thread computes,
+    libgomp manages more threads than there are cores and stops spin-waiting, and decoding ran ~1.6x
+    slower on our 2-core machines."""
+    import signal
+
+    import uvicorn
+
+    app = create_app(llm, served_model_name, api_key, engine_thread=False)
+    engine = app.state.server.engine
+    http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
+    thread = threading.Thread(target=http.run, name="specdec-http", daemon=True)
+    thread.start()
+    while not http.started:
+        if not thread.is_alive():
+            raise SpecdecError(f"could not serve on {host}:{port} (see the log above)")
+        time.sleep(0.05)
+
+    def interrupt(*_: Any) -> None:
+        raise KeyboardInterrupt
+
+    signal.signal(signal.SIGTERM, interrupt)
+    print(f"specdec: serving {served_model_name or llm.model_name!r} at http://{host}:{port}/v1", file=sys.stderr)
+    try:
+        engine.run()
+    except KeyboardInterrupt:  # requests still in flight get a 503 and their blocks back
+        engine._fail_all(APIError(503, "the server is shutting down", type="service_unavailable"))
+    finally:
+        http.should_exit = True
+        thread.join(timeout=10)

@@ -1,0 +1,441 @@
+"""`specdec serve`: a real uvicorn server in a thread, driven by the official openai client and httpx.
+
+Greedy answers must equal offline `LLM.generate` / `LLM.chat` on a separate LLM, streamed or not, with
+and without speculation; bad input gets OpenAI-shaped errors naming the field; cancelled and failed
+requests leak no KV blocks and do not disturb the others.
+"""
+from __future__ import annotations
+
+import asyncio
+import contextlib
+import json
+import threading
+import time
+from collections.abc import Iterator
+from dataclasses import dataclass
+
+import httpx
+import openai
+import pytest
+import uvicorn
+from fastapi import FastAPI
+from prometheus_client.parser import text_string_to_metric_families
+
+from specdec import LLM, SamplingParams
+from specdec.cli import main
+from specdec.server import create_app, streamable_length
+
+MODEL = "tiny"
+SPEC = {"method": "ngram", "num_speculative_tokens": 4}
+CHAT = [{"role": "user", "content": "Hello world, 1 2 3 1 2 3"}]
+REPETITIVE = "1 2 3 4 1 2 3 4 1 2 3 4 1 2"  # gives the n-gram drafter something to match
+
+
+@dataclass
+class Served:
+    url: str
+    llm: LLM
+    app: FastAPI
+
+    def client(self, api_key: str = "unused", **kw) -> openai.OpenAI:
+        return openai.OpenAI(base_url=f"{self.url}/v1", api_key=api_key, **kw)
+
+    def post(self, path: str, body: dict | str, **kw) -> httpx.Response:
+        if isinstance(body, dict):
+            return httpx.post(f"{self.url}{path}", json=body, timeout=30, **kw)
+        return httpx.post(f"{self.url}{path}", content=body, headers={"content-type": "application/json"},
+                          timeout=30, **kw)
+
+    def metrics(self) -> dict[str, float]:
+        """Every sample as 'name{label="v"}' -> value."""
+        text = httpx.get(f"{self.url}/metrics", timeout=10).text
+        out = {}
+        for family in text_string_to_metric_families(text):
+            for s in family.samples:
+                labels = ",".join(f'{k}="{v}"' for k, v in sorted(s.labels.items()))
+                out[f"{s.name}{{{labels}}}" if labels else s.name] = s.value
+        return out
+
+    def wait_idle(self, timeout: float = 10.0) -> dict[str, float]:
+        """Metrics once nothing runs or waits and only the prefix cache holds blocks (or the timeout)."""
+        deadline = time.monotonic() + timeout
+        while True:
+            m = self.metrics()
+            idle = m["specdec_requests_running"] == 0 and m["specdec_requests_waiting"] == 0
+            if (idle and m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]) or time.monotonic() > deadline:
+                return m
+            time.sleep(0.02)
+
+
+@contextlib.contextmanager
+def serving(llm: LLM, **app_kwargs) -> Iterator[Served]:
+    app = create_app(llm, **app_kwargs)
+    server = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="warning"))
+    thread = threading.Thread(target=server.run, daemon=True)
+    thread.start()
+    deadline = time.monotonic() + 30
+    while not server.started:
+        assert thread.is_alive() and time.monotonic() < deadline, "server did not start"
+        time.sleep(0.01)
+    port = server.servers[0].sockets[0].getsockname()[1]
+    try:
+        yield Served(f"http://127.0.0.1:{port}", llm, app)
+    finally:
+        server.should_exit = True
+        thread.join(15)
+
+
+@pytest.fixture(scope="module")
+def offline(tiny_llama_dir) -> LLM:
+    return LLM(str(tiny_llama_dir))
+
+
+@pytest.fixture(scope="module")
+def plain(tiny_llama_dir) -> Iterator[Served]:
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL) as s:
+        yield s
+
+
+@pytest.fixture(scope="module")
+def spec(tiny_llama_dir) -> Iterator[Served]:
+    with serving(LLM(str(tiny_llama_dir), speculative_config=SPEC), served_model_name=MODEL) as s:
+        yield s
+
+
+@pytest.fixture(params=["plain", "spec"])
+def served(request) -> Served:
+    return request.getfixturevalue(request.param)
+
+
+def greedy(max_tokens: int, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True, **kw)
+
+
+# -- answers equal offline generation ----------------------------------------------------------------------
+def test_chat_equals_offline_streamed_or_not(served, offline):
+    expected = offline.chat(CHAT, greedy(20))[0]
+    client = served.client()
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                          extra_body={"ignore_eos": True})
+    assert resp.object == "chat.completion" and resp.id.startswith("chatcmpl-") and resp.model == MODEL
+    choice = resp.choices[0]
+    assert choice.message.role == "assistant" and choice.message.content == expected.text
+    assert choice.finish_reason == "length"
+    usage = resp.usage
+    assert (usage.prompt_tokens, usage.completion_tokens) == (len(expected.prompt_token_ids), 20)
+    assert usage.total_tokens == usage.prompt_tokens + 20
+    extra = usage.model_extra
+    assert {"acceptance_length", "num_drafts", "num_draft_tokens", "num_accepted_tokens"} <= set(extra)
+    assert extra["acceptance_length"] >= 1
+
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=20, temperature=0,
+                                                 extra_body={"ignore_eos": True}, stream=True,
+                                                 stream_options={"include_usage": True}))
+    assert all(c.object == "chat.completion.chunk" and c.id == chunks[0].id for c in chunks)
+    assert chunks[0].choices[0].delta.role == "assistant"
+    streamed = "".join(c.choices[0].delta.content or "" for c in chunks if c.choices)
+    assert streamed == expected.text
+    finishes = [c.choices[0].finish_reason for c in chunks if c.choices and c.choices[0].finish_reason]
+    assert finishes == ["length"]
+    assert chunks[-1].choices == [] and chunks[-1].usage.completion_tokens == 20
+    assert chunks[-1].usage.model_extra["num_drafts"] == extra["num_drafts"]
+
+
+def test_completions_equal_offline_for_every_prompt_form(served, offline):
+    expected = offline.generate(REPETITIVE, greedy(24))[0]
+    client = served.client()
+    for prompt in (REPETITIVE, [REPETITIVE], expected.prompt_token_ids):
+        resp = client.completions.create(model=MODEL, prompt=prompt, max_tokens=24, temperature=0,
+                                         extra_body={"ignore_eos": True})
+        assert resp.object == "text_completion" and resp.id.startswith("cmpl-")
+        assert resp.choices[0].text == expected.text and resp.choices[0].finish_reason == "length"
+        assert resp.usage.prompt_tokens == len(expected.prompt_token_ids)
+    chunks = list(client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True}, stream=True))
+    assert "".join(c.choices[0].text for c in chunks) == expected.text
+    assert chunks[-1].choices[0].finish_reason == "length" and chunks[-1].usage is None
+
+
+def test_speculation_is_reported_in_usage(spec):
+    resp = spec.client().completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=24, temperature=0,
+                                            extra_body={"ignore_eos": True})
+    u = resp.usage.model_extra
+    assert u["num_drafts"] > 0 and u["num_draft_tokens"] >= u["num_accepted_tokens"] >= 0
+    assert u["acceptance_length"] == pytest.approx(24 / (24 - u["num_accepted_tokens"]))
+
+
+def test_default_max_tokens_runs_to_the_context(plain):
+    resp = plain.post("/v1/completions", {"model": MODEL, "prompt": [5, 6, 7], "temperature": 0,
+                                          "ignore_eos": True})
+    assert resp.status_code == 200
+    assert resp.json()["usage"]["completion_tokens"] == plain.llm.engine.max_model_len - 3
+
+
+# -- stop strings ------------------------------------------------------------------------------------------
+def test_streamable_length_holds_back_stop_prefixes_and_partial_utf8():
+    assert streamable_length("hello wor", ["world"]) == len("hello ")
+    assert streamable_length("hello wo", ["xx", "wor"]) == len("hello ")
+    assert streamable_length("hello", ["lo!", "llo?"]) == len("he")
+    assert streamable_length("hello", ["abc"]) == 5
+    assert streamable_length("caf\ufffd", []) == 3
+    assert streamable_length("ab\ufffd", ["bz"]) == 1
+    assert streamable_length("", ["a"]) == 0
+
+
+def test_stop_strings_never_leak_into_the_stream(served, offline):
+    free = offline.generate(REPETITIVE, greedy(30))[0].text
+    cuts = [i for i in range(4, len(free) - 3) if free[i:i + 3].strip() and "\ufffd" not in free[i:i + 3]]
+    if not cuts:
+        pytest.skip("the random model produced no printable text")  # pragma: no cover
+    stop = free[cuts[len(cuts) // 2]:][:3]
+    expected = free[:free.find(stop)]
+    stream = served.client().completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=30, temperature=0,
+                                                stop=[stop, "\x00never"], extra_body={"ignore_eos": True},
+                                                stream=True)
+    text, finish = "", None
+    for c in stream:
+        text += c.choices[0].text
+        finish = c.choices[0].finish_reason or finish
+        assert stop not in text
+        assert expected.startswith(text)  # nothing past the stop string, even for a moment
+    assert text == expected and finish == "stop"
+
+
+# -- concurrency and cancellation --------------------------------------------------------------------------
+def test_concurrent_streams_with_cancellations_leak_nothing(spec, offline):
+    n = 12
+    cancel = {2, 5, 9}
+    prompts = [f"Hello world {i} " + REPETITIVE[: 4 + i] for i in range(n)]
+
+    def body(i: int) -> dict:
+        b = {"model": MODEL, "prompt": prompts[i], "max_tokens": 400 if i in cancel else 6 + 3 * i,
+             "ignore_eos": True, "stream": True, "temperature": 0}
+        if i % 3 == 1:
+            b.update(temperature=0.8, seed=1000 + i)
+        elif i % 3 == 2:
+            b.update(temperature=0.8, top_p=0.9, top_k=50, seed=2000 + i)
+        return b
+
+    async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None] | None:
+        async with client.stream("POST", f"{spec.url}/v1/completions", json=body(i)) as r:
+            assert r.status_code == 200
+            text, chunks = "", 0
+            async for line in r.aiter_lines():
+                if not line.startswith("data: "):
+                    continue
+                if line == "data: [DONE]":
+                    return text, finish
+                choice = json.loads(line[6:])["choices"][0]
+                text, finish, chunks = text + choice["text"], choice["finish_reason"], chunks + 1
+                if i in cancel and chunks == 3:
+                    return None  # leaving the block closes the connection mid-stream
+        raise AssertionError("stream ended without [DONE]")
+
+    async def run_all() -> list:
+        limits = httpx.Limits(max_connections=n + 2)
+        async with httpx.AsyncClient(timeout=60, limits=limits) as client:
+            return await asyncio.gather(*(one(client, i) for i in range(n)))
+
+    aborts_before = spec.metrics()['specdec_requests_total{finish_reason="abort"}']
+    results = asyncio.run(run_all())
+    for i, result in enumerate(results):
+        if i in cancel:
+            assert result is None
+            continue
+        text, finish = result
+        assert finish == "length"
+        if i % 3 == 0:
+            assert text == offline.generate(prompts[i], greedy(6 + 3 * i))[0].text, i
+    # A seeded sampled request repeats exactly when sent again, alone.
+    for i in (4, 8):
+        again = spec.post("/v1/completions", body(i) | {"stream": False}).json()["choices"][0]["text"]
+        assert again == results[i][0]
+    m = spec.wait_idle()
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]  # no blocks leaked
+    assert m['specdec_requests_total{finish_reason="abort"}'] - aborts_before == len(cancel)
+
+
+def test_non_streaming_client_that_leaves_is_aborted(plain):
+    before = plain.metrics()['specdec_requests_total{finish_reason="abort"}']
+    with pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{plain.url}/v1/completions", timeout=0.3,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
+    m = plain.wait_idle()
+    assert m['specdec_requests_total{finish_reason="abort"}'] == before + 1
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+
+
+# -- errors ------------------------------------------------------------------------------------------------
+OK_CHAT = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
+OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+
+
+@pytest.mark.parametrize("path, body, status, param", [
+    ("/v1/chat/completions", '{"model": "tiny", "messages": [', 400, None),
+    ("/v1/chat/completions", "[1, 2]", 400, None),
+    ("/v1/chat/completions", {"model": MODEL, "max_tokens": 2}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": "hi"}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": []}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", {"messages": CHAT}, 400, "model"),
+    ("/v1/chat/completions", OK_CHAT | {"model": "gpt-4"}, 404, "model"),
+    ("/v1/chat/completions", OK_CHAT | {"temperature": "hot"}, 400, "temperature"),
+    ("/v1/chat/completions", OK_CHAT | {"temperature": 2.5}, 400, "temperature"),
+    ("/v1/chat/completions", OK_CHAT | {"temperature": -0.1}, 400, "temperature"),
+    ("/v1/chat/completions", OK_CHAT | {"top_p": 0}, 400, "top_p"),
+    ("/v1/chat/completions", OK_CHAT | {"top_p": 1.5}, 400, "top_p"),
+    ("/v1/chat/completions", OK_CHAT | {"top_k": -2}, 400, "top_k"),
+    ("/v1/chat/completions", OK_CHAT | {"min_p": 1.5}, 400, "min_p"),
+    ("/v1/chat/completions", OK_CHAT | {"n": 2}, 400, "n"),
+    ("/v1/chat/completions", OK_CHAT | {"max_tokens": 0}, 400, "max_tokens"),
+    ("/v1/chat/completions", OK_CHAT | {"max_tokens": None, "max_completion_tokens": -1}, 400,
+     "max_completion_tokens"),
+    ("/v1/chat/completions", OK_CHAT | {"max_tokens": 510}, 400, "max_tokens"),
+    ("/v1/chat/completions", OK_CHAT | {"stop": [""]}, 400, "stop"),
+    ("/v1/chat/completions", OK_CHAT | {"seed": "x"}, 400, "seed"),
+    ("/v1/completions", {"model": MODEL, "max_tokens": 2}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": ""}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": list(range(5, 605))}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": list(range(5, 605)), "stream": True}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": [1, 99999]}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000}, 400, "max_tokens"),
+    ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000, "stream": True}, 400, "max_tokens"),
+])
+def test_bad_requests_get_openai_errors_naming_the_field(plain, path, body, status, param):
+    resp = plain.post(path, body)
+    assert resp.status_code == status, resp.text
+    err = resp.json()["error"]
+    assert set(err) == {"message", "type", "param", "code"} and err["message"]
+    assert err["param"] == param
+    if param is not None:
+        assert param in err["message"]
+    if status == 404:
+        assert err["code"] == "model_not_found"
+
+
+def test_unknown_fields_are_ignored_and_errors_leak_nothing(plain):
+    body = OK_CHAT | {"frequency_penalty": 0, "user": "u", "logit_bias": {}, "stream_options": None,
+                      "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "x"}]}
+    assert plain.post("/v1/chat/completions", body).status_code == 200
+    m = plain.wait_idle()
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+    assert plain.post("/v1/nope", {}).json()["error"]["message"]  # unknown routes also answer in OpenAI shape
+
+
+def test_api_key(tiny_llama_dir):
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL, api_key="sekret") as s:
+        with pytest.raises(openai.AuthenticationError):
+            s.client(api_key="wrong", max_retries=0).models.list()
+        for headers in ({}, {"Authorization": "Bearer wrong"}, {"Authorization": "sekret"}):
+            resp = s.post("/v1/completions", OK_COMPLETION, headers=headers)
+            assert resp.status_code == 401 and resp.json()["error"]["code"] == "invalid_api_key"
+        assert s.post("/v1/completions", OK_COMPLETION, headers={"Authorization": "Bearer sekret"}).status_code == 200
+        assert [m.id for m in s.client(api_key="sekret").models.list()] == [MODEL]
+        for route in ("/health", "/metrics"):  # every route, not only /v1
+            assert httpx.get(s.url + route).status_code == 401
+            assert httpx.get(s.url + route, headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+# -- health, models, metrics -------------------------------------------------------------------------------
+def test_models_and_health(plain):
+    models = httpx.get(f"{plain.url}/v1/models").json()
+    assert models["object"] == "list" and [m["id"] for m in models["data"]] == [MODEL]
+    assert models["data"][0]["object"] == "model"
+    assert httpx.get(f"{plain.url}/health").status_code == 200
+
+
+METRIC_NAMES = ["specdec_requests_running", "specdec_requests_waiting", "specdec_kv_blocks_used",
+                "specdec_kv_blocks_total", "specdec_prefix_cache_hits_total", "specdec_spec_drafts_total",
+                "specdec_spec_draft_tokens_total", "specdec_spec_accepted_tokens_total",
+                "specdec_time_to_first_token_seconds_count", "specdec_inter_token_latency_seconds_count",
+                'specdec_requests_total{finish_reason="length"}', "specdec_prompt_tokens_total",
+                "specdec_generation_tokens_total"]
+
+
+def test_metrics_follow_the_engine(spec):
+    before = spec.metrics()
+    assert all(name in before for name in METRIC_NAMES), [n for n in METRIC_NAMES if n not in before]
+    assert before["specdec_kv_blocks_total"] == spec.llm.engine.stats()["kv_blocks_total"] > 0
+    resp = spec.post("/v1/completions", {"model": MODEL, "prompt": REPETITIVE, "max_tokens": 24,
+                                         "temperature": 0, "ignore_eos": True}).json()
+    after = spec.wait_idle()
+    usage = resp["usage"]
+    assert after["specdec_spec_drafts_total"] - before["specdec_spec_drafts_total"] == usage["num_drafts"] > 0
+    assert (after["specdec_spec_accepted_tokens_total"] - before["specdec_spec_accepted_tokens_total"]
+            == usage["num_accepted_tokens"])
+    assert after["specdec_spec_draft_tokens_total"] > before["specdec_spec_draft_tokens_total"]
+    per_pos = {k: v for k, v in after.items() if k.startswith("specdec_spec_accepted_per_position_total{")}
+    assert 'specdec_spec_accepted_per_position_total{position="1"}' in per_pos
+    assert sum(per_pos.values()) == after["specdec_spec_accepted_tokens_total"]  # a chain accepts a prefix
+    assert after["specdec_generation_tokens_total"] - before["specdec_generation_tokens_total"] == 24
+    assert after["specdec_prompt_tokens_total"] - before["specdec_prompt_tokens_total"] == usage["prompt_tokens"]
+    assert after["specdec_time_to_first_token_seconds_count"] == before["specdec_time_to_first_token_seconds_count"] + 1
+    # Inter-token latency is recorded per token after the first, however many tokens a step emits.
+    assert (after["specdec_inter_token_latency_seconds_count"]
+            - before["specdec_inter_token_latency_seconds_count"]) == 23
+    assert (after['specdec_requests_total{finish_reason="length"}']
+            == before['specdec_requests_total{finish_reason="length"}'] + 1)
+
+
+# -- faults ------------------------------------------------------------------------------------------------
+@pytest.mark.parametrize("stream", [False, True])
+def test_a_failing_engine_step_fails_its_request_and_the_server_goes_on(plain, offline, monkeypatch, stream):
+    engine = plain.llm.engine
+    real_step = engine.step
+    calls = []
+
+    def step_failing_on_second_call():
+        calls.append(1)
+        if len(calls) == 2:
+            raise RuntimeError("boom")
+        return real_step()
+
+    monkeypatch.setattr(engine, "step", step_failing_on_second_call)
+    body = {"model": MODEL, "prompt": "Hello", "max_tokens": 8, "temperature": 0, "ignore_eos": True}
+    if stream:
+        with pytest.raises(openai.APIError, match="boom"):
+            for _ in plain.client(max_retries=0).completions.create(
+                    model=MODEL, prompt="Hello", max_tokens=8, temperature=0, extra_body={"ignore_eos": True},
+                    stream=True):
+                pass
+    else:
+        resp = plain.post("/v1/completions", body)
+        assert resp.status_code == 500
+        err = resp.json()["error"]
+        assert err["type"] == "internal_server_error" and "boom" in err["message"]
+    m = plain.wait_idle()
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+    assert httpx.get(f"{plain.url}/health").status_code == 200
+    resp = plain.post("/v1/completions", body)
+    assert resp.status_code == 200
+    assert resp.json()["choices"][0]["text"] == offline.generate("Hello", greedy(8))[0].text
+
+
+def test_health_reports_a_dead_engine(tiny_llama_dir):
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL) as s:
+        assert httpx.get(f"{s.url}/health").status_code == 200
+        s.app.state.server.engine.stop()
+        assert httpx.get(f"{s.url}/health").status_code == 503
+        resp = s.post("/v1/completions", OK_COMPLETION)
+        assert resp.status_code == 503 and resp.json()["error"]["message"]
+
+
+# -- the command line --------------------------------------------------------------------------------------
+def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch):
+    import specdec.server
+
+    calls = []
+    monkeypatch.setattr(specdec.server, "serve", lambda llm, **kw: calls.append((llm, kw)))
+    assert main(["serve", str(tiny_llama_dir), "--speculative-config", "off"]) == 0
+    llm, kw = calls[-1]
+    assert llm.engine.speculator is None and kw == {"host": "127.0.0.1", "port": 8000, "api_key": None,
+                                                    "served_model_name": None}
+    assert main(["serve", "--model", str(tiny_llama_dir), "--port", "9001", "--api-key", "k", "--max-num-seqs", "3",
+                 "--served-model-name", "m", "--speculative-config", json.dumps(SPEC)]) == 0
+    llm, kw = calls[-1]
+    assert llm.engine.speculator is not None and llm.engine.cfg.max_num_seqs == 3
+    assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "k", "served_model_name": "m"}
+    assert main(["serve", str(tiny_llama_dir), "--model", "/elsewhere"]) == 2
+    assert main(["serve", str(tiny_llama_dir), "--max-num-seqs", "0"]) == 2
+    assert len(calls) == 2
