@@ -79,6 +79,33 @@ def test_wrong_drafts_never_change_the_output(tiny_llama_dir, plain, reference):
     assert any(o.metrics["acceptance_rate"] < 1 for o in outs)  # rejections happened, sequences ragged
 
 
+def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_dir, plain, reference):
+    """Back-off: after a run of rejected drafts a request pauses drafting (longer after each failed probe),
+    and one accepted draft brings drafting back."""
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    bad = ScriptedDrafter(truth, 4, corrupt_every=1)  # every draft wrong from its middle token on ...
+    bad.propose = lambda requests, orig=bad.propose: wrong_first(orig(requests))  # ... and at its first
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": bad})
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
+    m = out.metrics
+    assert m["num_accepted_tokens"] == 0 and m["num_drafts"] <= 12  # 40 steps, most of them without drafts
+    assert m["num_draft_tokens"] < 4 * m["num_drafts"]  # low acceptance: one-token probes
+
+    good = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                        "drafter": ScriptedDrafter(truth, 4)})
+    m = good.generate(PROMPTS[0], GREEDY)[0].metrics
+    assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never paused
+
+
+def wrong_first(draft: Draft) -> Draft:
+    if draft.tokens.shape[1]:
+        draft.tokens[:, 0] = (draft.tokens[:, 0] + 1) % 300
+    return draft
+
+
 def test_stop_conditions_inside_an_accepted_draft(tiny_llama_dir, plain, reference):
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     stop_token = reference[0][6]

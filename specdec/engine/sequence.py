@@ -20,6 +20,8 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     recent_acceptance: float = 1.0  # moving average of accepted / drafted, optimistic at the start
+    paused: int = 0  # steps left without drafting (the speculator's back-off)
+    backoff: int = 0  # length of the latest pause
 
     def record(self, num_draft: int, num_accepted: int) -> None:
         if num_draft == 0:

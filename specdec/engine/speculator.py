@@ -21,7 +21,10 @@ from specdec.tree import TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy
 
 
-LOW_ACCEPTANCE = 0.3  # below this moving acceptance rate a request drafts one token per step
+# Per-request back-off, from the moving acceptance rate of the request's drafts (SpecStats.recent_acceptance):
+LOW_ACCEPTANCE = 0.3  # below: one draft token per step
+PAUSE_ACCEPTANCE = 0.1  # below: no drafting for 2, 4, ... MAX_PAUSE steps, then a one-token probe
+MAX_PAUSE = 32
 
 
 def plain_result(tokens: torch.Tensor) -> VerifyResult:
@@ -39,15 +42,32 @@ class Speculator:
 
     @staticmethod
     def draft_budget(seq: Sequence, shape: SpecShape) -> int:
-        """Draft tokens worth verifying: none past the context, none past max_tokens, and a single one while
+        """Draft tokens worth verifying: none past the context, none past max_tokens, a single one while
         this request's recent acceptance is low (verifying one draft costs about a plain step on our CPU
-        kernels, verifying k costs more, so a poorly predicted request should not pay for k)."""
+        kernels, verifying k costs more, so a poorly predicted request should not pay for k), and none while
+        it is paused after its drafts kept failing (see `back_off`)."""
+        if seq.spec.paused:
+            seq.spec.paused -= 1
+            return 0
         room_in_context = seq.max_len - len(seq.token_ids)  # one slot per draft node
         room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
         if shape.dynamic and room_in_context < shape.num_slots:
             return 0  # the candidates it would feed do not fit before the end of the context
         k = shape.num_tokens if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else min(1, shape.num_tokens)
         return max(0, min(k, room_in_context, shape.nodes_within(room_in_output)))
+
+    @staticmethod
+    def back_off(spec: SpecStats, drafted: int, accepted: int) -> None:
+        """Pause a request's drafting when its drafts keep failing, for twice as long after each failed
+        one-token probe; one accepted token brings full drafting back."""
+        if not drafted:
+            return
+        if accepted:
+            spec.backoff = 0
+        if spec.recent_acceptance < PAUSE_ACCEPTANCE:
+            spec.backoff = min(2 * spec.backoff, MAX_PAUSE) if spec.backoff else 2
+            spec.paused = spec.backoff
+            spec.recent_acceptance = 1.2 * PAUSE_ACCEPTANCE  # a failed probe pauses again, a hit resumes
 
     def step(self, seqs: list[Sequence]) -> list[list[int]]:
         """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token).
@@ -57,7 +77,8 @@ class Speculator:
                                  shape.dynamic, s.params.max_tokens - len(s.output_token_ids) - 1) for s in seqs]
         if shape.k and self.runner.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
-                r.features_start, r.features = s.take_features()
+                if r.max_tokens:  # a request that does not draft keeps gathering them
+                    r.features_start, r.features = s.take_features()
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
         counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
@@ -82,6 +103,7 @@ class Speculator:
             seq.num_cached += 1 + accepted
             self.runner.allocator.truncate(seq.block_table, seq.num_cached)
             seq.spec.record(counts[i], accepted)
+            self.back_off(seq.spec, counts[i], accepted)
             self.totals.record(counts[i], accepted)
             if self.history is not None:
                 self.history.append((result.accepted_nodes[i], counts[i]))
