@@ -48,6 +48,9 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
     s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--max-num-seqs", type=int, default=None, help="most requests decoded together")
+    s.add_argument("--max-num-batched-tokens", type=int, default=512,
+                   help="prompt tokens prefilled per step (default 512): long prompts are prefilled in chunks "
+                   "of this size, alternating with decode steps, so running requests keep streaming")
 
     b = sub.add_parser("bench", help="measure decoding speed on Spec-Bench prompts")
     add_model_args(b)
@@ -132,10 +135,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.model_arg and args.model and args.model_arg != args.model:
         raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     model = args.model_arg or args.model or DEFAULT_MODEL
-    if args.max_num_seqs is not None and args.max_num_seqs < 1:
-        raise SpecdecError(f"invalid --max-num-seqs {args.max_num_seqs}: must be at least 1")
+    for name in ("max_num_seqs", "max_num_batched_tokens"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     spec = None if args.speculative_config in (None, "off") else args.speculative_config
-    engine_kwargs = {} if args.max_num_seqs is None else {"max_num_seqs": args.max_num_seqs}
+    engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
+    if args.max_num_seqs is not None:
+        engine_kwargs["max_num_seqs"] = args.max_num_seqs
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=spec, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
 

@@ -2,8 +2,8 @@
 
 Two servers over the same model run as subprocesses, one with the speculative config and one without.
 At each concurrency level C, C client workers stream chat completions of Spec-Bench prompts (greedy) from
-one server, then from the other (the order alternates by level, so machine drift does not favour a side);
-only one server is loaded at a time. Per level and side:
+one server, then from the other, in two rounds of half the requests each (A B, then B A, so machine drift
+does not favour a side); only one server is loaded at a time. Per level and side:
 
     throughput       completion tokens / wall time of the level
     TTFT             request sent -> first content chunk            (p50, p99)
@@ -123,13 +123,14 @@ async def one_request(client, url: str, index: int, prompt: str, max_tokens: int
     return r
 
 
-async def drive(url: str, prompts: list[str], concurrency: int, num_requests: int, max_tokens: int
+async def drive(url: str, prompts: list[str], concurrency: int, requests: range, max_tokens: int
                 ) -> tuple[list[RequestResult], float]:
-    """`concurrency` workers send `num_requests` requests (prompts taken in turn); returns results and wall time."""
+    """`concurrency` workers send the requests (request i asks prompt i mod len(prompts)); returns the
+    results and the wall time."""
     import httpx
 
     queue: asyncio.Queue[int] = asyncio.Queue()
-    for i in range(num_requests):
+    for i in requests:
         queue.put_nowait(i)
     results: list[RequestResult] = []
     limits = httpx.Limits(max_connections=concurrency + 4, max_keepalive_connections=concurrency + 4)
@@ -210,10 +211,12 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
     plain = LLM(args.model, dtype=args.dtype, device=args.device)
     fast = plain.with_speculative_config(spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    for llm in (plain, fast):  # first calls pay one-time costs (kernel loading)
+        llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4))
     seconds = {"plain": 0.0, "speculative": 0.0}
     tokens = 0
-    for prompt in prompts:
-        for side, llm in (("plain", plain), ("speculative", fast)):
+    for j, prompt in enumerate(prompts):
+        for side, llm in (("plain", plain), ("speculative", fast))[:: 1 if j % 2 == 0 else -1]:
             start = time.perf_counter()
             out = llm.chat([{"role": "user", "content": prompt}], params)[0]
             seconds[side] += time.perf_counter() - start
@@ -246,15 +249,22 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         pc = result["prefix_cache"]
         print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms "
               f"on a hit ({pc['system_prompt_chars']}-character system prompt)", flush=True)
-        for j, c in enumerate(levels):
+        for c in levels:
             n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
-            order = ["plain", "speculative"] if j % 2 == 0 else ["speculative", "plain"]
             level: dict = {"concurrency": c, "num_requests": n}
+            # Two rounds, each side driven with the same half of the requests, in the order A B then B A.
+            results: dict[str, list[RequestResult]] = {"plain": [], "speculative": []}
+            walls = {"plain": 0.0, "speculative": 0.0}
+            halves = [range(0, n // 2), range(n // 2, n)]
+            for half, order in zip(halves, (["plain", "speculative"], ["speculative", "plain"])):
+                for side in order:
+                    got, wall = asyncio.run(drive(servers[side].url, prompts, c, half, args.max_tokens))
+                    results[side] += got
+                    walls[side] += wall
             texts = {}
-            for side in order:
-                results, wall = asyncio.run(drive(servers[side].url, prompts, c, n, args.max_tokens))
-                level[side] = summarize_level(results, wall)
-                texts[side] = {r.prompt_index: r.text for r in results if r.error is None}
+            for side in ("plain", "speculative"):
+                level[side] = summarize_level(results[side], walls[side])
+                texts[side] = {r.prompt_index: r.text for r in results[side] if r.error is None}
                 print(f"concurrency {c:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
             same = [texts["plain"][i] == texts["speculative"][i] for i in texts["plain"] if i in texts["speculative"]]
             level["identical"] = [sum(same), len(same)]
