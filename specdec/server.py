@@ -67,8 +67,22 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
+def _is_set(value: Any) -> bool:
+    return value not in (None, False, 0, 0.0, "", [], {})
+
+
+# Fields a client may send whose effect we do not provide: refused rather than silently ignored, so a client
+# never takes an answer without logprobs, a tool call or a JSON format for one that honoured them.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set, "logit_bias": _is_set,
+    "best_of": lambda v: v not in (None, 1), "presence_penalty": _is_set, "frequency_penalty": _is_set,
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": _is_set, "functions": _is_set,
+    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
+}
+
+
 class _GenerationBody(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+    model_config = ConfigDict(extra="allow")  # other fields (user, metadata, ...) are accepted and ignored
     model: str
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -387,6 +401,10 @@ class OpenAIServer:
     def sampling_params(self, body: _GenerationBody) -> tuple[SamplingParams, int | None, str]:
         """Validate sampling fields here, where we still know their names; max_tokens is settled on
         the engine thread once the prompt length is known."""
+        for name, value in (body.model_extra or {}).items():
+            if name in UNSUPPORTED_FIELDS and UNSUPPORTED_FIELDS[name](value):
+                raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server; leave it out",
+                               param=name, code="unsupported_parameter")
         if body.n not in (None, 1):
             raise APIError(400, f"n={body.n} is not supported: this server returns one choice per request (n=1)",
                            param="n")

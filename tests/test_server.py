@@ -270,6 +270,12 @@ OK_CHAT = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
 OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
 
 
+def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
+    body = OK_CHAT | {"logprobs": False, "frequency_penalty": 0, "response_format": {"type": "text"}, "user": "u1",
+                      "metadata": {"a": "b"}, "tools": [], "parallel_tool_calls": False}
+    assert plain.post("/v1/chat/completions", body).status_code == 200
+
+
 @pytest.mark.parametrize("path, body, status, param", [
     ("/v1/chat/completions", '{"model": "tiny", "messages": [', 400, None),
     ("/v1/chat/completions", "[1, 2]", 400, None),
@@ -301,6 +307,12 @@ OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
     ("/v1/completions", OK_COMPLETION | {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000, "stream": True}, 400, "max_tokens"),
+    ("/v1/chat/completions", OK_CHAT | {"logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),
+    ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(plain, path, body, status, param):
     resp = plain.post(path, body)
