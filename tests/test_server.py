@@ -451,3 +451,20 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
     assert main(["serve", str(tiny_llama_dir), "--model", "/elsewhere"]) == 2
     assert main(["serve", str(tiny_llama_dir), "--max-num-seqs", "0"]) == 2
     assert len(calls) == 2
+
+
+def test_incremental_detokenization_equals_decoding_everything(tiny_llama_dir):
+    """Streaming decodes a short window per step; the text it builds is the full decode at every step where
+    no UTF-8 character is cut (and never shows a half character)."""
+    from specdec.server import IncrementalText
+
+    tok = LLM(str(tiny_llama_dir)).tokenizer
+    ids = tok.encode("héllo wörld 😀 naïve café, déjà vu 🚀🚀 end", add_special_tokens=False)
+    inc = IncrementalText(lambda t: tok.decode(t, skip_special_tokens=True))
+    for n in range(1, len(ids) + 1):
+        text = inc.update(ids[:n])
+        full = tok.decode(ids[:n], skip_special_tokens=True)
+        assert "\ufffd" not in text and full.startswith(text)
+        if not full.endswith("\ufffd"):
+            assert text == full
+    assert text == tok.decode(ids)
