@@ -105,8 +105,8 @@ class LLM:
         try:
             while not seq.is_finished:
                 engine.step()
-                text = engine.output(seq).text if seq.is_finished else engine.decode(seq.output_token_ids)
-                if not text.endswith("\ufffd") and len(text) > len(emitted):
+                text = engine.output(seq).text if seq.is_finished else engine.text(seq)
+                if len(text) > len(emitted):
                     yield text[len(emitted):]
                     emitted = text
         finally:

@@ -27,6 +27,7 @@ from pathlib import Path
 
 from specdec.bench import format_table, load_questions, machine_info, output_path, pick_round_robin, prompts_path
 from specdec.config import SpecdecError, SpeculativeConfig
+from specdec.llm import parse_device
 
 STARTUP_TIMEOUT_S = 600
 
@@ -235,7 +236,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
     prompts = [row["turns"][0] for row in rows]
     out = output_path(args.out)
-    result: dict = {"machine": machine_info_cpu(args), "args": vars(args), "levels": []}
+    result: dict = {"machine": machine_info(parse_device(args.device)), "args": vars(args), "levels": []}
     result["offline"] = offline_speedup(args, prompts, spec)  # before the servers start: nothing else runs
     print(f"offline, batch 1: {result['offline']['speedup']:.2f}x "
           f"({result['offline']['speculative_tok_s']:.1f} vs {result['offline']['plain_tok_s']:.1f} tok/s)", flush=True)
@@ -244,7 +245,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     try:
         for server in servers.values():
             server.wait_ready()
-        system = " ".join(row["turns"][0] for row in rows if "ummar" in str(row.get("category", "")))[:6000]
+        system = " ".join(row["turns"][0] for row in rows if row.get("category") == "summarization")[:6000]
         result["prefix_cache"] = asyncio.run(prefix_cache_ttft(servers["plain"].url, system or prompts[0] * 20))
         pc = result["prefix_cache"]
         print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms "
@@ -290,12 +291,6 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
               f"({pc['ratio']:.1f}x lower)")
     print(f"\nresults written to {out} and {plot}")
     return result
-
-
-def machine_info_cpu(args: argparse.Namespace) -> dict:
-    import torch
-
-    return machine_info(torch.device(args.device))
 
 
 def plot_levels(result: dict, path: Path) -> Path:

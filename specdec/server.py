@@ -125,23 +125,6 @@ class _Event:
 Prepare = Callable[[], tuple[list[int], SamplingParams]]
 
 
-class IncrementalText:
-    """The text of a growing list of output ids, decoding only a short window each step (the prefix/read
-    offsets of TGI and vLLM) instead of the whole output: the new text is decode(ids[prefix:]) minus
-    decode(ids[prefix:read]), held back while it ends in an incomplete UTF-8 character."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.text, self.prefix, self.read = decode, "", 0, 0
-
-    def update(self, ids: list[int]) -> str:
-        before = self.decode(ids[self.prefix:self.read])
-        after = self.decode(ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-        return self.text
-
-
 class EngineRequest:
     """One request as both sides see it. `prepare` runs on the engine thread (tokenizers are not safe
     to share across threads) and returns the prompt ids and final sampling params, or raises APIError."""
@@ -154,7 +137,6 @@ class EngineRequest:
         self.seq = None  # the engine's Sequence, set on the engine thread
         self.arrival = time.perf_counter()
         self.last_token_time: float | None = None
-        self.detokenizer: IncrementalText | None = None  # streaming only; used on the engine thread
 
     # Called from the engine thread.
     def post(self, event: _Event) -> None:
@@ -261,8 +243,6 @@ class AsyncEngine:
             log.exception("could not admit a request")
             return req.resolve(internal_error(f"could not admit the request: {type(e).__name__}: {e}"))
         self._active[req.seq.seq_id] = req
-        if req.stream:
-            req.detokenizer = IncrementalText(self.engine.decode)
         self.metrics.prompt_tokens.inc(len(prompt_ids))
         req.resolve()
 
@@ -290,7 +270,7 @@ class AsyncEngine:
             if seq.is_finished:
                 self._finish(req)
             elif req.stream and new_ids:
-                req.post(_Event(text=req.detokenizer.update(seq.output_token_ids)))
+                req.post(_Event(text=self.engine.text(seq)))
         for req in [r for r in self._active.values() if r.seq.is_finished]:  # finished without an event
             self._finish(req)
 
@@ -394,8 +374,8 @@ def _sse(payload: dict | str) -> str:
 
 
 class _AbortOnClose(StreamingResponse):
-    """A stream that aborts its request however it ends (a disconnect may leave the body generator
-    suspended, so its `finally` alone is not enough)."""
+    """A stream that aborts its request however it ends: finished, failed, or its client gone (a disconnect
+    may leave the body generator suspended, so a `finally` inside it would not run in time)."""
 
     def __init__(self, content: AsyncIterator[str], on_close: Callable[[], None]) -> None:
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
@@ -533,40 +513,37 @@ class OpenAIServer:
             return _sse(body | ({"usage": None} if include_usage else {}))
 
         sent = ""
-        try:
-            if chat:
-                yield chunk("", role=True)
-            while True:
-                event = await req.events.get()
-                while event.output is None and event.error is None and not req.events.empty():
-                    event = req.events.get_nowait()  # fall behind gracefully: only the latest text matters
-                if event.error is not None:
-                    yield _sse(event.error.body())
-                    break
-                out = event.output
-                if out is None:
-                    text = event.text
-                    safe = streamable_length(text, stops)
-                    if safe > len(sent) and text.startswith(sent):
-                        yield chunk(text[len(sent):safe])
-                        sent = text[:safe]
-                    continue
-                if not out.text.startswith(sent):  # the incremental text drifted from the full decode
-                    log.warning("request %s: streamed text is not a prefix of the final text", rid)
-                rest = out.text[len(sent):]
-                if chat:
-                    if rest:
-                        yield chunk(rest)
-                    yield chunk(None, out.finish_reason)
-                else:
-                    yield chunk(rest, out.finish_reason)
-                if include_usage:
-                    yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
-                                "created": created, "model": self.model, "choices": [], "usage": _usage(out)})
+        if chat:
+            yield chunk("", role=True)
+        while True:
+            event = await req.events.get()
+            while event.output is None and event.error is None and not req.events.empty():
+                event = req.events.get_nowait()  # fall behind gracefully: only the latest text matters
+            if event.error is not None:
+                yield _sse(event.error.body())
                 break
-            yield _sse("[DONE]")
-        finally:
-            self.engine.abort(req)
+            out = event.output
+            if out is None:
+                text = event.text
+                safe = streamable_length(text, stops)
+                if safe > len(sent) and text.startswith(sent):
+                    yield chunk(text[len(sent):safe])
+                    sent = text[:safe]
+                continue
+            if not out.text.startswith(sent):  # the incremental text drifted from the full decode
+                log.warning("request %s: streamed text is not a prefix of the final text", rid)
+            rest = out.text[len(sent):]
+            if chat:
+                if rest:
+                    yield chunk(rest)
+                yield chunk(None, out.finish_reason)
+            else:
+                yield chunk(rest, out.finish_reason)
+            if include_usage:
+                yield _sse({"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
+                            "created": created, "model": self.model, "choices": [], "usage": _usage(out)})
+            break
+        yield _sse("[DONE]")
 
 
 def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:

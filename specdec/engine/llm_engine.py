@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import time
+from collections.abc import Callable
 from dataclasses import dataclass, field
 
 import torch
@@ -43,6 +44,23 @@ def eos_ids(model: LlamaModel, tokenizer) -> frozenset[int]:
     return frozenset(ids)
 
 
+class IncrementalText:
+    """The text of a growing list of output ids, decoding only a short window each step (the prefix/read
+    offsets of TGI and vLLM) instead of the whole output: the new text is decode(ids[prefix:]) minus
+    decode(ids[prefix:read]), held back while it ends in an incomplete UTF-8 character."""
+
+    def __init__(self, decode: Callable[[list[int]], str]) -> None:
+        self.decode, self.text, self.prefix, self.read = decode, "", 0, 0
+
+    def update(self, ids: list[int]) -> str:
+        before = self.decode(ids[self.prefix:self.read])
+        after = self.decode(ids[self.prefix:])
+        if len(after) > len(before) and not after.endswith("\ufffd"):
+            self.text += after[len(before):]
+            self.prefix, self.read = self.read, len(ids)
+        return self.text
+
+
 class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None,
                  speculative: SpeculativeConfig | None = None) -> None:
@@ -74,6 +92,7 @@ class LLMEngine:
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}
+        self._detok: dict[int, IncrementalText] = {}  # sequences whose text is read while they run
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         n = len(prompt_token_ids)
@@ -99,6 +118,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
         self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
+        self._detok.pop(seq.seq_id, None)
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
             self.speculator.drafter.release(seq.seq_id)
@@ -148,6 +168,8 @@ class LLMEngine:
     def _register_prefix(self, seq: Sequence) -> None:
         """Offer the sequence's full blocks to the prefix cache, up to where both the target's K/V and the
         drafter's (when it keeps any in the shared blocks) hold committed tokens."""
+        if not self.allocator.enable_prefix_caching:
+            return
         n = min(seq.num_cached, len(seq.token_ids))
         if self.speculator is not None:
             drafted = self.speculator.drafter.cached_prefix(seq)
@@ -167,7 +189,7 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if not seq.params.stop:
             return False
-        text = self.decode(seq.output_token_ids)
+        text = self.text(seq)
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
             return False
@@ -178,6 +200,14 @@ class LLMEngine:
 
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
+
+    def text(self, seq: Sequence) -> str:
+        """The output text of a running sequence so far, decoded incrementally (stop strings, streaming);
+        an incomplete UTF-8 character at the end is held back."""
+        detok = self._detok.get(seq.seq_id)
+        if detok is None:
+            detok = self._detok[seq.seq_id] = IncrementalText(self.decode)
+        return detok.update(seq.output_token_ids)
 
     def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
         text = self._texts.pop(seq.seq_id, None) if seq.is_finished else None
