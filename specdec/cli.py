@@ -86,6 +86,11 @@ def build_parser() -> argparse.ArgumentParser:
                     help="unroll the head on its own outputs this many steps (EAGLE-3's training-time test)")
     tr.add_argument("--regenerate", action="store_true",
                     help="train on the target's own greedy answers to the data's prompts (cached in --out)")
+    tr.add_argument("--max-conversations", type=int, default=0,
+                    help="use only the first N training conversations after shuffling (default: all)")
+    tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the CE term of the loss (default 0.1)")
+    tr.add_argument("--regression-weight", type=float, default=1.0,
+                    help="weight of the SmoothL1 hidden-state term of the loss (default 1.0)")
     tr.add_argument("--val-prompts", type=int, default=8, help="held-out conversations for validation")
     tr.add_argument("--val-tokens", type=int, default=64, help="greedy tokens per validation prompt")
     tr.add_argument("--seed", type=int, default=0)

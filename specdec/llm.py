@@ -1,10 +1,12 @@
 """The user-facing API: `LLM(...).generate(prompts, SamplingParams(...))`, vLLM-style."""
 from __future__ import annotations
 
+import sys
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
 
 import torch
+from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
@@ -84,11 +86,12 @@ class LLM:
 
     # -- generation ----------------------------------------------------------------------------
     def generate(self, prompts: Prompt | Seq[Prompt],
-                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
+                 sampling_params: SamplingParams | Seq[SamplingParams] | None = None,
+                 use_tqdm: bool = False) -> list[RequestOutput]:
         """Decode all prompts together (continuous batching); outputs come back in prompt order."""
         if not isinstance(prompts, (list, tuple)):
             prompts = [prompts]
-        return self._run([self.encode(p) for p in prompts], sampling_params)
+        return self._run([self.encode(p) for p in prompts], sampling_params, use_tqdm)
 
     def chat(self, conversations: list[dict[str, str]] | Seq[list[dict[str, str]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None = None) -> list[RequestOutput]:
@@ -114,16 +117,19 @@ class LLM:
         self.last_output = engine.output(seq)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool = False) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(encoded))
         engine = self.engine
         seqs = []
+        bar = tqdm(total=len(encoded), desc="generate", unit="req", disable=not use_tqdm, file=sys.stderr)
         try:
             for (_, ids), p in zip(encoded, params):
                 seqs.append(engine.add_request(ids, p))
             while not all(s.is_finished for s in seqs):
                 engine.step()
+                bar.update(sum(s.is_finished for s in seqs) - bar.n)
         finally:
+            bar.close()
             for s in seqs:
                 engine.abort(s)  # frees blocks if we were interrupted
         return [engine.output(s, prompt) for s, (prompt, _) in zip(seqs, encoded)]

@@ -82,7 +82,8 @@ def regenerate(llm, convs: list[list[dict]], max_len: int, cache: Path) -> list[
     encoded = [llm.apply_chat_template(p) for p in prompts]
     keep = [i for i, ids in enumerate(encoded) if len(ids) < max_len - 2]
     outs = llm.generate([{"prompt_token_ids": encoded[i]} for i in keep],
-                        SamplingParams(temperature=0, max_tokens=max_len))
+                        [SamplingParams(temperature=0, max_tokens=max_len - len(encoded[i])) for i in keep],
+                        use_tqdm=True)
     samples = []
     for i, out in zip(keep, outs):
         ids = (encoded[i] + out.token_ids)[:max_len]
@@ -179,7 +180,8 @@ def _norm(norm, x: torch.Tensor) -> torch.Tensor:
 
 
 def eagle3_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
-                mask: torch.Tensor, draft_ids: torch.Tensor) -> tuple[torch.Tensor, dict]:
+                mask: torch.Tensor, draft_ids: torch.Tensor, weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT)
+                ) -> tuple[torch.Tensor, dict]:
     """Equation 1 on rows whose predicted token (t + 2) is an assistant token. out: [T, H] head outputs;
     target_hidden / target_logits: the target at t + 1 for row t ([T, H], [T, V]); mask [T] bool."""
     out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask]
@@ -188,7 +190,7 @@ def eagle3_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_log
     ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
     regression = F.smooth_l1_loss(out, target_hidden)
     top1 = (logits.argmax(-1) == target_logits[:, draft_ids].argmax(-1)).float().mean()
-    return CE_WEIGHT * ce + REGRESSION_WEIGHT * regression, {"ce": ce.item(), "l1": regression.item(),
+    return weights[0] * ce + weights[1] * regression, {"ce": ce.item(), "l1": regression.item(),
                                                             "top1": top1.item()}
 
 
@@ -208,11 +210,13 @@ def run_train(args: argparse.Namespace) -> dict:
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
     convs = load_conversations(args.data)
     random.Random(args.seed).shuffle(convs)
-    held_out = convs[:args.val_prompts]
+    held_out, train_convs = convs[:args.val_prompts], convs[args.val_prompts:]
+    if args.max_conversations:
+        train_convs = train_convs[:args.max_conversations]
     if args.regenerate:
-        samples = regenerate(llm, convs[args.val_prompts:], args.max_len, out_dir / "regenerated.json")
+        samples = regenerate(llm, train_convs, args.max_len, out_dir / "regenerated.json")
     else:
-        samples = [tokenize(tok, c, args.max_len) for c in convs[args.val_prompts:]]
+        samples = [tokenize(tok, c, args.max_len) for c in train_convs]
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
     if not samples:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
@@ -253,7 +257,7 @@ def run_train(args: argparse.Namespace) -> dict:
             if not step_mask.any():
                 continue
             step_loss, step_stats = eagle3_loss(head, out, hidden[1:rows + 1].clone(), logits[1:rows + 1].clone(),
-                                                step_mask, draft_ids)
+                                                step_mask, draft_ids, (args.ce_weight, args.regression_weight))
             loss = loss + TTT_DECAY ** s * step_loss
             stats = stats or step_stats  # the progress bar reports step 1
         opt.zero_grad()
