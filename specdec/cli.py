@@ -70,8 +70,8 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure draft shapes per batch size and write the tree dispatcher's table")
     add_model_args(t)
     add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
-    tr = sub.add_parser("train", help="train an EAGLE-3 draft head by online distillation from the target")
-    tr.add_argument("--method", default="eagle3", help="eagle3")
+    tr = sub.add_parser("train", help="train a draft head (eagle3, eagle, mtp, medusa) by online distillation")
+    tr.add_argument("--method", default="eagle3", help="eagle3 (default), eagle, mtp or medusa")
     tr.add_argument("--target", default=DEFAULT_MODEL, help=f"the frozen target (default {DEFAULT_MODEL})")
     tr.add_argument("--data", nargs="+", required=True, help="chat JSONL files ({'messages': [...]} per line)")
     tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")
@@ -82,8 +82,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
     tr.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (default 200)")
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
-    tr.add_argument("--ttt-steps", type=int, default=3,
-                    help="unroll the head on its own outputs this many steps (EAGLE-3's training-time test)")
+    tr.add_argument("--ttt-steps", type=int, default=None,
+                    help="eagle3: unroll the head on its own outputs this many steps (training-time test, default 3)")
+    tr.add_argument("--num-layers", type=int, default=1,
+                    help="eagle: decoder layers in the head; medusa: residual blocks per head (default 1)")
+    tr.add_argument("--num-heads", type=int, default=3, help="medusa: heads, one per draft position (default 3)")
     tr.add_argument("--regenerate", action="store_true",
                     help="train on the target's own greedy answers to the data's prompts (cached in --out)")
     tr.add_argument("--max-conversations", type=int, default=0,

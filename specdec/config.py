@@ -141,8 +141,9 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose token prefix was seen before
 
 
-SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", "eagle3", "custom")
-TREE_METHODS = ("draft_model", "layer_skip", "eagle3")
+HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa")  # draft heads trained for one target: `model` is their directory
+SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", *HEAD_METHODS, "custom")
+TREE_METHODS = ("draft_model", "layer_skip", *HEAD_METHODS)
 MAX_TREE_NODES = 64
 
 
@@ -193,7 +194,7 @@ class SpeculativeConfig:
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
     ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)
-    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM; eagle3: the head's directory
+    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM; heads: the head's directory
     num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
     drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
     # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for TREE_METHODS a full tree
@@ -225,9 +226,9 @@ class SpeculativeConfig:
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
         self.shape = self.parse_shape(self.tree, "tree")
         self.dispatch_table = self._parse_dispatch()
-        if self.method == "eagle3" and not self.model:
-            raise SpecdecError("method 'eagle3' needs 'model': the directory of an EAGLE-3 head (config.json + "
-                               "model.safetensors)")
+        if self.method in HEAD_METHODS and not self.model:
+            raise SpecdecError(f"method {self.method!r} needs 'model': the directory of a {self.method} head "
+                               "(config.json + model.safetensors)")
         if self.method == "draft_model" and not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
         if self.method == "layer_skip" and not isinstance(self.num_layers, int):
@@ -268,9 +269,9 @@ class SpeculativeConfig:
                                f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (ngram branches with "
                                "'ngram_branches'; a custom drafter returns its own trees)")
         if isinstance(value, dict):
-            if self.method == "eagle3":
+            if self.method in HEAD_METHODS:
                 raise SpecdecError(f"invalid {what} {value!r}: dynamic trees are available for draft_model and "
-                                   "layer_skip; eagle3 drafts chains and static trees")
+                                   f"layer_skip; {self.method} drafts chains and static trees")
             return self._parse_dynamic(value, what)
         try:
             if isinstance(value, str):

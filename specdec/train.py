@@ -1,7 +1,9 @@
-"""`specdec train`: fit an EAGLE-3 draft head to a frozen target by online distillation.
+"""`specdec train`: fit a draft head (eagle3, eagle, mtp, medusa) to a frozen target by online distillation.
 
 For every training conversation the target (our own serving runtime) runs once and yields, per token t,
-its low/mid/high layer outputs (the head's input features), its last layer's output h_t and its logits.
+the head's input features (EAGLE-3: its low/mid/high layer outputs; EAGLE-1 / MTP: its final hidden state),
+its hidden state h_t (EAGLE-3: the last layer's output; others: after the final norm) and its logits.
+Medusa head i reads the target's final hidden state of token t and predicts token t + i + 2.
 The head's row t pairs feature t with the embedding of token t + 1 and predicts token t + 2, so it is
 trained against the target at t + 1 (the Meta report's equation 1, shifted by one):
 
@@ -10,7 +12,7 @@ trained against the target at t + 1 (the Meta report's equation 1, shifted by on
 
 averaged over the assistant tokens. With `--ttt-steps K` (EAGLE-3's training-time test) the head is also
 unrolled K - 1 more times on its own outputs, exactly as serving drafts tokens 2..K, each step's loss
-weighted 0.8^(s-1). Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
+weighted 0.8^(s-1). The weights 0.1 / 1.0 are `--ce-weight` / `--regression-weight`. Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
 draft vocabulary is the most frequent assistant tokens of the training data. `--regenerate` replaces the
 assistant turns with the target's own greedy answers (self-distillation). Checkpoints (the head in the
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
@@ -175,33 +177,63 @@ def head_train_forward(head, embeds: torch.Tensor, features: torch.Tensor, steps
     return outs
 
 
+def eagle_train_forward(head, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+    """An EAGLE-1 / MTP head (`specdec/models/eagle.py`) over one whole sequence, differentiable: row t reads
+    the target's final hidden state of token t (`hidden` [T, H], normed) and the embedding of token t + 1."""
+    T = embeds.shape[0]
+    pos = torch.arange(T, device=embeds.device)
+    cos, sin = head.rope_cos[pos][:, None, :], head.rope_sin[pos][:, None, :]
+    x = F.linear(torch.cat([_norm(head.enorm, embeds), _norm(head.hnorm, hidden)], -1), head.fc.weight, head.fc.bias)
+    for L in head.layers:
+        qkv = F.linear(_norm(L.input_layernorm, x), L.qkv_proj.weight).view(T, L.num_heads + 2 * L.num_kv_heads, -1)
+        qk = qkv[:, :L.num_heads + L.num_kv_heads]
+        qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
+        q, k = qk[:, :L.num_heads].transpose(0, 1), qk[:, L.num_heads:].transpose(0, 1)  # [heads, T, D]
+        v = qkv[:, L.num_heads + L.num_kv_heads:].transpose(0, 1)
+        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=L.scale, enable_gqa=True)
+        x = x + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
+        gate, up = F.linear(_norm(L.post_attention_layernorm, x), L.gate_up_proj.weight).chunk(2, -1)
+        x = x + F.linear(F.silu(gate) * up, L.down_proj.weight)
+    return x
+
+
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps)
+    """A head's RMSNorm, differentiable (an absent one is an Identity)."""
+    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps) if hasattr(norm, "weight") else x
 
 
-def eagle3_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
-                mask: torch.Tensor, draft_ids: torch.Tensor, weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT)
-                ) -> tuple[torch.Tensor, dict]:
+def head_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
+              mask: torch.Tensor, draft_ids: torch.Tensor | None,
+              weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT)) -> tuple[torch.Tensor, dict]:
     """Equation 1 on rows whose predicted token (t + 2) is an assistant token. out: [T, H] head outputs;
-    target_hidden / target_logits: the target at t + 1 for row t ([T, H], [T, V]); mask [T] bool."""
-    out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask]
-    logits = F.linear(_norm(head.norm, out), head.lm_head)  # [N, draft_vocab]
-    p = torch.softmax(target_logits[:, draft_ids].float(), -1)
+    target_hidden / target_logits: the target at t + 1 for row t ([T, H], [T, V]); mask [T] bool;
+    draft_ids: the target ids of the head's vocabulary (None: the target's whole vocabulary)."""
+    out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask].float()
+    if draft_ids is not None:
+        target_logits = target_logits[:, draft_ids]
+    logits = F.linear(_norm(getattr(head, "norm", None), out), head.lm_head)  # [N, draft_vocab]
+    p = torch.softmax(target_logits, -1)
     ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
     regression = F.smooth_l1_loss(out, target_hidden)
-    top1 = (logits.argmax(-1) == target_logits[:, draft_ids].argmax(-1)).float().mean()
+    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
     return weights[0] * ce + weights[1] * regression, {"ce": ce.item(), "l1": regression.item(),
                                                             "top1": top1.item()}
 
 
 # ---------------------------------------------------------------------------------------------- run
+METHODS = ("eagle", "eagle3", "medusa", "mtp")
+
+
 def run_train(args: argparse.Namespace) -> dict:
     from specdec.llm import LLM
-    from specdec.models.eagle3 import Eagle3Head, default_aux_layers
 
-    if args.method != "eagle3":
-        raise SpecdecError(f"--method {args.method}: the trainer supports eagle3 so far")
-    for name in ("steps", "max_len", "draft_vocab", "save_every", "ttt_steps"):
+    if args.method not in METHODS:
+        raise SpecdecError(f"--method {args.method}: the trainer supports {list(METHODS)}")
+    if args.ttt_steps is None:
+        args.ttt_steps = 3 if args.method == "eagle3" else 1
+    if args.ttt_steps != 1 and args.method != "eagle3":
+        raise SpecdecError(f"--ttt-steps is EAGLE-3's training-time test; {args.method} trains one step")
+    for name in ("steps", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     torch.manual_seed(args.seed)
@@ -220,19 +252,13 @@ def run_train(args: argparse.Namespace) -> dict:
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
     if not samples:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
-    cfg = target.config
+    state = None
     if args.resume and ckpt.is_file():
-        head = Eagle3Head.load(out_dir, cfg)
+        head = load_head(args.method, out_dir, target)
         state = torch.load(ckpt, weights_only=False)
     else:
-        import dataclasses
-
-        head = Eagle3Head(dataclasses.replace(cfg, num_hidden_layers=1), min(args.draft_vocab, cfg.vocab_size),
-                          default_aux_layers(cfg.num_hidden_layers))
-        init_head(head, target, draft_vocabulary(samples, head.draft_vocab_size, cfg.vocab_size))
-        state = None
-    draft_ids = head.target_ids(torch.arange(head.draft_vocab_size))
-    params = [p for p in head.parameters()]
+        head = new_head(args.method, target, samples, args)
+    params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
@@ -241,25 +267,11 @@ def run_train(args: argparse.Namespace) -> dict:
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
     history = []
-    bar = tqdm(total=args.steps, initial=step, desc="train eagle3", file=sys.stderr)
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr)
     tokens_seen, start = 0, time.perf_counter()
     while step < args.steps:
         ids, mask = samples[step % len(samples)]
-        features, hidden, logits = target_outputs(target, ids, head.aux_layers)
-        # row t: feature t, embedding of token t + 1, trained against the target at t + 1 (token t + 2)
-        embeds = target.embed(torch.tensor(ids[1:])).float()
-        rows = len(ids) - 2
-        outs = head_train_forward(head, embeds[:rows], features[:rows].clone(), args.ttt_steps)
-        target_mask = torch.tensor(mask[2:rows + 2])
-        loss, stats = 0.0, {}
-        for s, out in enumerate(outs):  # step s + 1 is meaningful from row s on; later steps weigh less
-            step_mask = target_mask & (torch.arange(rows) >= s)
-            if not step_mask.any():
-                continue
-            step_loss, step_stats = eagle3_loss(head, out, hidden[1:rows + 1].clone(), logits[1:rows + 1].clone(),
-                                                step_mask, draft_ids, (args.ce_weight, args.regression_weight))
-            loss = loss + TTT_DECAY ** s * step_loss
-            stats = stats or step_stats  # the progress bar reports step 1
+        loss, stats = sequence_loss(head, target, ids, mask, args)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -274,23 +286,123 @@ def run_train(args: argparse.Namespace) -> dict:
     bar.close()
     result = {"steps": step, "history": history[-50:]}
     if held_out:
-        result["validation"] = validate(args.target, out_dir, held_out, tok, args.val_tokens)
+        k = min(3, args.num_heads) if args.method == "medusa" else 3
+        result["validation"] = validate(args.target, args.method, out_dir, held_out, args.val_tokens, k)
         print(json.dumps(result["validation"]))
     (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
     return result
 
 
+def new_head(method: str, target, samples: list[tuple[list[int], list[bool]]], args: argparse.Namespace):
+    """An untrained head for `target`: small random weights, unit norms."""
+    import dataclasses
+
+    cfg = target.config
+    if method == "eagle3":
+        from specdec.models.eagle3 import Eagle3Head, default_aux_layers
+
+        head = Eagle3Head(dataclasses.replace(cfg, num_hidden_layers=1), min(args.draft_vocab, cfg.vocab_size),
+                          default_aux_layers(cfg.num_hidden_layers))
+        init_head(head, target, draft_vocabulary(samples, head.draft_vocab_size, cfg.vocab_size))
+        return head
+    if method == "medusa":
+        from specdec.models.medusa import MedusaHeads
+
+        heads = MedusaHeads(args.num_heads, args.num_layers, cfg.hidden_size, cfg.vocab_size, target.lm_head)
+        for p in heads.parameters():
+            p.data.zero_()  # every block starts as the identity (Medusa's initialisation)
+        return heads
+    from specdec.models.eagle import EagleHead
+
+    layers = args.num_layers if method == "eagle" else 1  # an MTP module is one decoder block
+    head = EagleHead(dataclasses.replace(cfg, num_hidden_layers=layers), target, method)
+    _init_random(trainable_parameters(head))
+    return head
+
+
+def load_head(method: str, path: Path, target):
+    if method == "eagle3":
+        from specdec.models.eagle3 import Eagle3Head
+
+        return Eagle3Head.load(path, target.config)
+    if method == "medusa":
+        from specdec.models.medusa import MedusaHeads
+
+        return MedusaHeads.load(path, target.config, target.lm_head)
+    from specdec.models.eagle import EagleHead
+
+    return EagleHead.load(path, target, method)
+
+
+def trainable_parameters(head) -> list[torch.nn.Parameter]:
+    return head.trainable_parameters() if hasattr(head, "trainable_parameters") else list(head.parameters())
+
+
+def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse.Namespace
+                  ) -> tuple[torch.Tensor, dict]:
+    """Equation 1 over one training sequence; the target runs once, under inference mode.
+
+    Row t pairs the target's feature of token t with the embedding of token t + 1 and is trained against the
+    target at t + 1 (token t + 2). EAGLE-3 regresses the target's last layer output; EAGLE-1 / MTP read and
+    regress the target's final (normed) hidden state, as the EAGLE reference does."""
+    last = (target.config.num_hidden_layers - 1,)
+    features, hidden, logits = target_outputs(target, ids, head.aux_layers if args.method == "eagle3" else last)
+    with torch.inference_mode():
+        normed = target.norm(hidden)
+    embeds = target.embed(torch.tensor(ids[1:])).float()
+    rows = len(ids) - 2
+    # (head output [n, H], ahead: it is trained against the target at row + ahead, predicting token row + ahead + 1)
+    if args.method == "eagle3":  # unrolled step s (0-based) is meaningful from row s on
+        outs = head_train_forward(head, embeds[:rows], features[:rows].clone(), args.ttt_steps)
+        terms, goal = [(out, 1, s) for s, out in enumerate(outs)], hidden.clone()
+        draft_ids = head.target_ids(torch.arange(head.draft_vocab_size))
+    elif args.method == "medusa":  # head i at row t predicts token t + i + 2
+        outs = medusa_train_forward(head, normed.clone())
+        terms, goal, draft_ids = [(out[:len(ids) - i - 2], i + 1, 0) for i, out in enumerate(outs)], normed.clone(), None
+    else:
+        terms = [(eagle_train_forward(head, embeds[:rows], normed[:rows].clone()), 1, 0)]
+        goal, draft_ids = normed.clone(), None
+    loss, stats = 0.0, {}
+    goal_logits = logits.clone()
+    for s, (out, ahead, first_row) in enumerate(terms):  # later steps / heads weigh less
+        n = len(out)
+        step_mask = torch.tensor(mask[ahead + 1:ahead + 1 + n]) & (torch.arange(n) >= first_row)
+        if n <= 0 or not step_mask.any():
+            continue
+        step_loss, step_stats = head_loss(head, out, goal[ahead:ahead + n], goal_logits[ahead:ahead + n], step_mask,
+                                          draft_ids, (args.ce_weight, args.regression_weight))
+        loss = loss + TTT_DECAY ** s * step_loss
+        stats = stats or step_stats  # the progress bar reports the first step / head
+    return loss, stats
+
+
+def medusa_train_forward(heads, hidden: torch.Tensor) -> list[torch.Tensor]:
+    """Each Medusa head's block output over the target's final hidden states [T, H], differentiable."""
+    outs = []
+    for head in heads.medusa_head:
+        h = hidden
+        for block in head[:heads.num_layers]:
+            h = h + F.silu(F.linear(h, block.linear.weight, block.linear.bias))
+        outs.append(h)
+    return outs
+
+
 def init_head(head, target, draft_ids: torch.Tensor) -> None:
     """Small random weights, unit norms, and the LM head started from the target's rows of the draft
     vocabulary (the head begins by reading h like the target reads its last hidden state)."""
+    _init_random(list(head.parameters()))
+    head.lm_head.data.copy_(target.lm_head[draft_ids].float())
+    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+
+
+def _init_random(params: list[torch.Tensor]) -> None:
+    """1-D tensors (norm weights) to one, matrices ~ N(0, 1 / fan_in)."""
     g = torch.Generator().manual_seed(0)
-    for name, p in head.named_parameters():
+    for p in params:
         if p.dim() == 1:
             p.data.fill_(1.0)
         else:
             p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
-    head.lm_head.data.copy_(target.lm_head[draft_ids].float())
-    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
 
 
 def save_checkpoint(head, opt, step: int, out_dir: Path, ckpt: Path) -> None:
@@ -298,11 +410,13 @@ def save_checkpoint(head, opt, step: int, out_dir: Path, ckpt: Path) -> None:
     torch.save({"optimizer": opt.state_dict(), "step": step}, ckpt)
 
 
-def validate(target: str, head_dir: Path, conversations: list[list[dict]], tokenizer, max_tokens: int) -> dict:
-    """Acceptance length of the trained head with the serving engine, greedy, on held-out prompts."""
+def validate(target: str, method: str, head_dir: Path, conversations: list[list[dict]], max_tokens: int,
+             k: int = 3) -> dict:
+    """Acceptance length of the trained head with the serving engine (a chain of k), greedy, on held-out
+    prompts."""
     from specdec.llm import LLM
 
-    llm = LLM(target, speculative_config={"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3})
+    llm = LLM(target, speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k})
     prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in conversations]
     outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     steps = sum(o.metrics["num_steps"] for o in outs)

@@ -10,7 +10,7 @@ import torch
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import DraftRequest
-from specdec.drafting.eagle3 import Eagle3Drafter
+from specdec.drafting.eagle import EagleDrafter
 from specdec.models.eagle3 import Eagle3Head
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
@@ -88,14 +88,14 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
     history: dict[int, list[torch.Tensor]] = {}
     compared = []
 
-    class Checked(Eagle3Drafter):
+    class Checked(EagleDrafter):
         def propose(self, requests):
-            draft = Eagle3Drafter.propose(drafter, requests)
+            draft = EagleDrafter.propose(drafter, requests)
             for i, r in enumerate(requests):
                 if r.features is None:  # not drafting this step (back-off): its features wait on the sequence
                     continue
                 history.setdefault(r.seq_id, []).append(r.features)
-                fresh = Eagle3Drafter(drafter.head, drafter.runner, drafter.k)
+                fresh = EagleDrafter(drafter.head, drafter.runner, drafter.k)
                 full = DraftRequest(r.seq_id, r.token_ids, r.num_new, r.max_tokens, r.seq,
                                     features=torch.cat(history[r.seq_id]), features_start=0)
                 again = fresh.propose([full])

@@ -14,7 +14,7 @@ from specdec.cli import main
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.eagle3 import Eagle3Head, default_aux_layers
-from specdec.train import eagle3_loss, head_train_forward, target_outputs
+from specdec.train import head_loss, head_train_forward, target_outputs
 
 
 @pytest.fixture(scope="module")
@@ -91,7 +91,7 @@ def test_loss_is_equation_one_on_a_hand_checked_batch(target_dir):
     target_hidden[0, 0] = 3.0  # SmoothL1 over row 0: (|2 - 3| - 0.5) / H
     target_logits = torch.full((2, model.config.vocab_size), -1e9)
     target_logits[0, 5], target_logits[0, 7] = 0.0, 0.0  # p = [0.5, 0.5, 0] over draft ids [5, 7, 9]
-    loss, stats = eagle3_loss(head, out, target_hidden, target_logits, torch.tensor([True, False]),
+    loss, stats = head_loss(head, out, target_hidden, target_logits, torch.tensor([True, False]),
                               torch.tensor([5, 7, 9]))
     logq = torch.log_softmax(torch.tensor([2 / (4 / H + head.norm.eps) ** 0.5, 0.0, 0.0]), -1)
     ce = -(0.5 * logq[0] + 0.5 * logq[1])
@@ -100,7 +100,8 @@ def test_loss_is_equation_one_on_a_hand_checked_batch(target_dir):
     assert loss.item() == pytest.approx(0.1 * ce.item() + 0.5 / H, rel=1e-5)
 
 
-def test_training_raises_the_acceptance_length_of_a_head(target_dir, tmp_path):
+@pytest.mark.parametrize("method", ["eagle3", "eagle", "mtp", "medusa"])
+def test_training_raises_the_acceptance_length_of_a_head(target_dir, tmp_path, method):
     """A few hundred steps of self-distillation on a tiny random target: the held-out acceptance length
     measured by the serving engine rises well above the untrained head's (which is accepted almost never)."""
     rng = random.Random(0)
@@ -112,8 +113,8 @@ def test_training_raises_the_acceptance_length_of_a_head(target_dir, tmp_path):
     results = {}
     for steps in (1, 600):
         out = tmp_path / f"head{steps}"
-        assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps",
-                     str(steps), "--lr", "1e-2", "--draft-vocab", "320", "--regenerate", "--save-every", "300",
+        assert main(["train", "--method", method, "--target", str(target_dir), "--data", str(data), "--out", str(out),
+                     "--steps", str(steps), "--lr", "1e-2", "--draft-vocab", "320", "--regenerate", "--save-every", "300",
                      "--val-prompts", "4", "--val-tokens", "32"]) == 0
         results[steps] = json.loads((out / "train_log.json").read_text())["validation"]["acceptance_length"]
     assert results[1] < 1.1 and results[600] > results[1] + 0.2, results
@@ -140,9 +141,9 @@ def test_bad_training_input_is_refused(target_dir, tmp_path, capsys):
     bad.write_text("not json\n")
     assert main(["train", "--target", str(target_dir), "--data", str(bad), "--out", str(tmp_path / "o")]) == 2
     assert "expected a JSON object with a 'messages' list" in capsys.readouterr().err
-    assert main(["train", "--method", "medusa", "--target", str(target_dir), "--data", str(bad),
+    assert main(["train", "--method", "lookahead", "--target", str(target_dir), "--data", str(bad),
                  "--out", str(tmp_path / "o")]) == 2
-    assert "supports eagle3 so far" in capsys.readouterr().err
+    assert "the trainer supports ['eagle', 'eagle3', 'mtp'" in capsys.readouterr().err
 
 
 def test_data_lines_may_hold_unicode_line_separators(tmp_path):

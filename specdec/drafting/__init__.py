@@ -4,7 +4,7 @@ from __future__ import annotations
 from specdec.config import SpecdecError, SpeculativeConfig
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 from specdec.drafting.draft_model import DraftModelDrafter, check_same_vocabulary
-from specdec.drafting.eagle3 import Eagle3Drafter
+from specdec.drafting.eagle import EagleDrafter
 from specdec.drafting.layer_skip import LayerSkipDrafter
 from specdec.drafting.ngram import NgramDrafter
 from specdec.drafting.tree_draft import TreeDrafter
@@ -27,8 +27,19 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
         from specdec.models.eagle3 import Eagle3Head
 
         target = target_runner.model
-        head = Eagle3Head.load(cfg.model, target.config, target.dtype, target.device)
-        return Eagle3Drafter(head, target_runner, k)
+        return EagleDrafter(Eagle3Head.load(cfg.model, target.config, target.dtype, target.device), target_runner, k)
+    if cfg.method in ("eagle", "mtp"):
+        from specdec.models.eagle import EagleHead
+
+        return EagleDrafter(EagleHead.load(cfg.model, target_runner.model, cfg.method), target_runner, k)
+    if cfg.method == "medusa":
+        from specdec.drafting.medusa import MedusaDrafter, check_depth
+        from specdec.models.medusa import MedusaHeads
+
+        target = target_runner.model
+        heads = MedusaHeads.load(cfg.model, target.config, target.lm_head, target.dtype, target.device)
+        check_depth(cfg, heads.num_heads, cfg.model)
+        return MedusaDrafter(heads, target_runner, k)
     if cfg.method == "ngram":
         return NgramDrafter(cfg.num_speculative_tokens, cfg.prompt_lookup_min, cfg.prompt_lookup_max,
                             cfg.ngram_match, cfg.ngram_pool,
@@ -40,5 +51,5 @@ def build_drafter(cfg: SpeculativeConfig, target_runner, tokenizer) -> Drafter:
     raise SpecdecError(f"speculative method {cfg.method!r} is not available")  # pragma: no cover
 
 
-__all__ = ["Draft", "DraftRequest", "Drafter", "Eagle3Drafter", "NgramDrafter", "DraftModelDrafter", "LayerSkipDrafter",
+__all__ = ["Draft", "DraftRequest", "Drafter", "EagleDrafter", "NgramDrafter", "DraftModelDrafter", "LayerSkipDrafter",
            "TreeDrafter", "build_drafter"]

@@ -114,7 +114,7 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
-        if kernels.can_fuse_layer(x, meta.query_lens):
+        if isinstance(self.input_layernorm, RMSNorm) and kernels.can_fuse_layer(x, meta.query_lens):
             return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
                                          meta.slot_mapping, meta.context_slots, meta.mask, meta.query_lens,
                                          self.num_heads, self.num_kv_heads, self.input_layernorm.eps, self.scale)
@@ -129,6 +129,42 @@ class DecoderLayer(nn.Module):
         x = x + self.o_proj(attn.reshape(T, self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
+
+
+def load_decoder_layer(layer: DecoderLayer, prefix: str, take, put, cfg: ModelConfig) -> None:
+    """Copy one Hugging Face-named decoder layer (`{prefix}self_attn.q_proj.weight`, ...) into `layer`,
+    fusing q/k/v and gate/up. take(name) -> tensor; put(param, tensor, name) checks the shape. A layer whose
+    input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
+    p = prefix
+    put(layer.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+        p + "self_attn.qkv_proj.weight")
+    if cfg.attention_bias:
+        put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
+            p + "self_attn.qkv_proj.bias")
+    put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+    if cfg.qk_norm:
+        put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
+        put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
+    put(layer.gate_up_proj.weight, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+        p + "mlp.gate_up_proj.weight")
+    put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+    if isinstance(layer.input_layernorm, RMSNorm):
+        put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
+    put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
+        p + "post_attention_layernorm.weight")
+
+
+def decoder_layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
+    """The inverse of load_decoder_layer: one layer's weights under Hugging Face names (no biases, q/k norms)."""
+    q, k, v = layer.qkv_proj.weight.split([layer.q_size, layer.kv_size, layer.kv_size])
+    gate, up = layer.gate_up_proj.weight.chunk(2)
+    sd = {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
+          "self_attn.o_proj.weight": layer.o_proj.weight, "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
+          "mlp.down_proj.weight": layer.down_proj.weight,
+          "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+    if isinstance(layer.input_layernorm, RMSNorm):
+        sd["input_layernorm.weight"] = layer.input_layernorm.weight
+    return {prefix + name: t for name, t in sd.items()}
 
 
 class LlamaModel(nn.Module):
@@ -204,22 +240,7 @@ class LlamaModel(nn.Module):
             put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         sd.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
         for i, layer in enumerate(self.layers):
-            p = f"model.layers.{i}."
-            qkv = [take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]
-            put(layer.qkv_proj.weight, torch.cat(qkv), p + "self_attn.qkv_proj.weight")
-            if cfg.attention_bias:
-                put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
-                    p + "self_attn.qkv_proj.bias")
-            put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-            if cfg.qk_norm:
-                put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
-                put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-            gate_up = torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")])
-            put(layer.gate_up_proj.weight, gate_up, p + "mlp.gate_up_proj.weight")
-            put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
-            put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
-            put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
-                p + "post_attention_layernorm.weight")
+            load_decoder_layer(layer, f"model.layers.{i}.", take, put, cfg)
         put(self.norm.weight, take("model.norm.weight"), "model.norm.weight")
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:

@@ -1,6 +1,8 @@
-"""EAGLE-3 drafting: a one-layer head over the target's low/mid/high features drafts a chain of k tokens,
-or a static tree of its top-ranked tokens (one batched forward per level, each node feeding its own output
-to its children).
+"""Feature-head drafting (`eagle`, `eagle3`, `mtp`): a small head over the target's hidden states (EAGLE-3:
+low/mid/high features; EAGLE-1 and MTP: the last one) drafts a chain of k tokens, or a static tree of its
+top-ranked tokens (one batched forward per level, each node feeding its own output to its children).
+The heads (`specdec/models/eagle.py`, `eagle3.py`) share one interface: forward(embeds, positions, meta, kv,
+features=... | hidden=...) -> out, compute_logits / target_logits, target_ids and aux_layers.
 
 Each step (Meta's alignment: the head is re-aligned from target features only):
 
@@ -22,12 +24,11 @@ import torch
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 from specdec.drafting.tree_draft import grow_static_tree, tree_shape
 from specdec.kv_cache import KVPool
-from specdec.models.eagle3 import Eagle3Head
 from specdec.tree import TreeFeed
 
 
-class Eagle3Drafter(Drafter):
-    def __init__(self, head: Eagle3Head, target_runner, num_speculative_tokens: int) -> None:
+class EagleDrafter(Drafter):
+    def __init__(self, head, target_runner, num_speculative_tokens: int) -> None:
         self.head, self.k, self.runner = head, num_speculative_tokens, target_runner
         self.embed = target_runner.model.embed
         alloc = target_runner.allocator

@@ -1,0 +1,201 @@
+"""EAGLE-1 and MTP draft heads: one small decoder over the target's last hidden state and the next token.
+
+    h_in   = target_norm(target's last layer output)  (first draft step: the target's final hidden state)
+           | the head's own previous output          (later steps)                                [T, H]
+    x      = fc(concat(enorm(embed(token)), hnorm(h_in)))                                          [T, H]
+    out    = M Llama decoder layers (x)                                                             [T, H]
+    logits = lm_head(norm(out))                       lm_head: the target's, shared and frozen      [T, V]
+
+Alignment is EAGLE-3's (`specdec/models/eagle3.py`): row t pairs the target's hidden state of token t with the
+embedding of token t + 1 and predicts token t + 2; `out` regresses the target's final hidden state of token
+t + 1, which is why it can be fed back as h_in.
+
+The RMSNorms enorm, hnorm and norm are the ones the Meta report found necessary; each is optional so the
+published layouts load:
+- `eagle` (the EAGLE reference): `fc.weight` (+ `fc.bias`), `layers.N.*` Llama layers, where layer 0 has no
+  `input_layernorm`; our heads add `enorm.weight`, `hnorm.weight`, `norm.weight`.
+- `mtp` (DeepSeek-V3's multi-token-prediction module, one module reused for every draft step):
+  `enorm.weight`, `hnorm.weight`, `eh_proj.weight`, the decoder layer's tensors (`self_attn.*`, `mlp.*`,
+  `input_layernorm`, `post_attention_layernorm`), `shared_head.norm.weight` and optionally
+  `shared_head.head.weight`, all under a `model.layers.{L}.` prefix (L = the target's layer count).
+"""
+from __future__ import annotations
+
+import dataclasses
+import json
+import re
+from pathlib import Path
+
+import torch
+from torch import nn
+
+from specdec.config import ModelConfig, SpecdecError
+from specdec.models.attention import AttentionMetadata
+from specdec.models.kernels import linear
+from specdec.models.llama import (DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer,
+                                  rope_inv_freq)
+
+LAYOUTS = ("eagle", "mtp")
+_MTP_NAMES = {"fc": "eh_proj.", "norm": "shared_head.norm.", "enorm": "enorm.", "hnorm": "hnorm."}  # ours -> DeepSeek
+
+
+class EagleHead(nn.Module):
+    """config: the head's own Llama config (num_hidden_layers = M). target: the model it drafts for (its final
+    norm and LM head are used, not copied). Optional parts: see the module docstring."""
+
+    def __init__(self, config: ModelConfig, target, layout: str = "eagle", input_norms: bool = True,
+                 output_norm: bool = True, fc_bias: bool = False, first_layer_norm: bool = True) -> None:
+        super().__init__()
+        if layout not in LAYOUTS:
+            raise SpecdecError(f"unknown head layout {layout!r}; choose one of {list(LAYOUTS)}")
+        H, dtype, device = config.hidden_size, torch.float32, target.device
+        self.config, self.layout, self.device = config, layout, target.device
+        self.lm_head = target.lm_head.data  # a plain tensor: shared with the target, not part of the head
+        self.target_norm = RMSNorm(H, target.config.rms_norm_eps, dtype, device)  # a frozen copy, not saved
+        self.target_norm.weight.data.copy_(target.norm.weight)
+        self.draft_vocab_size = target.config.vocab_size
+        self.aux_layers = (target.config.num_hidden_layers - 1,)  # the target layer whose output the head reads
+        eps = config.rms_norm_eps
+        self.enorm = RMSNorm(H, eps, dtype, device) if input_norms else nn.Identity()
+        self.hnorm = RMSNorm(H, eps, dtype, device) if input_norms else nn.Identity()
+        self.fc = Linear(2 * H, H, fc_bias, dtype, device)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, dtype) for _ in range(config.num_hidden_layers))
+        if not first_layer_norm:
+            self.layers[0].input_layernorm = nn.Identity()
+        self.norm = RMSNorm(H, eps, dtype, device) if output_norm else nn.Identity()
+        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float64), rope_inv_freq(config))
+        emb = torch.cat((freqs, freqs), dim=-1)
+        half = emb.shape[-1] // 2
+        self.register_buffer("rope_cos", emb.cos().float().to(device), persistent=False)
+        self.register_buffer("rope_sin", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).float().to(device),
+                             persistent=False)
+
+    def trainable_parameters(self) -> list[nn.Parameter]:
+        """The head's own weights (the target's norm and LM head stay frozen)."""
+        return [p for name, p in self.named_parameters() if not name.startswith("target_norm.")]
+
+    @torch.inference_mode()
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv,
+                features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
+        """One draft step for T rows: the target's last-layer `features` [T, H] or the head's own previous
+        output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
+        h = self.target_norm(features.float()) if features is not None else hidden
+        x = self.fc(torch.cat([self.enorm(embeds.float()), self.hnorm(h)], -1))
+        cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        for i, layer in enumerate(self.layers):
+            x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
+        return x
+
+    @torch.inference_mode()
+    def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
+        """[N, H] head outputs -> float32 logits over the target's vocabulary [N, V]."""
+        return linear(self.norm(out), self.lm_head).float()
+
+    def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
+        return draft_ids  # the head drafts over the target's own vocabulary
+
+    target_logits = compute_logits
+
+    # ---- checkpoints ------------------------------------------------------------------------------
+    def state_dict_reference(self) -> dict[str, torch.Tensor]:
+        """Weights under the layout's names."""
+        sd: dict[str, torch.Tensor] = {}
+        for name in ("enorm", "hnorm", "norm"):
+            if isinstance(getattr(self, name), RMSNorm):
+                sd[f"{name}.weight"] = getattr(self, name).weight
+        sd["fc.weight"] = self.fc.weight
+        if self.fc.bias is not None:
+            sd["fc.bias"] = self.fc.bias
+        for i, layer in enumerate(self.layers):
+            sd.update(decoder_layer_state(layer, f"layers.{i}."))
+        if self.layout == "mtp":
+            prefix = f"model.layers.{self.aux_layers[0] + 1}."
+            sd = {prefix + _to_mtp(k): t for k, t in sd.items()}
+        return {k: t.detach().contiguous().cpu() for k, t in sd.items()}
+
+    def save(self, path: str | Path) -> None:
+        from safetensors.torch import save_file
+
+        path = Path(path)
+        path.mkdir(parents=True, exist_ok=True)
+        c = self.config
+        config = {"architectures": ["EagleHead" if self.layout == "eagle" else "DeepseekMTPHead"],
+                  "model_type": "llama", "specdec_layout": self.layout, "hidden_size": c.hidden_size,
+                  "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
+                  "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim,
+                  "num_hidden_layers": c.num_hidden_layers, "rms_norm_eps": c.rms_norm_eps,
+                  "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+                  "vocab_size": self.draft_vocab_size, "bias": self.fc.bias is not None}
+        (path / "config.json").write_text(json.dumps(config, indent=1))
+        save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})
+
+    @classmethod
+    def load(cls, path: str | Path, target, layout: str = "eagle") -> "EagleHead":
+        """A head directory in the EAGLE reference layout or DeepSeek's MTP layout (which optional norms it
+        has is read from the tensors present), checked against the target it drafts for."""
+        from safetensors.torch import load_file
+
+        path = Path(path).expanduser()
+        if not (path / "config.json").is_file():
+            raise SpecdecError(f"{layout} head {path} has no config.json (expected a directory with config.json "
+                               "and model.safetensors)")
+        hf = json.loads((path / "config.json").read_text())
+        hf.setdefault("model_type", "llama")
+        target_cfg = target.config
+        config = ModelConfig.from_hf(hf)
+        if config.hidden_size != target_cfg.hidden_size or hf.get("vocab_size", target_cfg.vocab_size) != target_cfg.vocab_size:
+            raise SpecdecError(f"{layout} head {path} was made for hidden size {config.hidden_size} and vocab size "
+                               f"{hf.get('vocab_size')}, the target has {target_cfg.hidden_size} and "
+                               f"{target_cfg.vocab_size}")
+        files = sorted(path.glob("*.safetensors"))
+        if not files:
+            raise SpecdecError(f"{layout} head {path} has no *.safetensors weights")
+        sd: dict[str, torch.Tensor] = {}
+        for f in files:
+            sd.update(load_file(f))
+        if layout == "mtp":
+            sd = {_from_mtp(k): v for k, v in sd.items()}
+        num_layers = 1 + max((int(m[1]) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))), default=0)
+        config = dataclasses.replace(config, attention_bias=False, qk_norm=False, num_hidden_layers=num_layers)
+        head = cls(config, target, layout, input_norms="enorm.weight" in sd, output_norm="norm.weight" in sd,
+                   fc_bias="fc.bias" in sd, first_layer_norm="layers.0.input_layernorm.weight" in sd)
+        if "shared_head.head.weight" in sd:  # an MTP module with its own copy of the LM head
+            head.lm_head = sd["shared_head.head.weight"].to(target.lm_head.dtype)
+        head.load_state_dict_reference(sd, path)
+        return head
+
+    def load_state_dict_reference(self, sd: dict[str, torch.Tensor], path: Path | str = "") -> None:
+        def take(name: str) -> torch.Tensor:
+            if name not in sd:
+                raise SpecdecError(f"{self.layout} head {path} is missing tensor {name!r}")
+            return sd[name]
+
+        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+            if tuple(param.shape) != tuple(value.shape):
+                raise SpecdecError(f"{self.layout} head tensor {name!r} has shape {tuple(value.shape)}, expected "
+                                   f"{tuple(param.shape)}")
+            param.data.copy_(value.to(param.dtype))
+
+        for name in ("enorm", "hnorm", "norm"):
+            module = getattr(self, name)
+            if isinstance(module, RMSNorm):
+                put(module.weight, take(f"{name}.weight"), f"{name}.weight")
+        put(self.fc.weight, take("fc.weight"), "fc.weight")
+        if self.fc.bias is not None:
+            put(self.fc.bias, take("fc.bias"), "fc.bias")
+        for i, layer in enumerate(self.layers):
+            load_decoder_layer(layer, f"layers.{i}.", take, put, self.config)
+
+
+def _to_mtp(name: str) -> str:
+    top, rest = name.split(".", 1)
+    return _MTP_NAMES[top] + rest if top in _MTP_NAMES else name.removeprefix("layers.0.")
+
+
+def _from_mtp(name: str) -> str:
+    """DeepSeek's MTP tensor name (with or without `model.layers.{L}.`) -> ours."""
+    name = re.sub(r"^model\.layers\.\d+\.", "", name)
+    for ours, theirs in _MTP_NAMES.items():
+        if name.startswith(theirs):
+            return f"{ours}.{name[len(theirs):]}"
+    return name if name.startswith(("shared_head.", "embed_tokens.")) else "layers.0." + name
