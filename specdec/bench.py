@@ -21,8 +21,8 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specdec.config import SamplingParams, SpecdecError
-from specdec.models.loader import ModelSource, resolve
+from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.models.loader import ModelSource, default_speculative_config, resolve
 
 DEFAULT_PROMPTS = Path("../shared/data/spec_bench/question.jsonl")
 _REPO_PROMPTS = Path(__file__).resolve().parents[1].parent / "shared/data/spec_bench/question.jsonl"
@@ -352,6 +352,11 @@ def _ratio(x: float | None, y: float | None) -> float | None:
     return x / y if x and y else None
 
 
+def bench_params(args: argparse.Namespace) -> SamplingParams:
+    temperature = getattr(args, "temperature", 0.0)
+    return SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=0 if temperature > 0 else None)
+
+
 def compare(candidate: dict, baseline: dict) -> dict:
     """Speed of candidate over baseline from the same interleaved run, and whether greedy outputs agree."""
     cs, bs = candidate["summary"], baseline["summary"]
@@ -397,12 +402,13 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     roofline, larger batches. Speculation is compared with plain decoding of the same engine and weights."""
     from specdec.llm import LLM, parse_dtype
 
-    llm = LLM(args.model, dtype=dtype, device=args.device)
+    llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off")
     prompts = encode_prompts(llm, rows)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens)
+    params = bench_params(args)
     engines = {("specdec", "plain"): llm}
-    if args.speculative_config is not None:
-        spec_llm = llm.with_speculative_config(args.speculative_config)
+    spec = args.speculative_config if args.speculative_config is not None else default_speculative_config(args.model)
+    if SpeculativeConfig.parse(spec) is not None:
+        spec_llm = llm.with_speculative_config(spec)
         engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
     timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
     if args.compare_hf:
@@ -413,7 +419,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
                                  plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
-    comparisons = [compare(other, plain) for other in runs[1:] if other["config"]["engine"] == "specdec"]
+    comparisons = [{**compare(other, plain), "sampled": params.temperature > 0}
+                   for other in runs[1:] if other["config"]["engine"] == "specdec"]
     comparisons += [compare(plain, other) for other in runs[1:] if other["config"]["engine"] != "specdec"]
     for (_, method), engine in engines.items():
         batch1 = next(r for r in runs if r["config"]["method"] == method and r["config"]["engine"] == "specdec")
@@ -433,15 +440,13 @@ def output_path(out: str) -> Path:
 
 def run_bench(args: argparse.Namespace) -> dict:
     """Validate everything cheap first, then measure; prints the report and writes the JSON."""
-    from specdec.config import SpeculativeConfig
-
     SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
     from specdec.llm import parse_device
 
     path = prompts_path(args.prompts)
     dtypes = parse_dtypes(args.dtypes, args.dtype)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
-    SamplingParams(temperature=0.0, max_tokens=args.max_tokens)  # validates --max-tokens
+    bench_params(args)  # validates --max-tokens and --temperature
     if args.threads is not None:
         if args.threads < 1:
             raise SpecdecError(f"invalid --threads {args.threads}: must be >= 1")
@@ -522,9 +527,10 @@ def comparison_line(c: dict) -> str:
     cand, base = c["candidate"], c["baseline"]
     text = (f"{cand['engine']}/{cand['method']} vs {base['engine']}/{base['method']} ({cand['dtype']}, batch 1): "
             f"e2e {_num(c['e2e_speedup'], '.2f')}x, decode {_num(c['decode_speedup'], '.2f')}x, "
-            f"TTFT {_num(c['ttft_speedup'], '.2f')}x; greedy token ids identical on "
-            f"{c['identical_prompts']}/{c['num_prompts']} prompts")
-    if c["divergences"]:
+            f"TTFT {_num(c['ttft_speedup'], '.2f')}x; " + (
+                f"greedy token ids identical on {c['identical_prompts']}/{c['num_prompts']} prompts"
+                if not c.get("sampled") else "sampled: outputs differ from plain decoding by design"))
+    if c["divergences"] and not c.get("sampled"):
         text += " (first divergence: " + ", ".join(f"#{d['index']} at token {d['position']}"
                                                    for d in c["divergences"]) + ")"
     text += "\n  decode speedup by category: " + ", ".join(

@@ -14,7 +14,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
-                   '\'{"method": "ngram", "num_speculative_tokens": 4}\'')
+                   '\'{"method": "ngram", "num_speculative_tokens": 4}\', or off (default: the built-in model '
+                   "drafts with the EAGLE-3 head shipped for it; other models do not speculate)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
@@ -60,6 +61,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same prompts, interleaved, and compare token ids")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
+    b.add_argument("--temperature", type=float, default=0.0,
+                   help="0: greedy (default); above 0 every prompt samples with a fixed seed, so speculative and "
+                   "plain outputs differ by design and only speed is compared")
     b.add_argument("--serve", action="store_true",
                    help="load-test `specdec serve` over HTTP instead: plain vs --speculative-config at each "
                    "--concurrency level (writes JSON and a PNG plot)")
@@ -146,11 +150,10 @@ def cmd_serve(args: argparse.Namespace) -> None:
     for name in ("max_num_seqs", "max_num_batched_tokens"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
-    spec = None if args.speculative_config in (None, "off") else args.speculative_config
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     if args.max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
-    llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=spec, **engine_kwargs)
+    llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
 
 

@@ -333,9 +333,9 @@ class SpeculativeConfig:
 
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
-        """From a dict (Python) or a JSON string (CLI); None means no speculation."""
-        if value is None or isinstance(value, cls):
-            return value
+        """From a dict (Python) or a JSON string (CLI); None or "off" means no speculation."""
+        if value is None or value == "off" or isinstance(value, cls):
+            return None if value == "off" else value
         if isinstance(value, str):
             import json
 

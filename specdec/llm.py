@@ -10,7 +10,7 @@ from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
-from specdec.models.loader import DEFAULT_MODEL, load_model, load_tokenizer
+from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -41,13 +41,16 @@ class LLM:
 
     model: an alias (default `smollm2-135m`), a Hugging Face directory, or a .gguf file.
     speculative_config: vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4};
-    output is the same as without it (greedy: token for token; sampling: in distribution).
+    output is the same as without it (greedy: token for token; sampling: in distribution). None: the
+    built-in model drafts with the head we ship for it, other models do not speculate; "off": no speculation.
     Extra keyword arguments are EngineConfig fields (block_size, max_num_seqs, ...).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
                  device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
                  **engine_kwargs: Any) -> None:
+        if speculative_config is None:
+            speculative_config = default_speculative_config(model)
         speculative = SpeculativeConfig.parse(speculative_config)
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
         net, src = load_model(model, parse_dtype(dtype), parse_device(device))

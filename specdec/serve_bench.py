@@ -28,6 +28,7 @@ from pathlib import Path
 from specdec.bench import format_table, load_questions, machine_info, output_path, pick_round_robin, prompts_path
 from specdec.config import SpecdecError, SpeculativeConfig
 from specdec.llm import parse_device
+from specdec.models.loader import default_speculative_config
 
 STARTUP_TIMEOUT_S = 600
 
@@ -209,7 +210,7 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
     from specdec.config import SamplingParams
     from specdec.llm import LLM
 
-    plain = LLM(args.model, dtype=args.dtype, device=args.device)
+    plain = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off")
     fast = plain.with_speculative_config(spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in (plain, fast):  # first calls pay one-time costs (kernel loading)
@@ -229,6 +230,8 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
 # ------------------------------------------------------------------------------------------ the run
 def run_serve_bench(args: argparse.Namespace) -> dict:
     spec = args.speculative_config
+    if spec is None and (default := default_speculative_config(args.model)) is not None:
+        spec = json.dumps(default)
     if spec in (None, "off"):
         raise SpecdecError("--serve compares speculative against plain serving: pass --speculative-config JSON")
     SpeculativeConfig.parse(spec)  # validates before any server starts

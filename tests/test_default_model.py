@@ -20,7 +20,7 @@ PROMPTS = [
 
 @pytest.fixture(scope="module")
 def llm() -> LLM:
-    return LLM("smollm2-135m")
+    return LLM("smollm2-135m", speculative_config="off")
 
 
 @pytest.fixture(scope="module")
@@ -99,6 +99,58 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
         assert all(o.metrics["acceptance_rate"] == 1.0 for o in batched)
     if method == "draft_model_tree":  # ... along the rank-0 path of its tree
         assert all(o.metrics["accepted_per_pos"][0] == o.metrics["num_drafts"] for o in batched)
+    assert spec.engine.allocator.num_used == 0
+
+
+def test_the_default_model_drafts_with_the_shipped_head_unless_off():
+    from specdec.models.loader import HEADS_DIR
+
+    spec = LLM("smollm2-135m").engine.speculative
+    assert spec.method == "eagle3" and spec.model == str(HEADS_DIR / "smollm2-135m-eagle3")
+    assert LLM("smollm2-135m", speculative_config="off").engine.speculative is None
+
+
+@pytest.fixture(scope="module")
+def random_heads(llm, tmp_path_factory) -> dict[str, str]:
+    """Randomly initialised eagle, mtp and medusa heads for the real model (the trained ones are not shipped):
+    their drafts are mostly rejected, which exercises every rejection path on real weights."""
+    import dataclasses
+
+    from specdec.models.eagle import EagleHead
+    from specdec.models.medusa import MedusaHeads
+
+    target, g = llm.engine.model, torch.Generator().manual_seed(0)
+    heads = {"eagle": EagleHead(dataclasses.replace(target.config, num_hidden_layers=2), target, "eagle"),
+             "mtp": EagleHead(dataclasses.replace(target.config, num_hidden_layers=1), target, "mtp"),
+             "medusa": MedusaHeads(3, 1, target.config.hidden_size, target.config.vocab_size, target.lm_head)}
+    paths = {}
+    for name, head in heads.items():
+        for p in head.parameters():
+            if p.dim() > 1 and name != "medusa":
+                p.data.copy_(torch.randn(p.shape, generator=g) / p.shape[1] ** 0.5)
+            elif p.dim() > 1:
+                p.data.copy_(torch.randn(p.shape, generator=g) * 0.01)
+        paths[name] = str(tmp_path_factory.mktemp(name))
+        head.save(paths[name])
+    return paths
+
+
+@pytest.mark.parametrize("method, tree", [("eagle3", "chain"), ("eagle3", "D2-BF2"), ("eagle", "chain"),
+                                          ("mtp", [[0], [1], [0, 0], [1, 0]]), ("medusa", "chain"),
+                                          ("medusa", [[0], [1], [0, 0], [0, 1], [0, 0, 0]])])
+def test_head_greedy_is_token_identical(llm, plain_reference, random_heads, method, tree):
+    """Each head on the real model (eagle3: the shipped one), chain and tree, batch 1 and a ragged batch."""
+    from specdec.models.loader import default_speculative_config
+
+    model = default_speculative_config("smollm2-135m")["model"] if method == "eagle3" else random_heads[method]
+    spec = llm.with_speculative_config({"method": method, "model": model, "num_speculative_tokens": 3, "tree": tree})
+    params = SamplingParams(temperature=0, max_tokens=128)
+    batched = spec.chat(SPEC_PROMPTS, params)
+    assert [o.token_ids for o in batched] == plain_reference
+    assert spec.chat(SPEC_PROMPTS[0], params)[0].token_ids == plain_reference[0]
+    assert sum(o.metrics["num_draft_tokens"] for o in batched) > 0
+    if method == "eagle3":  # the trained head is right some of the time
+        assert sum(o.metrics["num_accepted_tokens"] for o in batched) > 0
     assert spec.engine.allocator.num_used == 0
 
 

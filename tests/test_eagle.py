@@ -166,3 +166,17 @@ def test_seeded_sampling_repeats(target_dir, head_dir):
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True)
     first = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
+
+
+def test_an_mtp_module_with_its_own_lm_head_uses_it(target, tmp_path):
+    """DeepSeek's MTP checkpoints may carry `shared_head.head.weight`: the module then reads it, not the target's."""
+    from safetensors.torch import load_file, save_file
+
+    random_head(target, "mtp").save(tmp_path)
+    sd = load_file(tmp_path / "model.safetensors")
+    own = torch.randn(target.config.vocab_size, target.config.hidden_size, generator=torch.Generator().manual_seed(3))
+    save_file({**sd, "model.layers.4.shared_head.head.weight": own}, tmp_path / "model.safetensors")
+    head = EagleHead.load(tmp_path, target, "mtp")
+    out = torch.randn(3, target.config.hidden_size)
+    normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps) * head.norm.weight
+    torch.testing.assert_close(head.compute_logits(out), normed @ own.T, rtol=1e-4, atol=1e-4)

