@@ -343,15 +343,16 @@ def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse
     """Equation 1 over one training sequence; the target runs once, under inference mode.
 
     Row t pairs the target's feature of token t with the embedding of token t + 1 and is trained against the
-    target at t + 1 (token t + 2). EAGLE-3 regresses the target's last layer output; EAGLE-1 / MTP read and
-    regress the target's final (normed) hidden state, as the EAGLE reference does."""
+    target at t + 1 (token t + 2). EAGLE-3 regresses the target's last layer output; EAGLE-1 / MTP / Medusa
+    read and regress the target's final (normed) hidden state, as the EAGLE and Medusa references do. Each
+    term below is (head output [n, H], ahead, first row): row t is trained against the target at t + ahead
+    (predicting token t + ahead + 1), from `first row` on."""
     last = (target.config.num_hidden_layers - 1,)
     features, hidden, logits = target_outputs(target, ids, head.aux_layers if args.method == "eagle3" else last)
     with torch.inference_mode():
         normed = target.norm(hidden)
     embeds = target.embed(torch.tensor(ids[1:])).float()
     rows = len(ids) - 2
-    # (head output [n, H], ahead: it is trained against the target at row + ahead, predicting token row + ahead + 1)
     if args.method == "eagle3":  # unrolled step s (0-based) is meaningful from row s on
         outs = head_train_forward(head, embeds[:rows], features[:rows].clone(), args.ttt_steps)
         terms, goal = [(out, 1, s) for s, out in enumerate(outs)], hidden.clone()

@@ -20,7 +20,7 @@ from tqdm import tqdm
 
 from specdec.bench import encode_prompts, load_questions, output_path, parse_batch_sizes, pick_round_robin, \
     prompts_path, time_group
-from specdec.config import TREE_METHODS, SamplingParams, SpecdecError, SpecShape, SpeculativeConfig
+from specdec.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecdecError, SpecShape, SpeculativeConfig
 
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
@@ -65,7 +65,8 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
 
         for size in PRUNED_SIZES:
             shapes.append(cfg.parse_shape(pruned_tree(rates, size), "tree"))
-        shapes += [cfg.parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
+        if cfg.method not in HEAD_METHODS:  # heads draft static trees only
+            shapes += [cfg.parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
     unique: dict[SpecShape, None] = dict.fromkeys(shapes)
     return list(unique)
 

@@ -29,3 +29,16 @@ def test_tune_writes_a_dispatch_table_that_speculative_config_loads(tiny_llama_d
     cfg = SpeculativeConfig.parse({**spec, "dispatch": str(out)})
     assert str(cfg.shape_for(1)) == result["chosen"]["1"] and str(cfg.shape_for(5)) == result["chosen"]["2"]
     assert "batch 1:" in capsys.readouterr().out
+
+
+def test_candidates_for_a_head_are_chains_and_static_trees():
+    """Heads draft static trees only, so tuning one never proposes a dynamic tree (it would be refused)."""
+    from specdec.tune import candidates
+
+    rates = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
+    for method in ("eagle3", "medusa"):
+        shapes = candidates(SpeculativeConfig.parse({"method": method, "model": "head", "num_speculative_tokens": 3}),
+                            rates)
+        assert shapes and all(s.dynamic is None for s in shapes) and any(s.tree for s in shapes)
+    layer_skip = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 2})
+    assert any(s.dynamic for s in candidates(layer_skip, rates))
