@@ -21,11 +21,12 @@ def test_percentiles_and_level_summary():
     assert s["ttft_p50_s"] == 0.5 and s["tpot_p50_s"] == 0.5 and s["acceptance_length"] == 2.5
 
 
-def test_bad_levels_and_missing_speculation_are_refused():
+def test_bad_levels_and_missing_speculation_are_refused(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="--concurrency"):
         parse_levels("1,0")
     assert parse_levels("16, 1,4") == [1, 4, 16]
-    assert main(["bench", "--serve"]) == 2  # nothing to compare against plain
+    assert main(["bench", "--serve", "--speculative-config", "off"]) == 2  # nothing to compare against plain
+    assert main(["bench", "--serve", "--model", str(tiny_llama_dir)]) == 2  # no head ships for it
 
 
 def test_serve_bench_end_to_end(tiny_llama_dir, tmp_path, capsys):

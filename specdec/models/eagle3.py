@@ -29,7 +29,8 @@ from torch import nn
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models.kernels import linear
-from specdec.models.llama import Linear, RMSNorm, rope_inv_freq, rotate
+from specdec.models.llama import (Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_inv_freq,
+                                  rotate)
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -45,6 +46,7 @@ class Eagle3Layer(nn.Module):
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
+        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
         self.qkv_proj = Linear(2 * H, (self.num_heads + 2 * self.num_kv_heads) * D, False, dtype, device)
@@ -154,35 +156,21 @@ class Eagle3Head(nn.Module):
                                    f"{tuple(param.shape)}")
             param.data.copy_(value.to(param.dtype))
 
-        m = "midlayer."
         put(self.fc.weight, take("fc.weight"), "fc.weight")
-        put(self.midlayer.qkv_proj.weight, torch.cat([take(f"{m}self_attn.{n}_proj.weight") for n in "qkv"]),
-            "midlayer.self_attn.qkv_proj")
-        put(self.midlayer.o_proj.weight, take(f"{m}self_attn.o_proj.weight"), "midlayer.self_attn.o_proj.weight")
-        put(self.midlayer.gate_up_proj.weight, torch.cat([take(f"{m}mlp.gate_proj.weight"),
-                                                          take(f"{m}mlp.up_proj.weight")]), "midlayer.mlp.gate_up")
-        put(self.midlayer.down_proj.weight, take(f"{m}mlp.down_proj.weight"), "midlayer.mlp.down_proj.weight")
-        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            put(getattr(self.midlayer, norm).weight, take(f"{m}{norm}.weight"), f"{m}{norm}.weight")
+        layer_cfg = dataclasses.replace(self.config, attention_bias=False, qk_norm=False)
+        load_decoder_layer(self.midlayer, "midlayer.", take, put, layer_cfg)
+        put(self.midlayer.hidden_norm.weight, take("midlayer.hidden_norm.weight"), "midlayer.hidden_norm.weight")
         put(self.norm.weight, take("norm.weight"), "norm.weight")
         put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         put(self.d2t, take("d2t") if "d2t" in sd else torch.zeros(self.draft_vocab_size, dtype=torch.long), "d2t")
 
     def state_dict_reference(self) -> dict[str, torch.Tensor]:
         """Weights in the SpecForge / SGLang layout (q/k/v and gate/up split), plus d2t and t2d."""
-        L, m = self.midlayer, "midlayer."
-        q, k, v = L.qkv_proj.weight.split([L.num_heads * L.head_dim, L.num_kv_heads * L.head_dim,
-                                           L.num_kv_heads * L.head_dim])
-        gate, up = L.gate_up_proj.weight.chunk(2)
         t2d = torch.zeros(self.config.vocab_size, dtype=torch.bool)
         t2d[self.target_ids(torch.arange(self.draft_vocab_size, device=self.device)).cpu()] = True
-        sd = {"fc.weight": self.fc.weight, f"{m}self_attn.q_proj.weight": q, f"{m}self_attn.k_proj.weight": k,
-              f"{m}self_attn.v_proj.weight": v, f"{m}self_attn.o_proj.weight": L.o_proj.weight,
-              f"{m}mlp.gate_proj.weight": gate, f"{m}mlp.up_proj.weight": up,
-              f"{m}mlp.down_proj.weight": L.down_proj.weight, "norm.weight": self.norm.weight,
+        sd = {"fc.weight": self.fc.weight, **decoder_layer_state(self.midlayer, "midlayer."),
+              "midlayer.hidden_norm.weight": self.midlayer.hidden_norm.weight, "norm.weight": self.norm.weight,
               "lm_head.weight": self.lm_head, "d2t": self.d2t, "t2d": t2d}
-        for norm in ("input_layernorm", "hidden_norm", "post_attention_layernorm"):
-            sd[f"{m}{norm}.weight"] = getattr(L, norm).weight
         return {k: t.detach().contiguous().cpu() for k, t in sd.items()}
 
     def save(self, path: str | Path) -> None:
