@@ -146,7 +146,7 @@ def test_bad_training_input_is_refused(target_dir, tmp_path, capsys):
     assert "expected a JSON object with a 'messages' list" in capsys.readouterr().err
     assert main(["train", "--method", "lookahead", "--target", str(target_dir), "--data", str(bad),
                  "--out", str(tmp_path / "o")]) == 2
-    assert "the trainer supports ['eagle', 'eagle3', 'mtp'" in capsys.readouterr().err
+    assert "the trainer supports ['eagle', 'eagle3', 'medusa', 'mtp']" in capsys.readouterr().err
 
 
 def test_data_lines_may_hold_unicode_line_separators(tmp_path):
