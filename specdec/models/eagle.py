@@ -31,6 +31,7 @@ from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata
+from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
 from specdec.models.llama import (DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer,
                                   rope_inv_freq)
@@ -133,26 +134,11 @@ class EagleHead(nn.Module):
     def load(cls, path: str | Path, target, layout: str = "eagle") -> "EagleHead":
         """A head directory in the EAGLE reference layout or DeepSeek's MTP layout (which optional norms it
         has is read from the tensors present), checked against the target it drafts for."""
-        from safetensors.torch import load_file
-
-        path = Path(path).expanduser()
-        if not (path / "config.json").is_file():
-            raise SpecdecError(f"{layout} head {path} has no config.json (expected a directory with config.json "
-                               "and model.safetensors)")
-        hf = json.loads((path / "config.json").read_text())
+        path, hf = read_head_config(path, layout)
         hf.setdefault("model_type", "llama")
-        target_cfg = target.config
         config = ModelConfig.from_hf(hf)
-        if config.hidden_size != target_cfg.hidden_size or hf.get("vocab_size", target_cfg.vocab_size) != target_cfg.vocab_size:
-            raise SpecdecError(f"{layout} head {path} was made for hidden size {config.hidden_size} and vocab size "
-                               f"{hf.get('vocab_size')}, the target has {target_cfg.hidden_size} and "
-                               f"{target_cfg.vocab_size}")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise SpecdecError(f"{layout} head {path} has no *.safetensors weights")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(f))
+        check_made_for(layout, path, config.hidden_size, hf.get("vocab_size", target.config.vocab_size), target.config)
+        sd = read_head_tensors(path, layout)
         if layout == "mtp":
             sd = {_from_mtp(k): v for k, v in sd.items()}
         num_layers = 1 + max((int(m[1]) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))), default=0)
@@ -161,20 +147,11 @@ class EagleHead(nn.Module):
                    fc_bias="fc.bias" in sd, first_layer_norm="layers.0.input_layernorm.weight" in sd)
         if "shared_head.head.weight" in sd:  # an MTP module with its own copy of the LM head
             head.lm_head = sd["shared_head.head.weight"].to(target.lm_head.dtype)
-        head.load_state_dict_reference(sd, path)
+        head.load_state_dict_reference(sd)
         return head
 
-    def load_state_dict_reference(self, sd: dict[str, torch.Tensor], path: Path | str = "") -> None:
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise SpecdecError(f"{self.layout} head {path} is missing tensor {name!r}")
-            return sd[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise SpecdecError(f"{self.layout} head tensor {name!r} has shape {tuple(value.shape)}, expected "
-                                   f"{tuple(param.shape)}")
-            param.data.copy_(value.to(param.dtype))
+    def load_state_dict_reference(self, sd: dict[str, torch.Tensor]) -> None:
+        take, put = tensor_copier(sd, self.layout)
 
         for name in ("enorm", "hnorm", "norm"):
             module = getattr(self, name)

@@ -26,8 +26,9 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import ModelConfig, SpecdecError
+from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
+from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
 from specdec.models.llama import (Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_inv_freq,
                                   rotate)
@@ -119,43 +120,20 @@ class Eagle3Head(nn.Module):
     def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "Eagle3Head":
         """A head directory in the SpecForge / SGLang layout, checked against the target it drafts for."""
-        from safetensors.torch import load_file
-
-        path = Path(path).expanduser()
-        if not (path / "config.json").is_file():
-            raise SpecdecError(f"EAGLE-3 head {path} has no config.json (expected a directory with config.json "
-                               "and model.safetensors)")
-        hf = json.loads((path / "config.json").read_text())
+        path, hf = read_head_config(path, "EAGLE-3")
         hf.setdefault("model_type", "llama")
         config = dataclasses.replace(ModelConfig.from_hf(hf), num_hidden_layers=1)
-        if config.hidden_size != target.hidden_size or hf.get("vocab_size", target.vocab_size) != target.vocab_size:
-            raise SpecdecError(f"EAGLE-3 head {path} was made for hidden size {config.hidden_size} and vocab size "
-                               f"{hf.get('vocab_size')}, the target has {target.hidden_size} and {target.vocab_size}")
+        check_made_for("EAGLE-3", path, config.hidden_size, hf.get("vocab_size", target.vocab_size), target)
+        sd = read_head_tensors(path, "EAGLE-3")
         aux = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
             or default_aux_layers(target.num_hidden_layers)
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise SpecdecError(f"EAGLE-3 head {path} has no *.safetensors weights")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(f))
         head = cls(config, int(hf.get("draft_vocab_size", target.vocab_size)), tuple(aux), dtype, device)
         head.load_state_dict_reference(sd)
         return head
 
     def load_state_dict_reference(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy weights named as SpecForge saves them (q/k/v and gate/up fused here)."""
-        def take(name: str) -> torch.Tensor:
-            if name not in sd:
-                raise SpecdecError(f"EAGLE-3 checkpoint is missing tensor {name!r}")
-            return sd[name]
-
-        def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
-            if tuple(param.shape) != tuple(value.shape):
-                raise SpecdecError(f"EAGLE-3 tensor {name!r} has shape {tuple(value.shape)}, expected "
-                                   f"{tuple(param.shape)}")
-            param.data.copy_(value.to(param.dtype))
-
+        take, put = tensor_copier(sd, "EAGLE-3")
         put(self.fc.weight, take("fc.weight"), "fc.weight")
         layer_cfg = dataclasses.replace(self.config, attention_bias=False, qk_norm=False)
         load_decoder_layer(self.midlayer, "midlayer.", take, put, layer_cfg)

@@ -22,6 +22,7 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors
 from specdec.models.kernels import linear
 from specdec.models.llama import Linear
 
@@ -107,26 +108,13 @@ class MedusaHeads(nn.Module):
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "MedusaHeads":
         """A head directory in the reference Medusa layout, checked against the target it drafts for. Heads
         with their own LM heads use them; the others share `target_lm_head` [V, H]."""
-        from safetensors.torch import load_file
-
-        path = Path(path).expanduser()
-        if not (path / "config.json").is_file():
-            raise SpecdecError(f"Medusa head {path} has no config.json (expected a directory with config.json "
-                               "and model.safetensors)")
-        cfg = json.loads((path / "config.json").read_text())
+        path, cfg = read_head_config(path, "Medusa")
         if "medusa_num_heads" not in cfg:
             raise SpecdecError(f"Medusa head {path}: config.json has no 'medusa_num_heads'")
         K, L = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
         H, V = cfg.get("hidden_size", target.hidden_size), cfg.get("vocab_size", target.vocab_size)
-        if H != target.hidden_size or V != target.vocab_size:
-            raise SpecdecError(f"Medusa head {path} was made for hidden size {H} and vocab size {V}, the target "
-                               f"has {target.hidden_size} and {target.vocab_size}")
-        files = sorted(path.glob("*.safetensors"))
-        if not files:
-            raise SpecdecError(f"Medusa head {path} has no *.safetensors weights")
-        sd: dict[str, torch.Tensor] = {}
-        for f in files:
-            sd.update(load_file(f))
+        check_made_for("Medusa", path, H, V, target)
+        sd = read_head_tensors(path, "Medusa")
         if not any(name.startswith("medusa_head.") for name in sd):  # saved from the bare ModuleList
             sd = {f"medusa_head.{name}": t for name, t in sd.items()}
         own = [f"medusa_head.{i}.{L}.weight" in sd for i in range(K)]
