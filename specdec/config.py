@@ -190,7 +190,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1  # ngram
     prompt_lookup_max: int = 4  # ngram
-    ngram_match: str = "latest"  # ngram: continue from the latest or the oldest earlier occurrence
+    ngram_match: str = "latest"  # ngram: continue from the latest or oldest earlier occurrence, or the most "frequent"
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
     ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)
@@ -216,8 +216,8 @@ class SpeculativeConfig:
         if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
             raise SpecdecError(f"invalid prompt_lookup_min={self.prompt_lookup_min!r} / prompt_lookup_max="
                                f"{self.prompt_lookup_max!r}: need 1 <= min <= max")
-        if self.ngram_match not in ("latest", "oldest"):
-            raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest' or 'oldest'")
+        if self.ngram_match not in ("latest", "oldest", "frequent"):
+            raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest', 'oldest' or 'frequent'")
         if self.ngram_pool not in ("request", "shared"):
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
         if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:

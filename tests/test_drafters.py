@@ -39,6 +39,33 @@ def test_ngram_index_finds_the_longest_latest_match():
     assert index.lookup(tokens, 2) == ([1, 2], 3)  # [2, 3, 9] was seen at the start
 
 
+def test_frequent_ngram_match_follows_the_most_common_continuation():
+    """A phrase the text continued twice one way and once (latest) another: "frequent" drafts the common
+    wording, depth by depth among the occurrences that still agree; equal counts go to the latest."""
+    tokens = [1, 2, 5, 6, 9, 1, 2, 5, 6, 8, 1, 2, 7, 3, 4, 1, 2]
+    index = NgramIndex(1, 2)
+    index.extend(0, tokens)
+    assert index.lookup(tokens, 3) == ([7, 3, 4], 2)
+    assert index.lookup_frequent(tokens, 3) == ([5, 6, 8], 2)  # 5, 6 twice; then 9 and 8 once each: the latest
+    assert index.lookup_frequent(tokens + [4], 3) == ([1, 2], 1)  # [2, 4] never seen; [4] once, near the end
+    assert index.lookup_frequent(tokens + [11], 3) == ([], 0)
+
+
+def test_frequent_ngram_match_drafts_through_the_drafter():
+    from specdec.drafting import DraftRequest, NgramDrafter
+
+    tokens = [1, 2, 5, 6, 9, 1, 2, 5, 6, 8, 1, 2, 7, 3, 4, 1, 2]
+    drafter = NgramDrafter(4, 1, 2, match="frequent")  # a full 2-token match drafts k = 4
+    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 4, None)])
+    assert draft.tokens[0].tolist() == [5, 6, 8, 1]
+    # With branches, the voted continuation leads and the latest one with another first token follows
+    # (a 2-token match below prompt_lookup_max = 3 drafts 2 tokens per branch).
+    branched = NgramDrafter(4, 1, 3, match="frequent", branches=2).propose(
+        [DraftRequest(0, tokens, len(tokens), 4, None)])
+    assert branched.tokens[0].tolist() == [5, 6, 7, 3]
+    assert branched.parents[0].tolist() == [-1, 0, -1, 2]
+
+
 @pytest.mark.parametrize("mode, expected", [("adaptive", [0, 1, 2, 4, 6, 6]), ("fixed", [6] * 6)])
 def test_ngram_draft_length_follows_the_match_length(mode, expected):
     """Short matches rarely continue far, so adaptive drafts grow with the match: 2^(n-1), k for a full match."""
@@ -91,6 +118,14 @@ def test_ngram_branches_are_lossless(target_dir, reference, branches):
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
+def test_frequent_ngram_match_is_lossless(target_dir, reference):
+    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 5,
+                                                   "ngram_match": "frequent"})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
 def test_shared_ngram_pool_is_lossless(target_dir, reference):

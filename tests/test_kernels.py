@@ -77,6 +77,39 @@ def test_paged_attention_kernel_matches_sdpa(lengths, new):
     assert torch.equal(pools[0], ref_pools[0]) and torch.equal(pools[1], ref_pools[1])  # same K/V writes
 
 
+@pytest.mark.parametrize("cached", [40, 300, 700])
+def test_paged_attention_kernel_is_invariant_to_what_is_fed_with_a_query(cached):
+    """A query's attention output is bit for bit the same whether it is fed alone (a plain decode step),
+    followed by draft tokens (verification), or beside another sequence in the batch: its softmax sum keeps
+    the same lanes and order however many masked keys follow. With the batch-invariant GEMM this makes
+    greedy speculative output equal plain greedy output by construction, not by luck."""
+    g = torch.Generator().manual_seed(cached)
+    Hq, Hkv, D = 9, 3, 64
+
+    def run(lengths, news, rows):
+        meta, num_slots = ragged_meta(lengths, news, block_size=16, num_blocks=160)
+        q, k, v = (rows[name][: sum(news)] for name in "qkv")
+        pools = [torch.zeros(num_slots, Hkv, D) for _ in range(2)]
+        for pool, cache in zip(pools, (rows["kc"], rows["vc"])):  # the same cached prefix in every run
+            slots = meta.context_slots[0, :lengths[0]]
+            pool[slots] = cache[: lengths[0]]
+        out = torch.empty_like(q)
+        kernels._paged_attention(q.numpy(), k.numpy(), v.numpy(), pools[0].numpy(), pools[1].numpy(),
+                                 meta.slot_mapping.numpy(), meta.context_slots.numpy(), meta.mask.numpy(),
+                                 kernels.query_starts(meta.query_lens), D ** -0.5, out.numpy())
+        return out
+
+    rows = {name: torch.randn(16, H, D, generator=g) for name, H in (("q", Hq), ("k", Hkv), ("v", Hkv))}
+    rows["kc"], rows["vc"] = torch.randn(cached, Hkv, D, generator=g), torch.randn(cached, Hkv, D, generator=g)
+    alone = run([cached], [1], rows)
+    assert torch.equal(run([cached], [9], rows)[0], alone[0])  # followed by 8 draft tokens
+    assert torch.equal(run([cached], [16], rows)[0], alone[0])
+    other = {name: t if name in ("kc", "vc") else torch.cat([t[:1], torch.randn(15, t.shape[1], D, generator=g)])
+             for name, t in rows.items()}
+    batch = run([cached, 90], [1, 5], other)  # beside another sequence verifying a draft of 4
+    assert torch.equal(batch[0], alone[0])
+
+
 @pytest.mark.parametrize("m", [1, 3, 4, 7])
 def test_bfloat16_weights_are_widened_exactly(m):
     """bf16 weights, float32 activations: the same arithmetic as float32 on the bf16-rounded weights."""

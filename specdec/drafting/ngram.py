@@ -5,7 +5,10 @@ occurrences. It is updated only with newly committed tokens, so a step costs O(n
 sizes), never a scan of the whole history. The pool options TensorRT-LLM documents:
 - `ngram_pool`: "request" (each request looks up its own prompt and output) or "shared" (requests also
   look up the text of other requests, finished ones included, up to `MAX_SHARED_TEXTS` of them);
-- `ngram_match`: continue from the "latest" or the "oldest" matching occurrence (all are kept);
+- `ngram_match`: continue from the "latest" or the "oldest" matching occurrence (all are kept), or follow
+  the "frequent" continuation: at each draft position the token that most of the (up to `MAX_VOTERS`
+  latest) occurrences still agreeing so far continue with, ties going to the latest. A phrase the text
+  repeats in several ways then drafts its most common wording rather than its last one;
 - `ngram_branches`: propose up to this many continuations that start with different tokens, as branches
   of a tree (verification accepts at most one), instead of a single chain.
 
@@ -22,6 +25,7 @@ from collections import OrderedDict, defaultdict
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
+MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
 
 
 class NgramIndex:
@@ -64,6 +68,32 @@ class NgramIndex:
                         return found
         return found
 
+    def lookup_frequent(self, tokens: list[int], k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing the longest suffix of `tokens` seen earlier, each the one most of the
+        occurrences that agree with the draft so far continue with (ties: the latest); and the suffix length."""
+        L = len(tokens)
+        for n in range(min(self.n_max, L - 1), self.n_min - 1, -1):
+            places = self.positions.get(tuple(tokens[L - n:]), [])[-MAX_VOTERS:]
+            voters = [(text, start) for text, start in ((self.texts.get(t), s) for t, s in reversed(places))
+                      if text is not None]  # latest first, so that ties go to the latest
+            if not voters:
+                continue
+            draft: list[int] = []
+            while len(draft) < k and voters:
+                depth = len(draft)
+                counts: dict[int, int] = {}
+                for text, start in voters:
+                    if start + depth < len(text):
+                        token = text[start + depth]
+                        counts[token] = counts.get(token, 0) + 1
+                if not counts:
+                    break
+                best = max(counts, key=counts.__getitem__)  # the first maximum: the latest among equals
+                draft.append(best)
+                voters = [(t, s) for t, s in voters if s + depth < len(t) and t[s + depth] == best]
+            return draft, n
+        return [], 0
+
     def forget(self, text_id: int) -> None:
         """Drop a text; its entries in `positions` are skipped by lookup."""
         self.texts.pop(text_id, None)
@@ -75,7 +105,7 @@ class NgramDrafter(Drafter):
                  match: str = "latest", pool: str = "request", adaptive: bool = True, branches: int = 1) -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
         self.adaptive, self.branches = adaptive, branches
-        self.latest, self.shared = match == "latest", pool == "shared"
+        self.latest, self.frequent, self.shared = match == "latest", match == "frequent", pool == "shared"
         self.indexes: dict[int, NgramIndex] = {}
         self.shared_index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
 
@@ -91,11 +121,15 @@ class NgramDrafter(Drafter):
             index.extend(r.seq_id, r.token_ids)
             budget = min(self.k, r.max_tokens)
             if self.branches == 1:
-                tokens, n = index.lookup(r.token_ids, budget, self.latest)
+                tokens, n = (index.lookup_frequent(r.token_ids, budget) if self.frequent
+                             else index.lookup(r.token_ids, budget, self.latest))
                 proposals.append([tokens[:self.draft_length(n)]])
                 continue
             depth = budget if r.max_depth is None else min(budget, r.max_depth)
-            found = index.lookup_branches(r.token_ids, depth, self.branches, self.latest)
+            found = index.lookup_branches(r.token_ids, depth, self.branches, self.latest or self.frequent)
+            if self.frequent and found:  # the voted continuation leads; the others keep distinct first tokens
+                voted = index.lookup_frequent(r.token_ids, depth)
+                found = [voted] + [f for f in found if f[0][:1] != voted[0][:1]][:self.branches - 1]
             chains = []
             for tokens, n in found:  # the best match first; later branches share what budget is left
                 tokens = tokens[:min(self.draft_length(n), budget)]

@@ -6,6 +6,10 @@ kernel here reaches ~40 GB/s. The attention and norm kernels exist because, at o
 dozen small torch ops they replace cost more in dispatch than in arithmetic. They serve the small batches
 of decode and verification (up to `SMALL_M` rows); prefill is compute-bound and stays on torch, which is
 also the reference every kernel is tested against.
+
+Both the GEMM and the attention give a row the same bits whatever else shares the call (other sequences,
+or draft tokens after it): verification of k drafts computes exactly what k + 1 plain steps compute, so
+greedy speculative output equals plain greedy output by construction.
 """
 from __future__ import annotations
 
@@ -19,6 +23,8 @@ BLOCK = 16  # weight rows per GEMM task (and per register tile)
 # Verification feeds 1 + k tokens per sequence; up to this many go through the fused layer kernel (beyond
 # it, torch's batched attention wins).
 MAX_FUSED_QUERIES = 16
+SOFTMAX_PAD = 128  # attention score rows are padded (masked) to a multiple of this many keys: at least the
+# vectorized sum's stride (16 lanes x 4 or 8 accumulators), so padding never moves a key to another lane
 
 try:
     import numba
@@ -153,11 +159,15 @@ if numba is not None:
 
     @njit(fastmath=True, inline="always")
     def _softmax(row, bits):  # pragma: no cover - compiled
-        """In place over row [L] (-inf = masked), with an exp that vectorizes.
+        """In place over row [L] (-inf = masked; L a multiple of SOFTMAX_PAD), with an exp that vectorizes.
 
         numba's exp is a scalar libm call per score, which made attention over long contexts the slow part
         of verifying several tokens. Here exp(x) = 2^n * e^r with n = round(x / ln 2), |r| <= ln(2) / 2, e^r
         by the Cephes polynomial (about 1e-7 relative error) and 2^n built in the exponent bits.
+
+        The row is padded with masked scores to a multiple of SOFTMAX_PAD, a multiple of the vectorized sum's
+        stride: a query's sum then has the same lanes and order whether or not more (masked) keys follow its
+        last visible one, so a query fed alone or followed by draft tokens gets the same bits.
         """
         top = row.max()
         for j in range(row.shape[0]):
@@ -202,7 +212,7 @@ if numba is not None:
             b, hk = task // Hkv, task % Hkv
             first, S = query_starts[b], query_starts[b + 1] - query_starts[b]
             R = S * group  # query rows sharing this KV head: row s * group + g
-            scores = np.full((R, L), -np.inf, np.float32)
+            scores = np.full((R, (L + SOFTMAX_PAD - 1) // SOFTMAX_PAD * SOFTMAX_PAD), -np.inf, np.float32)
             for j in range(L):
                 key = k_pool[context_slots[b, j], hk]
                 for s in range(S):
@@ -212,7 +222,7 @@ if numba is not None:
                             for d in range(D):
                                 acc += q[first + s, hk * group + g, d] * key[d]
                             scores[s * group + g, j] = acc * scale
-            bits = np.empty(L, np.int32)
+            bits = np.empty(scores.shape[1], np.int32)
             for r in range(R):
                 _softmax(scores[r], bits)
             acc_v = np.zeros((R, D), np.float32)
