@@ -190,7 +190,7 @@ class SpeculativeConfig:
     num_speculative_tokens: int = 4
     prompt_lookup_min: int = 1  # ngram
     prompt_lookup_max: int = 4  # ngram
-    ngram_match: str = "latest"  # ngram: continue from the latest or oldest earlier occurrence, or the most "frequent"
+    ngram_match: str = "frequent"  # ngram: follow the continuation most occurrences agree on, the "latest" or "oldest"
     ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
     ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)

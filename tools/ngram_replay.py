@@ -1,0 +1,95 @@
+"""Replay n-gram drafting offline on recorded greedy outputs: acceptance without timing noise.
+
+Greedy speculative output equals plain greedy output, so how many tokens a drafting policy gets accepted
+can be computed from the plain output alone: walk the output, let the drafter propose from what is
+committed, accept the longest prefix that matches, commit it plus the bonus token, repeat. This prints,
+per Spec-Bench category, the acceptance length of each `ngram_match` mode, the acceptance length an oracle
+would reach on the same steps by picking the best of the indexed continuations (one per distinct first
+token, from every matching suffix length): the headroom of smarter selection,
+and the speedup a step cost of (1 + row_cost * drafted tokens) plain steps implies (`row_cost`: what one
+more verified token costs, measured by `specdec tune` / docs/benchmarks.md).
+
+    python tools/ngram_replay.py --rows 20:30 --cache /tmp/outputs.json --row-cost 0.11
+"""
+from __future__ import annotations
+
+import argparse
+import json
+from collections import defaultdict
+from pathlib import Path
+
+from specdec import LLM, SamplingParams
+from specdec.bench import load_questions, prompts_path
+from specdec.drafting import DraftRequest, NgramDrafter
+
+
+def record(rows: slice, max_tokens: int, cache: Path) -> list[dict]:
+    """Plain greedy outputs of the chosen rows of every category (cached as JSON)."""
+    if cache.exists():
+        return json.loads(cache.read_text())
+    llm = LLM(speculative_config="off")
+    by_category = defaultdict(list)
+    for row in load_questions(prompts_path(None)):
+        by_category[row["category"]].append(row)
+    records = []
+    for category, picked in by_category.items():
+        for row in picked[rows]:
+            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
+                                                       add_generation_prompt=True, tokenize=True, return_dict=False)
+            out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens),
+                               use_tqdm=False)[0]
+            records.append({"category": category, "prompt": prompt, "output": out.token_ids})
+    cache.write_text(json.dumps(records))
+    return records
+
+
+def accepted(draft: list[int], output: list[int], t: int) -> int:
+    n = 0
+    while n < len(draft) and t + n < len(output) and draft[n] == output[t + n]:
+        n += 1
+    return n
+
+
+def replay(records: list[dict], match: str, k: int, row_cost: float) -> dict[str, tuple[float, float, float]]:
+    """category -> (acceptance length, oracle acceptance length, implied speedup)."""
+    totals = defaultdict(lambda: [0, 0, 0, 0.0])  # emitted, steps, oracle accepted, cost
+    for rec in records:
+        prompt, output = rec["prompt"], rec["output"]
+        drafter = NgramDrafter(k, match=match)
+        committed, t = list(prompt), 0
+        while t < len(output):
+            draft = drafter.propose([DraftRequest(0, committed, 0, k, None)])
+            tokens = draft.tokens[0, : draft.num_nodes()[0]].tolist()
+            index = drafter.index_for(0)
+            best = max((accepted(c, output, t) for c, _ in index.lookup_branches(committed, k, 10**6)), default=0)
+            emitted = min(accepted(tokens, output, t) + 1, len(output) - t)
+            row = totals[rec["category"]]
+            row[0] += emitted
+            row[1] += 1
+            row[2] += best
+            row[3] += 1 + row_cost * len(tokens)
+            committed, t = committed + output[t:t + emitted], t + emitted
+    return {c: (e / s, 1 + o / s, e / cost) for c, (e, s, o, cost) in totals.items()}
+
+
+def main() -> None:
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--rows", default="20:30", help="Spec-Bench rows of each category, as a slice (default 20:30)")
+    ap.add_argument("--max-tokens", type=int, default=128)
+    ap.add_argument("--cache", default="bench_results/replay_outputs.json")
+    ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
+    ap.add_argument("--row-cost", type=float, default=0.11, help="cost of one more verified token, in plain steps")
+    args = ap.parse_args()
+    start, stop = (int(x) for x in args.rows.split(":"))
+    cache = Path(args.cache)
+    cache.parent.mkdir(parents=True, exist_ok=True)
+    records = record(slice(start, stop), args.max_tokens, cache)
+    print(f"{len(records)} outputs, k = {args.k}, row cost {args.row_cost}")
+    for match in ("latest", "oldest", "frequent"):
+        cells = [f"{c}: AL {al:.2f} (oracle {oracle:.2f}) {speedup:.2f}x"
+                 for c, (al, oracle, speedup) in replay(records, match, args.k, args.row_cost).items()]
+        print(f"{match:9s}", " | ".join(cells))
+
+
+if __name__ == "__main__":
+    main()
