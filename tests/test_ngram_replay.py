@@ -19,3 +19,5 @@ def test_replay_counts_accepted_tokens_oracle_and_cost_by_hand():
     assert length == 3.0
     assert oracle == 4.5
     assert speedup == pytest.approx(6 / ((1 + 0.1 * 2) + (1 + 0.1 * 4)))
+    measured = [1.0, 1.05, 1.2, 1.3, 1.5]  # a step feeding 1, 2, ... tokens: the last token + the draft
+    assert replay(records, "latest", 8, measured)["x"][2] == pytest.approx(6 / (1.2 + 1.5))

@@ -50,24 +50,43 @@ def accepted(draft: list[int], output: list[int], t: int) -> int:
     return n
 
 
-def replay(records: list[dict], match: str, k: int, row_cost: float) -> dict[str, tuple[float, float, float]]:
-    """category -> (acceptance length, oracle acceptance length, implied speedup)."""
+def chains(tokens: list[int], parents: list[int]) -> list[list[int]]:
+    """The branches of an n-gram draft: chains hanging from the last committed token (parent -1)."""
+    out: list[list[int]] = []
+    for token, parent in zip(tokens, parents):
+        if parent == -1:
+            out.append([])
+        out[-1].append(token)
+    return out
+
+
+def replay(records: list[dict], match: str, k: int, row_cost: float | list[float], branches: int = 1
+           ) -> dict[str, tuple[float, float, float]]:
+    """category -> (acceptance length, oracle acceptance length, implied speedup). row_cost: the cost of each
+    verified draft token in plain steps, or the measured cost of a step feeding 1, 2, ... tokens."""
+    def step_cost(drafted: int) -> float:
+        if isinstance(row_cost, list):
+            return row_cost[min(drafted, len(row_cost) - 1)]
+        return 1 + row_cost * drafted
+
     totals = defaultdict(lambda: [0, 0, 0, 0.0])  # emitted, steps, oracle accepted, cost
     for rec in records:
         prompt, output = rec["prompt"], rec["output"]
-        drafter = NgramDrafter(k, match=match)
+        drafter = NgramDrafter(k, match=match, branches=branches)
         committed, t = list(prompt), 0
         while t < len(output):
             draft = drafter.propose([DraftRequest(0, committed, 0, k, None)])
-            tokens = draft.tokens[0, : draft.num_nodes()[0]].tolist()
+            n = draft.num_nodes()[0]
+            tokens = draft.tokens[0, :n].tolist()
+            kept = max((accepted(c, output, t) for c in chains(tokens, draft.parents[0, :n].tolist())), default=0)
             index = drafter.index_for(0)
             best = max((accepted(c, output, t) for c, _ in index.lookup_branches(committed, k, 10**6)), default=0)
-            emitted = min(accepted(tokens, output, t) + 1, len(output) - t)
+            emitted = min(kept + 1, len(output) - t)
             row = totals[rec["category"]]
             row[0] += emitted
             row[1] += 1
             row[2] += best
-            row[3] += 1 + row_cost * len(tokens)
+            row[3] += step_cost(len(tokens))
             committed, t = committed + output[t:t + emitted], t + emitted
     return {c: (e / s, 1 + o / s, e / cost) for c, (e, s, o, cost) in totals.items()}
 
@@ -79,16 +98,22 @@ def main() -> None:
     ap.add_argument("--cache", default="bench_results/replay_outputs.json")
     ap.add_argument("--k", type=int, default=8, help="num_speculative_tokens")
     ap.add_argument("--row-cost", type=float, default=0.11, help="cost of one more verified token, in plain steps")
+    ap.add_argument("--costs", help="measured step costs feeding 1, 2, ... tokens, comma-separated (tools/"
+                    "verify_cost.py), instead of --row-cost")
+    ap.add_argument("--branches", default="1", help="comma-separated ngram_branches to compare (default 1)")
     args = ap.parse_args()
     start, stop = (int(x) for x in args.rows.split(":"))
     cache = Path(args.cache)
     cache.parent.mkdir(parents=True, exist_ok=True)
     records = record(slice(start, stop), args.max_tokens, cache)
-    print(f"{len(records)} outputs, k = {args.k}, row cost {args.row_cost}")
-    for match in ("latest", "oldest", "frequent"):
-        cells = [f"{c}: AL {al:.2f} (oracle {oracle:.2f}) {speedup:.2f}x"
-                 for c, (al, oracle, speedup) in replay(records, match, args.k, args.row_cost).items()]
-        print(f"{match:9s}", " | ".join(cells))
+    cost = [float(c) for c in args.costs.split(",")] if args.costs else args.row_cost
+    print(f"{len(records)} outputs, k = {args.k}, step cost {cost}")
+    for branches in (int(b) for b in args.branches.split(",")):
+        for match in ("latest", "oldest", "frequent"):
+            results = replay(records, match, args.k, cost, branches)
+            cells = [f"{c}: AL {al:.2f} (oracle {oracle:.2f}) {speedup:.2f}x"
+                     for c, (al, oracle, speedup) in results.items()]
+            print(f"branches {branches} {match:9s}", " | ".join(cells))
 
 
 if __name__ == "__main__":
