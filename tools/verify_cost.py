@@ -2,38 +2,41 @@
 tokens of one sequence, against a plain decode step (n = 1), at several context lengths. The shapes are
 interleaved repetition by repetition, so drift of the machine hits them alike.
 
-    python tools/verify_cost.py 64 768
+    python tools/verify_cost.py --contexts 300,768 --tokens 1,2,3,4,5,9,16
 """
 from __future__ import annotations
 
+import argparse
 import statistics
-import sys
 import time
 
 from specdec import LLM, SamplingParams
 
-ROWS = [int(n) for n in __import__("os").environ.get("ROWS", "1,2,3,5,9,16").split(",")]
-
 
 def main() -> None:
-    contexts = [int(c) for c in sys.argv[1:]] or [64, 768]
+    ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--contexts", default="64,768", help="committed tokens before the step, comma-separated")
+    ap.add_argument("--tokens", default="1,2,3,5,9,16", help="tokens fed by the step, comma-separated (1 first)")
+    args = ap.parse_args()
+    contexts = [int(c) for c in args.contexts.split(",")]
+    rows = [int(n) for n in args.tokens.split(",")]
     engine = LLM(speculative_config="off").engine
-    print("| context | " + " | ".join(f"{n} tokens" for n in ROWS) + " |")
-    print("|---" * (len(ROWS) + 1) + "|")
+    print("| context | " + " | ".join(f"{n} tokens" for n in rows) + " |")
+    print("|---" * (len(rows) + 1) + "|")
     for ctx in contexts:
         seq = engine.add_request(list(range(1000, 1000 + ctx)), SamplingParams(temperature=0, max_tokens=400))
         while seq.num_cached < ctx:  # the prompt's prefill
             engine.step()
-        engine.allocator.allocate(seq.block_table, seq.num_cached + max(ROWS))
-        times: dict[int, list[float]] = {n: [] for n in ROWS}
+        engine.allocator.allocate(seq.block_table, seq.num_cached + max(rows))
+        times: dict[int, list[float]] = {n: [] for n in rows}
         for _ in range(9):
-            for n in ROWS:  # the fed tokens are written past the committed ones and never committed
+            for n in rows:  # the fed tokens are written past the committed ones and never committed
                 start = time.perf_counter()
                 hidden = engine.runner.forward_rows([seq], [n], extra_tokens=[[100] * (n - 1)])
                 engine.runner.model.compute_logits(hidden).argmax(-1)
                 times[n].append(time.perf_counter() - start)
         ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
-        print(f"| {ctx} | " + " | ".join(f"{ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x)" for n in ROWS) + " |", flush=True)
+        print(f"| {ctx} | " + " | ".join(f"{ms[n]:.1f} ms ({ms[n] / ms[1]:.2f}x)" for n in rows) + " |", flush=True)
         engine.abort(seq)
 
 
