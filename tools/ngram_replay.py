@@ -3,13 +3,13 @@
 Greedy speculative output equals plain greedy output, so how many tokens a drafting policy gets accepted
 can be computed from the plain output alone: walk the output, let the drafter propose from what is
 committed, accept the longest prefix that matches, commit it plus the bonus token, repeat. This prints,
-per Spec-Bench category, the acceptance length of each `ngram_match` mode, the acceptance length an oracle
+per Spec-Bench category and `ngram_match` mode: the acceptance length; the acceptance length an oracle
 would reach on the same steps by picking the best of the indexed continuations (one per distinct first
-token, from every matching suffix length): the headroom of smarter selection,
-and the speedup a step cost of (1 + row_cost * drafted tokens) plain steps implies (`row_cost`: what one
-more verified token costs, measured by `specdec tune` / docs/benchmarks.md).
+token, from every matching suffix length), i.e. the headroom of smarter selection; and the speedup implied
+by a step cost of 1 + row_cost * drafted tokens plain steps, or by measured costs (`--costs`, from
+tools/verify_cost.py). The outputs are recorded once into `--cache`; delete it to record other rows.
 
-    python tools/ngram_replay.py --rows 20:30 --cache /tmp/outputs.json --row-cost 0.11
+    python tools/ngram_replay.py --rows 20:30 --branches 1,2,3
 """
 from __future__ import annotations
 
@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.bench import load_questions, prompts_path
+from specdec.bench import encode_prompts, load_questions, prompts_path
 from specdec.drafting import DraftRequest, NgramDrafter
 
 
@@ -32,13 +32,10 @@ def record(rows: slice, max_tokens: int, cache: Path) -> list[dict]:
     for row in load_questions(prompts_path(None)):
         by_category[row["category"]].append(row)
     records = []
-    for category, picked in by_category.items():
-        for row in picked[rows]:
-            prompt = llm.tokenizer.apply_chat_template([{"role": "user", "content": row["turns"][0]}],
-                                                       add_generation_prompt=True, tokenize=True, return_dict=False)
-            out = llm.generate([{"prompt_token_ids": prompt}], SamplingParams(temperature=0, max_tokens=max_tokens),
-                               use_tqdm=False)[0]
-            records.append({"category": category, "prompt": prompt, "output": out.token_ids})
+    for prompt in encode_prompts(llm, [row for picked in by_category.values() for row in picked[rows]]):
+        greedy = SamplingParams(temperature=0, max_tokens=max_tokens)
+        out = llm.generate([{"prompt_token_ids": prompt.token_ids}], greedy, use_tqdm=False)[0]  # batch 1, as served
+        records.append({"category": prompt.category, "prompt": prompt.token_ids, "output": out.token_ids})
     cache.write_text(json.dumps(records))
     return records
 
