@@ -1,12 +1,14 @@
-"""Plain dataclasses for every configuration: the model's shape, sampling, and the engine.
+"""Plain dataclasses for every configuration: the model's shape, sampling, the engine, and speculation.
 
-Nothing here imports torch modules or models, so every other module can depend on it.
+Nothing here imports torch modules or models, so every other module can depend on it. Drafting methods
+register themselves here (`register_method`, from their own files), so `SpeculativeConfig` can look up a
+method's own keys and the draft shapes it takes without knowing any method.
 """
 from __future__ import annotations
 
 import dataclasses
 import math
-import re
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -141,170 +143,114 @@ class EngineConfig:
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose token prefix was seen before
 
 
-HEAD_METHODS = ("eagle", "eagle3", "mtp", "medusa")  # draft heads trained for one target: `model` is their directory
-SPECULATIVE_METHODS = ("ngram", "draft_model", "layer_skip", *HEAD_METHODS, "custom")
-TREE_METHODS = ("draft_model", "layer_skip", *HEAD_METHODS)
-MAX_TREE_NODES = 64
-
+# ---- drafting methods ------------------------------------------------------------------------------
 
 @dataclass(frozen=True)
-class SpecShape:
-    """What one speculative step drafts per sequence: a chain of k tokens, or a static tree (choice list,
-    node order); k = 0 is no speculation."""
+class MethodInfo:
+    """A drafting method as `speculative_config` knows it. Each method's own file registers one (see
+    `specdec/drafting/`), so adding a method touches no other file."""
 
-    k: int
-    tree: tuple[tuple[int, ...], ...] | None = None
-    dynamic: tuple[int, int, int] | None = None  # EAGLE-2 (topk, num_steps, num_draft_tokens)
+    name: str
+    options: type  # the dataclass of the method's own keys: defaults, validation and errors in its __post_init__
+    build: Callable[..., Any]  # (SpeculativeConfig, DraftEnv) -> the method's Drafter
+    trees: bool = False  # drafts static trees (full trees, choice lists) besides chains
+    dynamic_trees: bool = False  # drafts EAGLE-2 dynamic trees
+    head: type | None = None  # a draft head trained for one target: its model class (`specdec train --method`)
 
-    @property
-    def num_tokens(self) -> int:
-        """Draft nodes verified per sequence."""
-        return self.dynamic[2] if self.dynamic else len(self.tree) if self.tree else self.k
 
-    @property
-    def num_slots(self) -> int:
-        """KV slots a step writes after the last committed token (a dynamic tree's drafter feeds
-        topk * (num_steps - 1) candidates before choosing which to verify)."""
-        return max(self.num_tokens, self.dynamic[0] * (self.dynamic[1] - 1)) if self.dynamic else self.num_tokens
+_METHODS: dict[str, MethodInfo] = {}
 
-    def nodes_within(self, depth: int) -> int:
-        """How many nodes lie at most `depth` deep (nodes are in depth order): the draft that can still be
-        accepted when only `depth` more tokens may be emitted. Dynamic trees limit their depth themselves."""
-        if self.dynamic:
-            return self.num_tokens if depth > 0 else 0
-        if self.tree is None:
-            return max(0, min(self.k, depth))
-        return sum(1 for path in self.tree if len(path) <= depth)
 
-    def __str__(self) -> str:
-        if self.dynamic:
-            return "dynamic(topk={}, num_steps={}, num_draft_tokens={})".format(*self.dynamic)
-        return "off" if self.k == 0 else f"tree({len(self.tree)} nodes)" if self.tree else f"chain-{self.k}"
+def register_method(name: str, options: type, *, trees: bool = False, dynamic_trees: bool = False,
+                    head: type | None = None) -> Callable[[Any], Any]:
+    """Class decorator of a drafting method: `{"method": name, ...}` then builds it with the class's
+    `from_config(cfg, env)` (or calls the decorated function so). Registering a name again replaces it."""
+    if not dataclasses.is_dataclass(options):
+        raise TypeError(f"the options of method {name!r} must be a dataclass, got {options!r}")
+
+    def register(target: Any) -> Any:
+        _METHODS[name] = MethodInfo(name, options, getattr(target, "from_config", target), trees, dynamic_trees, head)
+        return target
+
+    return register
+
+
+def method_info(name: str) -> MethodInfo:
+    if name not in _METHODS:
+        raise SpecdecError(f"unknown speculative method {name!r}; choose one of {registered_methods()}")
+    return _METHODS[name]
+
+
+def registered_methods(head: bool = False) -> list[str]:
+    """The method names `speculative_config` accepts (head=True: only trainable draft heads)."""
+    return [name for name, info in _METHODS.items() if info.head is not None or not head]
 
 
 @dataclass
 class SpeculativeConfig:
-    """vLLM-style `speculative_config`: which drafter, and how many tokens it proposes per step."""
+    """vLLM-style `speculative_config`: which drafter, and how many tokens it proposes per step.
+
+    The keys every method shares are fields here; a method's own keys (`model`, `prompt_lookup_max`, ...)
+    live in its registered options dataclass, `options`. `parse` takes vLLM's flat dict and splits it."""
 
     method: str
     num_speculative_tokens: int = 4
-    prompt_lookup_min: int = 1  # ngram
-    prompt_lookup_max: int = 4  # ngram
-    ngram_match: str = "frequent"  # ngram: follow the continuation most occurrences agree on, the "latest" or "oldest"
-    ngram_pool: str = "request"  # ngram: look up in the request's own text, or "shared" across requests
-    ngram_draft_length: str = "adaptive"  # ngram: "adaptive" (by match length, up to k) or "fixed" (always k)
-    ngram_branches: int = 1  # ngram: continuations with different first tokens, drafted as a tree (k nodes in all)
-    model: str | None = None  # draft_model: alias, HF directory or .gguf of the draft LM; heads: the head's directory
-    num_layers: int | None = None  # layer_skip: how many of the target's first layers draft
-    drafter: Any = None  # custom: an object implementing specdec.drafting.Drafter
-    # What each step drafts ("shape"): "chain" (k tokens), "chain-K", "off", and for TREE_METHODS a full tree
-    # "Dm-BFn" (e.g. "D3-BF2"), a static tree as a choice list [[0], [1], [0, 0], ...] (a node is its path of
-    # child ranks: the EAGLE/Medusa format) or, for draft_model / layer_skip, an EAGLE-2 dynamic tree
-    # {"topk": 4, "num_steps": 3, "num_draft_tokens": 12}.
+    # What each step drafts ("shape"), in the grammar of `specdec.tree`: "chain" (k tokens), "chain-K", "off",
+    # and for methods that draft trees a full tree "Dm-BFn" (e.g. "D3-BF2"), a static tree as a choice list
+    # [[0], [1], [0, 0], ...] (a node is its path of child ranks: the EAGLE/Medusa format) or an EAGLE-2
+    # dynamic tree {"topk": 4, "num_steps": 3, "num_draft_tokens": 12}.
     tree: Any = "chain"
     # The tree dispatcher: {"<min batch size>": shape} picks the shape by the step's batch size, e.g.
     # {"1": "D2-BF2", "8": "chain-2", "32": "off"}; batch sizes below the smallest key use `tree`. Or the
     # path of a JSON table written by `specdec tune`.
     dispatch: dict | str | None = None
+    options: Any = None  # the method's own keys (its options dataclass); None: the method's defaults
 
     def __post_init__(self) -> None:
-        if self.method not in SPECULATIVE_METHODS:
-            raise SpecdecError(f"unknown speculative method {self.method!r}; choose one of {list(SPECULATIVE_METHODS)}")
+        info = method_info(self.method)
+        if self.options is None:
+            self.options = info.options()
+        elif not isinstance(self.options, info.options):
+            raise SpecdecError(f"method {self.method!r} takes options of type {info.options.__name__}, "
+                               f"got {type(self.options).__name__}")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
             raise SpecdecError(f"invalid num_speculative_tokens={k!r}: must be an integer in [1, 15]")
-        if not 1 <= self.prompt_lookup_min <= self.prompt_lookup_max:
-            raise SpecdecError(f"invalid prompt_lookup_min={self.prompt_lookup_min!r} / prompt_lookup_max="
-                               f"{self.prompt_lookup_max!r}: need 1 <= min <= max")
-        if self.ngram_match not in ("latest", "oldest", "frequent"):
-            raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest', 'oldest' or 'frequent'")
-        if self.ngram_pool not in ("request", "shared"):
-            raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
-        if not isinstance(self.ngram_branches, int) or not 1 <= self.ngram_branches <= 8:
-            raise SpecdecError(f"invalid ngram_branches={self.ngram_branches!r}: must be an integer in [1, 8]")
-        if self.ngram_draft_length not in ("adaptive", "fixed"):
-            raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
         self.shape = self.parse_shape(self.tree, "tree")
         self.dispatch_table = self._parse_dispatch()
-        if self.method in HEAD_METHODS and not self.model:
-            raise SpecdecError(f"method {self.method!r} needs 'model': the directory of a {self.method} head "
-                               "(config.json + model.safetensors)")
-        if self.method == "draft_model" and not self.model:
-            raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
-        if self.method == "layer_skip" and not isinstance(self.num_layers, int):
-            raise SpecdecError("method 'layer_skip' needs 'num_layers': how many of the target's layers draft")
-        if self.method == "custom" and self.drafter is None:
-            raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
+
+    @property
+    def info(self) -> MethodInfo:
+        return method_info(self.method)
 
     @property
     def num_draft_tokens(self) -> int:
         """Draft tokens one step may verify per sequence, whatever the batch size (slots reserved for them)."""
-        return max(shape.num_slots for shape in [self.shape, *dict(self.dispatch_table).values()])
+        return max(shape.num_slots for shape in self.shapes())
 
-    def shape_for(self, batch_size: int) -> "SpecShape":
-        """The draft shape for a step of this many sequences: the dispatch entry with the largest minimum
-        batch size not above it, else the default shape (`tree`, or a chain of k)."""
+    def shapes(self) -> list[Any]:
+        """Every draft shape this config may use: the default one and the dispatch table's."""
+        return [self.shape, *dict(self.dispatch_table).values()]
+
+    def shape_for(self, batch_size: int) -> Any:
+        """The draft shape (`tree.SpecShape`) for a step of this many sequences: the dispatch entry with the
+        largest minimum batch size not above it, else the default shape (`tree`, or a chain of k)."""
         shape = self.shape
         for min_batch, entry in self.dispatch_table:
             if batch_size >= min_batch:
                 shape = entry
         return shape
 
-    def parse_shape(self, value: Any, what: str = "tree") -> "SpecShape":
-        """A draft shape as `tree` and dispatch entries write it, checked against this method."""
-        from specdec.tree import parse_tree_spec, tree_from_choices
+    def parse_shape(self, value: Any, what: str = "tree") -> Any:
+        """A draft shape as `tree` and dispatch entries write it, checked against what this method drafts
+        (the grammar itself is `specdec.tree.parse_shape`)."""
+        from specdec.tree import parse_shape
 
-        if value == "off":
-            return SpecShape(0)
-        if value in ("chain", None):
-            return SpecShape(self.num_speculative_tokens)
-        chain = re.fullmatch(r"chain-(\d+)", value) if isinstance(value, str) else None
-        if chain or (isinstance(value, int) and not isinstance(value, bool)):
-            k = int(chain[1]) if chain else value
-            if not 1 <= k <= 15:
-                raise SpecdecError(f"invalid {what} {value!r}: a chain drafts 1 to 15 tokens")
-            return SpecShape(k)
-        if self.method not in TREE_METHODS:
-            raise SpecdecError(f"invalid {what} {value!r}: method {self.method!r} drafts chains only ('chain', "
-                               f"'chain-K' or 'off'); trees are available for {list(TREE_METHODS)} (ngram branches with "
-                               "'ngram_branches'; a custom drafter returns its own trees)")
-        if isinstance(value, dict):
-            if self.method in HEAD_METHODS:
-                raise SpecdecError(f"invalid {what} {value!r}: dynamic trees are available for draft_model and "
-                                   f"layer_skip; {self.method} drafts chains and static trees")
-            return self._parse_dynamic(value, what)
-        try:
-            if isinstance(value, str):
-                choices = parse_tree_spec(value)
-            elif isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
-                                                 for c in value):
-                choices = [list(c) for c in value]
-            else:
-                raise ValueError("expected 'off', 'chain', 'chain-K', a full tree 'Dm-BFn' (e.g. 'D3-BF2'), "
-                                 "a choice list such as [[0], [1], [0, 0]] or a dynamic tree "
-                                 '{"topk": 4, "num_steps": 3, "num_draft_tokens": 12}')
-            tree = tree_from_choices(choices)
-        except ValueError as e:
-            raise SpecdecError(f"invalid {what} {value!r}: {e}") from None
-        if not 1 <= len(choices) <= MAX_TREE_NODES:
-            raise SpecdecError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
-                               f"{MAX_TREE_NODES} are verified per step")
-        return SpecShape(len(choices), tuple(tuple(p) for p in tree.paths))
+        trees = [n for n, m in _METHODS.items() if m.trees]
+        dynamic = [n for n, m in _METHODS.items() if m.dynamic_trees]
+        return parse_shape(value, self.num_speculative_tokens, what, self.method, trees, dynamic)
 
-    @staticmethod
-    def _parse_dynamic(value: dict, what: str) -> "SpecShape":
-        """EAGLE-2's dynamic tree, with SGLang's knob names."""
-        limits = {"topk": (1, 8), "num_steps": (1, 8), "num_draft_tokens": (1, MAX_TREE_NODES)}
-        unknown = sorted(set(value) - set(limits))
-        if unknown or set(value) != set(limits):
-            raise SpecdecError(f"invalid {what} {value!r}: a dynamic tree needs exactly the keys {sorted(limits)}")
-        for key, (lo, hi) in limits.items():
-            v = value[key]
-            if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-                raise SpecdecError(f"invalid {what}: {key}={v!r} must be an integer in [{lo}, {hi}]")
-        return SpecShape(value["num_draft_tokens"], dynamic=(value["topk"], value["num_steps"], value["num_draft_tokens"]))
-
-    def _parse_dispatch(self) -> list[tuple[int, "SpecShape"]]:
+    def _parse_dispatch(self) -> list[tuple[int, Any]]:
         if self.dispatch is None:
             return []
         if isinstance(self.dispatch, str):  # a table written by `specdec tune`
@@ -331,9 +277,14 @@ class SpeculativeConfig:
             table.append((min_batch, self.parse_shape(value, f"dispatch[{key!r}]")))
         return sorted(table)
 
+    def to_dict(self) -> dict[str, Any]:
+        """The flat vLLM-style dict that `parse` reads back."""
+        shared = {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if f.name != "options"}
+        return {**shared, **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}}
+
     @classmethod
     def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
-        """From a dict (Python) or a JSON string (CLI); None or "off" means no speculation."""
+        """From a flat dict (Python) or a JSON string (CLI); None or "off" means no speculation."""
         if value is None or value == "off" or isinstance(value, cls):
             return None if value == "off" else value
         if isinstance(value, str):
@@ -346,7 +297,15 @@ class SpeculativeConfig:
         if not isinstance(value, dict) or "method" not in value:
             raise SpecdecError('speculative_config must be an object with a "method", e.g. '
                                '{"method": "ngram", "num_speculative_tokens": 4}')
-        return from_kwargs(cls, value)
+        info = method_info(value["method"])
+        shared = [f.name for f in dataclasses.fields(cls) if f.name != "options"]
+        own = [f.name for f in dataclasses.fields(info.options)]
+        unknown = sorted(set(value) - set(shared) - set(own))
+        if unknown:
+            raise SpecdecError(f"unknown key(s) {unknown} for speculative method {info.name!r}; valid keys: "
+                               f"{sorted(shared + own)}")
+        options = info.options(**{k: v for k, v in value.items() if k in own})
+        return cls(**{k: v for k, v in value.items() if k in shared}, options=options)
 
 
 def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
@@ -358,4 +317,5 @@ def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "SpecShape", "from_kwargs", "SUPPORTED_MODEL_TYPES"]
+__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "MethodInfo",
+           "register_method", "method_info", "registered_methods", "from_kwargs", "SUPPORTED_MODEL_TYPES"]

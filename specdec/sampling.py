@@ -6,7 +6,9 @@ exactly from p, needs no host sync, and lets each seeded request use its own gen
 """
 from __future__ import annotations
 
+from collections.abc import Sequence
 from dataclasses import dataclass
+from typing import Any
 
 import torch
 
@@ -44,6 +46,11 @@ class SamplingTensors:
             needs_top_p=any(p.top_p < 1 and not p.greedy for p in params),
             needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
         )
+
+    @classmethod
+    def from_requests(cls, requests: Sequence[Any], device: torch.device | str = "cpu") -> "SamplingTensors":
+        """From anything with `.params` and `.generator` (sequences, draft requests)."""
+        return cls.from_params([r.params for r in requests], [r.generator for r in requests], device)
 
     def select(self, rows: list[int]) -> "SamplingTensors":
         """The parameters of rows `rows` (one row per draft position when verifying)."""

@@ -14,21 +14,31 @@ best candidate after the first of them. A node's token is its parent's rank-th b
     EAGLE-2 dynamic tree: expand the `topk` best frontier nodes by cumulative draft log-probability for
             `num_steps` steps, then keep the `num_draft_tokens` best nodes (SGLang's knob names)
 
+Draft shapes as users write them (`speculative_config`'s "tree" and "dispatch" values), one grammar:
+
+    "off" | "chain" | "chain-K" | K       a chain of K tokens (or none)
+    "Dm-BFn" | [[0], [1], [0, 0], ...]    a static tree (full, or a choice list)
+    {"topk", "num_steps", "num_draft_tokens"}   an EAGLE-2 dynamic tree
+
 Everything here is a pure function on small tensors or lists; nothing runs a model.
 """
 from __future__ import annotations
 
+import functools
 import heapq
 import itertools
 import math
 import re
 from collections.abc import Callable, Mapping, Sequence
 from dataclasses import dataclass
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 
-ROOT, PAD = -1, -2
+from specdec.config import SpecdecError
+
+ROOT, PAD = -1, -2  # parent pointers: a child of the last committed token; padding
+MAX_TREE_NODES = 64  # draft nodes verified per sequence and step, at most
 
 Path = tuple[int, ...]
 
@@ -272,3 +282,124 @@ def _path_min(scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
         parent_score = torch.where(p >= 0, capped[rows, p.clamp(min=0)], capped[:, i])
         capped[:, i] = torch.minimum(capped[:, i], parent_score)
     return capped
+
+
+# ---- draft shapes: the grammar of "tree" and "dispatch" values -----------------------------------
+
+@dataclass(frozen=True)
+class SpecShape:
+    """What one speculative step drafts per sequence: a chain of k tokens, or a static tree (choice list,
+    node order), or an EAGLE-2 dynamic tree; k = 0 is no speculation."""
+
+    k: int
+    tree: tuple[tuple[int, ...], ...] | None = None
+    dynamic: tuple[int, int, int] | None = None  # EAGLE-2 (topk, num_steps, num_draft_tokens)
+
+    @property
+    def num_tokens(self) -> int:
+        """Draft nodes verified per sequence."""
+        return self.dynamic[2] if self.dynamic else len(self.tree) if self.tree else self.k
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots a step writes after the last committed token (a dynamic tree's drafter feeds
+        topk * (num_steps - 1) candidates before choosing which to verify)."""
+        return max(self.num_tokens, self.dynamic[0] * (self.dynamic[1] - 1)) if self.dynamic else self.num_tokens
+
+    @property
+    def depth(self) -> int:
+        """The deepest node (a dynamic tree: its number of expansion steps)."""
+        return self.dynamic[1] if self.dynamic else max(map(len, self.tree)) if self.tree else self.k
+
+    def nodes_within(self, depth: int) -> int:
+        """How many nodes lie at most `depth` deep (nodes are in depth order): the draft that can still be
+        accepted when only `depth` more tokens may be emitted. Dynamic trees limit their depth themselves."""
+        if self.dynamic:
+            return self.num_tokens if depth > 0 else 0
+        if self.tree is None:
+            return max(0, min(self.k, depth))
+        return sum(1 for path in self.tree if len(path) <= depth)
+
+    def __str__(self) -> str:
+        if self.dynamic:
+            return "dynamic(topk={}, num_steps={}, num_draft_tokens={})".format(*self.dynamic)
+        return "off" if self.k == 0 else f"tree({len(self.tree)} nodes)" if self.tree else f"chain-{self.k}"
+
+    def to_json(self) -> str | list[list[int]] | dict:
+        """The shape written back in the grammar (how `specdec tune` writes dispatch tables)."""
+        if self.dynamic:
+            return dict(zip(("topk", "num_steps", "num_draft_tokens"), self.dynamic))
+        return "off" if self.k == 0 else [list(p) for p in self.tree] if self.tree else f"chain-{self.k}"
+
+
+def parse_shape(value: Any, k: int, what: str = "tree", method: str = "", tree_methods: Sequence[str] = (),
+                dynamic_methods: Sequence[str] = ()) -> SpecShape:
+    """A draft shape in the grammar above, for `method` (k: its num_speculative_tokens). Trees are refused
+    unless the method is in `tree_methods`, dynamic trees unless it is in `dynamic_methods`; every refusal
+    is a SpecdecError naming `what` and the value."""
+    if value == "off":
+        return SpecShape(0)
+    if value in ("chain", None):
+        return SpecShape(k)
+    chain_k = re.fullmatch(r"chain-(\d+)", value) if isinstance(value, str) else None
+    if chain_k or (isinstance(value, int) and not isinstance(value, bool)):
+        n = int(chain_k[1]) if chain_k else value
+        if not 1 <= n <= 15:
+            raise SpecdecError(f"invalid {what} {value!r}: a chain drafts 1 to 15 tokens")
+        return SpecShape(n)
+    if method not in tree_methods:
+        raise SpecdecError(f"invalid {what} {value!r}: method {method!r} drafts chains only ('chain', "
+                           f"'chain-K' or 'off'); trees are available for {list(tree_methods)} (ngram branches "
+                           "with 'ngram_branches'; a custom drafter returns its own trees)")
+    if isinstance(value, dict):
+        if method not in dynamic_methods:
+            raise SpecdecError(f"invalid {what} {value!r}: dynamic trees are available for "
+                               f"{' and '.join(dynamic_methods)}; {method} drafts chains and static trees")
+        return _parse_dynamic(value, what)
+    try:
+        if isinstance(value, str):
+            choices = parse_tree_spec(value)
+        elif isinstance(value, list) and all(isinstance(c, list) and all(isinstance(r, int) for r in c)
+                                             for c in value):
+            choices = [list(c) for c in value]
+        else:
+            raise ValueError("expected 'off', 'chain', 'chain-K', a full tree 'Dm-BFn' (e.g. 'D3-BF2'), "
+                             "a choice list such as [[0], [1], [0, 0]] or a dynamic tree "
+                             '{"topk": 4, "num_steps": 3, "num_draft_tokens": 12}')
+        tree = tree_from_choices(choices)
+    except ValueError as e:
+        raise SpecdecError(f"invalid {what} {value!r}: {e}") from None
+    if not 1 <= len(choices) <= MAX_TREE_NODES:
+        raise SpecdecError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
+                           f"{MAX_TREE_NODES} are verified per step")
+    return SpecShape(len(choices), tuple(tuple(p) for p in tree.paths))
+
+
+def _parse_dynamic(value: dict, what: str) -> SpecShape:
+    """EAGLE-2's dynamic tree, with SGLang's knob names."""
+    limits = {"topk": (1, 8), "num_steps": (1, 8), "num_draft_tokens": (1, MAX_TREE_NODES)}
+    if set(value) != set(limits):
+        raise SpecdecError(f"invalid {what} {value!r}: a dynamic tree needs exactly the keys {sorted(limits)}")
+    for key, (lo, hi) in limits.items():
+        v = value[key]
+        if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
+            raise SpecdecError(f"invalid {what}: {key}={v!r} must be an integer in [{lo}, {hi}]")
+    return SpecShape(value["num_draft_tokens"], dynamic=(value["topk"], value["num_steps"], value["num_draft_tokens"]))
+
+
+class TreeShape:
+    """A static tree prepared for drafting: parents, ranks and the nodes of each level."""
+
+    def __init__(self, choices: tuple[tuple[int, ...], ...]) -> None:
+        tree = tree_from_choices(choices)
+        self.tensor_parents = tree.parents
+        self.parents, self.ranks = tree.parents.tolist(), tree.ranks.tolist()
+        self.width = max(self.ranks) + 1
+        depth = tree.depths.tolist()
+        self.levels = [[n for n, d in enumerate(depth) if d == level] for level in range(1, max(depth) + 1)]
+
+
+@functools.lru_cache(maxsize=64)
+def tree_shape(choices: tuple[tuple[int, ...], ...]) -> TreeShape:
+    """The prepared form of a static tree, made once per shape for every drafter."""
+    return TreeShape(choices)

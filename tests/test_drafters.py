@@ -52,16 +52,17 @@ def test_frequent_ngram_match_follows_the_most_common_continuation():
 
 
 def test_frequent_ngram_match_drafts_through_the_drafter():
-    from specdec.drafting import DraftRequest, NgramDrafter
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
 
     tokens = [1, 2, 5, 6, 9, 1, 2, 5, 6, 8, 1, 2, 7, 3, 4, 1, 2]
     drafter = NgramDrafter(4, 1, 2, match="frequent")  # a full 2-token match drafts k = 4
-    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 4, None)])
+    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 4)])
     assert draft.tokens[0].tolist() == [5, 6, 8, 1]
     # With branches, the voted continuation leads and the latest one with another first token follows
     # (a 2-token match below prompt_lookup_max = 3 drafts 2 tokens per branch).
     branched = NgramDrafter(4, 1, 3, match="frequent", branches=2).propose(
-        [DraftRequest(0, tokens, len(tokens), 4, None)])
+        [DraftRequest(0, tokens, len(tokens), 4)])
     assert branched.tokens[0].tolist() == [5, 6, 7, 3]
     assert branched.parents[0].tolist() == [-1, 0, -1, 2]
 
@@ -69,14 +70,15 @@ def test_frequent_ngram_match_drafts_through_the_drafter():
 @pytest.mark.parametrize("mode, expected", [("adaptive", [0, 1, 2, 4, 6, 6]), ("fixed", [6] * 6)])
 def test_ngram_draft_length_follows_the_match_length(mode, expected):
     """Short matches rarely continue far, so adaptive drafts grow with the match: 2^(n-1), k for a full match."""
-    from specdec.drafting import DraftRequest, NgramDrafter
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
 
     drafter = NgramDrafter(6, 1, 5, adaptive=mode == "adaptive")
     assert [drafter.draft_length(n) for n in range(6)] == expected
     text = list(range(100, 120))
     for n, length in zip(range(1, 6), expected[1:]):  # a suffix matching exactly n tokens of `text`
         tokens = text + [7] * (5 - n) + text[:n]
-        draft = drafter.propose([DraftRequest(n, tokens, len(tokens), 6, None)])
+        draft = drafter.propose([DraftRequest(n, tokens, len(tokens), 6)])
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == text[n:n + length]
 
 
@@ -90,23 +92,25 @@ def test_ngram_index_is_incremental():
 
 
 def test_shared_ngram_pool_drafts_from_other_requests():
-    from specdec.drafting import DraftRequest, NgramDrafter
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
 
     finished, fresh = [10, 11, 12, 13, 14, 15], [20, 11, 12]
     for pool, expected in [("request", []), ("shared", [13, 14])]:
         drafter = NgramDrafter(2, 1, 3, pool=pool)
-        drafter.propose([DraftRequest(0, finished, len(finished), 2, None)])
+        drafter.propose([DraftRequest(0, finished, len(finished), 2)])
         drafter.release(0)  # request 0 finished; a shared pool keeps its text
-        draft = drafter.propose([DraftRequest(1, fresh, len(fresh), 2, None)])
+        draft = drafter.propose([DraftRequest(1, fresh, len(fresh), 2)])
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == expected
 
 
 def test_ngram_branches_are_distinct_continuations_of_the_best_matches():
-    from specdec.drafting import DraftRequest, NgramDrafter
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
 
     tokens = [1, 2, 3, 7, 8, 1, 2, 3, 5, 6, 9, 2, 3, 4, 1, 2, 3]  # [1, 2, 3] was followed by 7, later by 5
     drafter = NgramDrafter(6, 1, 4, branches=3)  # a 3-token match drafts 2^2 = 4 tokens
-    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 6, None)])
+    draft = drafter.propose([DraftRequest(0, tokens, len(tokens), 6)])
     assert draft.tokens[0].tolist() == [5, 6, 9, 2, 7, 8]  # latest occurrence first, the older one gets the rest
     assert draft.parents[0].tolist() == [-1, 0, 1, 2, -1, 4]  # two branches from the last committed token
 

@@ -95,9 +95,8 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
                 if r.features is None:  # not drafting this step (back-off): its features wait on the sequence
                     continue
                 history.setdefault(r.seq_id, []).append(r.features)
-                fresh = EagleDrafter(drafter.head, drafter.runner, drafter.k)
-                full = DraftRequest(r.seq_id, r.token_ids, r.num_new, r.max_tokens, r.seq,
-                                    features=torch.cat(history[r.seq_id]), features_start=0)
+                fresh = EagleDrafter(drafter.head, drafter.env, drafter.k)
+                full = dataclasses.replace(r, features=torch.cat(history[r.seq_id]), features_start=0)
                 again = fresh.propose([full])
                 n = draft.num_nodes()[i]
                 compared.append(draft.tokens[i, :n].tolist() == again.tokens[0, :again.num_nodes()[0]].tolist())

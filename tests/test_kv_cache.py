@@ -4,6 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
+from conftest import sequence_inputs
 from specdec import LLM, SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
@@ -48,14 +49,14 @@ class Harness:
     def __init__(self, model, block_size: int = 4):
         self.model = model
         self.alloc = BlockAllocator(64, block_size)
-        self.runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), self.alloc)
+        self.runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), block_size)
 
     def feed(self, seqs: list[Sequence], new: list[list[int]]) -> list[torch.Tensor]:
         for s, toks in zip(seqs, new):
             s.token_ids = s.token_ids[: s.num_cached] + toks
             self.alloc.allocate(s.block_table, s.num_cached + len(toks))
         counts = [len(t) for t in new]
-        tokens, positions, meta = self.runner.prepare(seqs, counts)
+        tokens, positions, meta = sequence_inputs(self.runner, seqs, counts)
         hidden, _ = self.model(tokens, positions, meta, self.runner.kv)
         for s, n in zip(seqs, counts):
             s.num_cached += n

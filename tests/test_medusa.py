@@ -71,7 +71,7 @@ def test_shapes_and_forward(target):
 
 def draft_for(drafter: MedusaDrafter, features: torch.Tensor, tree=None, max_tokens: int = 4):
     n = features.shape[0] + 1  # the last committed token has no feature yet
-    return drafter.propose([DraftRequest(0, list(range(n)), 1, max_tokens, None, tree, features=features)])
+    return drafter.propose([DraftRequest(0, list(range(n)), 1, max_tokens, tree=tree, features=features)])
 
 
 def test_save_load_round_trip_gives_identical_drafts(target_dir, target, head_dir):
@@ -86,10 +86,10 @@ def test_save_load_round_trip_gives_identical_drafts(target_dir, target, head_di
     original = random_heads(target.lm_head)
     for name, t in original.state_dict_reference().items():
         assert torch.equal(t, loaded.state_dict_reference()[name]), name
-    runner = LLM(str(target_dir)).engine.runner
+    model = LLM(str(target_dir)).engine.model
     features = torch.randn(6, 64) * 3
     for tree in (None, tuple(map(tuple, TREE))):
-        a, b = (draft_for(MedusaDrafter(h, runner, 2), features, tree) for h in (original, loaded))
+        a, b = (draft_for(MedusaDrafter(h, model, 2), features, tree) for h in (original, loaded))
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and a.probs is None
 
 

@@ -5,7 +5,7 @@ import pytest
 import torch
 import transformers
 
-from conftest import save_tiny_model
+from conftest import save_tiny_model, sequence_inputs
 from specdec.config import SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
@@ -26,14 +26,14 @@ CASES = {
 def run_paged(model, prompts: list[list[int]], continuations: list[list[int]], block_size: int = 4):
     """Prefill the ragged batch, then feed the continuation one token per step; logits per position."""
     alloc = BlockAllocator(64, block_size)
-    runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), alloc)
+    runner = ModelRunner(model, KVPool(model.config, 64, block_size, model.act_dtype, "cpu"), block_size)
     seqs = [Sequence(i, p, SamplingParams(), 512) for i, p in enumerate(prompts)]
     logits: list[list[torch.Tensor]] = [[] for _ in seqs]
 
     def forward(num_new: list[int]) -> None:
         for s, n in zip(seqs, num_new):
             alloc.allocate(s.block_table, s.num_cached + n)
-        tokens, positions, meta = runner.prepare(seqs, num_new)
+        tokens, positions, meta = sequence_inputs(runner, seqs, num_new)
         hidden, _ = model(tokens, positions, meta, runner.kv)
         for i, rows in enumerate(hidden.split(num_new)):
             logits[i].append(model.compute_logits(rows))
@@ -71,10 +71,10 @@ def test_output_layers_are_the_residual_stream(tmp_path):
     ours, _ = load_model(path)
     ids = list(range(3, 12))
     alloc = BlockAllocator(8, 16)
-    runner = ModelRunner(ours, KVPool(ours.config, 8, 16, torch.float32, "cpu"), alloc)
+    runner = ModelRunner(ours, KVPool(ours.config, 8, 16, torch.float32, "cpu"), 16)
     seq = Sequence(0, ids, SamplingParams(), 512)
     alloc.allocate(seq.block_table, len(ids))
-    tokens, positions, meta = runner.prepare([seq], [len(ids)])
+    tokens, positions, meta = sequence_inputs(runner, [seq], [len(ids)])
     _, layers = ours(tokens, positions, meta, runner.kv, output_layers=(0, 1))
     with torch.no_grad():
         ref = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states

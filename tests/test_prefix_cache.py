@@ -95,10 +95,10 @@ def test_draft_model_reuses_its_own_cached_kv(tiny_llama_dir, monkeypatch):
     llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate({"prompt_token_ids": SYSTEM + [7]}, params)
-    draft_runner = llm.engine.speculator.drafter.runner
+    drafter = llm.engine.speculator.drafter
     fed = []
-    run = draft_runner.run
-    monkeypatch.setattr(draft_runner, "run", lambda t, s, f, *a, **k: fed.append((s, f)) or run(t, s, f, *a, **k))
+    run = drafter.run
+    monkeypatch.setattr(drafter, "run", lambda t, s, f, *a, **k: fed.append((s, f)) or run(t, s, f, *a, **k))
     llm.generate({"prompt_token_ids": SYSTEM + [8, 9]}, params)
     starts, feeds = fed[0]  # the first catch-up of the second request: its prompt after the prefix, and the
     assert starts == [len(SYSTEM)] and feeds[0][:2] == [8, 9] and len(feeds[0]) == 3  # token prefill sampled

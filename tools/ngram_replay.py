@@ -20,7 +20,8 @@ from pathlib import Path
 
 from specdec import LLM, SamplingParams
 from specdec.bench import encode_prompts, load_questions, prompts_path
-from specdec.drafting import DraftRequest, NgramDrafter
+from specdec.drafting import DraftRequest
+from specdec.drafting.ngram import NgramDrafter
 
 
 def record(rows: slice, max_tokens: int, cache: Path) -> list[dict]:
@@ -72,7 +73,7 @@ def replay(records: list[dict], match: str, k: int, row_cost: float | list[float
         drafter = NgramDrafter(k, match=match, branches=branches)
         committed, t = list(prompt), 0
         while t < len(output):
-            draft = drafter.propose([DraftRequest(0, committed, 0, k, None)])
+            draft = drafter.propose([DraftRequest(0, committed, 0, k)])
             n = draft.num_nodes()[0]
             tokens = draft.tokens[0, :n].tolist()
             kept = max((accepted(c, output, t) for c in chains(tokens, draft.parents[0, :n].tolist())), default=0)

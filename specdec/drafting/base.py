@@ -7,31 +7,74 @@ Each step the engine tells the drafter what was committed since its last call an
     probs   [B, N, V]      the distribution q each token was drawn from, or None for deterministic
                            proposals (n-gram, greedy), which verification treats as q = one-hot
 
-A chain is a tree, so trees need no second code path. Adding a method means adding one file here.
+A chain is a tree, so trees need no second code path.
+
+What a drafter sees is plain data, never the engine: per step a `DraftRequest` for each sequence, and once,
+when its method builds it, a `DraftEnv` with the target model, the shared block geometry and `inputs`, the
+one way to lay tokens out over the paged cache. Adding a method means adding one file here that defines
+its options dataclass and its Drafter and registers them (`specdec.config.register_method`).
 """
 from __future__ import annotations
 
 from abc import ABC, abstractmethod
+from collections.abc import Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING
+from typing import Any, ClassVar
 
 import torch
 
-if TYPE_CHECKING:  # engine objects are only passed through; drafting never imports the engine
-    from specdec.engine.sequence import Sequence
+from specdec.config import ModelConfig, SamplingParams, SpecdecError
+from specdec.kv_cache import KVPool
+from specdec.models.attention import AttentionMetadata
+from specdec.models.llama import LlamaModel
+from specdec.tree import PAD, ROOT, TreeFeed
 
-ROOT, PAD = -1, -2
+# inputs(tables, starts, feeds, trees) -> tokens [T], positions [T], metadata: feed feeds[i] into the slots
+# starts[i].. of the sequence owning KV blocks tables[i], causally or in the layout trees[i] (see TreeFeed).
+Inputs = Callable[[list[list[int]], list[int], list[list[int]], "list[TreeFeed | None] | None"],
+                  tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
+
+
+@dataclass
+class DraftEnv:
+    """What the engine lends a drafting method when it is built: the frozen target (its config, embedding,
+    final norm, LM head, and first layers for self-speculation) with its KV pool, the tokenizer, the
+    geometry of the KV blocks every model shares, and `inputs`."""
+
+    target: LlamaModel
+    target_kv: KVPool
+    tokenizer: Any
+    num_blocks: int
+    block_size: int
+    inputs: Inputs
+
+    def kv_pool(self, config: ModelConfig, dtype: torch.dtype) -> KVPool:
+        """A KV pool of the drafter's own over the shared blocks, addressed by the target's block tables, so
+        blocks are reserved, rewound and freed for both at once."""
+        return KVPool(config, self.num_blocks, self.block_size, dtype, self.target.device)
+
+    def run(self, model: LlamaModel, kv: KVPool, tables: list[list[int]], starts: list[int],
+            feeds: list[list[int]], trees: list[TreeFeed | None] | None = None,
+            num_layers: int | None = None) -> torch.Tensor:
+        """Feed a Llama-family model (a draft LM, or the target's first layers); hidden states [T, H]."""
+        tokens, positions, meta = self.inputs(tables, starts, feeds, trees)
+        return model(tokens, positions, meta, kv, num_layers=num_layers)[0]
 
 
 @dataclass
 class DraftRequest:
-    """What one sequence's drafter sees this step."""
+    """What one sequence's drafter sees this step: plain values, copied or read-only."""
 
     seq_id: int
     token_ids: list[int]  # the whole committed sequence (prompt + output)
     num_new: int  # how many of its last tokens were committed since the drafter's last call
     max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
-    seq: "Sequence"  # block table, sampling params and generator, for drafters that run a model
+    params: SamplingParams | None = None  # the request's sampling (drafters that sample use its temperature...)
+    generator: torch.Generator | None = None  # its seeded generator, if any
+    block_table: list[int] | None = None  # its KV blocks, in order: slot of position p = table[p // bs] * bs + p % bs
+    num_cached: int = 0  # leading tokens whose target K/V are in the cache
+    num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at admission (draft K/V came too)
+    epoch: int = 0  # bumps when the sequence is preempted: every K/V of it, drafts' included, is gone
     tree: tuple[tuple[int, ...], ...] | None = None  # the static tree asked for (choice list); None: a chain
     dynamic: tuple[int, int, int] | None = None  # or an EAGLE-2 dynamic tree: (topk, num_steps, num_draft_tokens)
     max_depth: int | None = None  # the deepest draft worth verifying (tokens the request may still emit - 1)
@@ -74,8 +117,6 @@ class Draft:
 
     def validate(self, batch_size: int, vocab_size: int) -> None:
         """Refuse a malformed draft (e.g. from a user's drafter) with a message naming what is wrong."""
-        from specdec.config import SpecdecError
-
         t, p = self.tokens, self.parents
         if not isinstance(t, torch.Tensor) or not isinstance(p, torch.Tensor):
             raise SpecdecError("a Draft's tokens and parents must be torch tensors")
@@ -99,6 +140,19 @@ class Draft:
         return (self.parents != PAD).sum(1).tolist()
 
 
+@dataclass
+class HeadOptions:
+    """The keys of every draft-head method: the head's directory."""
+
+    model: str | None = None
+    method: ClassVar[str] = "a draft"
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise SpecdecError(f"method {self.method!r} needs 'model': the directory of a {self.method} head "
+                               "(config.json + model.safetensors)")
+
+
 class Drafter(ABC):
     """Proposes draft tokens; never decides what is emitted (verification does)."""
 
@@ -111,8 +165,8 @@ class Drafter(ABC):
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: drop any state kept for it."""
 
-    def cached_prefix(self, seq: "Sequence") -> int | None:
-        """How many leading tokens of `seq` have final K/V in this drafter's own pool over the shared blocks;
-        None when it keeps none there. Blocks enter the prefix cache only where target and draft both hold
-        them, so a later request that reuses them finds the draft's K/V too."""
+    def cached_prefix(self, request: DraftRequest) -> int | None:
+        """How many leading tokens of the request's sequence have final K/V in this drafter's own pool over the
+        shared blocks; None when it keeps none there. Blocks enter the prefix cache only where target and
+        draft both hold them, so a later request that reuses them finds the draft's K/V too."""
         return None

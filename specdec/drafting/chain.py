@@ -15,7 +15,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.kv_cache import KVPool
+from specdec.models.llama import LlamaModel
 from specdec.sampling import SamplingTensors, logits_to_probs, sample_from_probs
 
 
@@ -37,34 +39,37 @@ class DraftCache:
 
 
 class ChainDrafter(Drafter):
-    """runner: a ModelRunner over the draft model and its KV pool; num_layers: early exit (layer skip);
+    """model, kv: the draft model and its KV pool over the shared blocks; num_layers: early exit (layer skip);
     shares_target_cache: the draft layers are the target's, whose KV for committed tokens is already valid."""
 
-    def __init__(self, runner, num_speculative_tokens: int, num_layers: int | None = None,
-                 shares_target_cache: bool = False) -> None:
-        self.runner, self.k, self.num_layers = runner, num_speculative_tokens, num_layers
-        self.shares_target_cache = shares_target_cache
+    def __init__(self, env: DraftEnv, model: LlamaModel, kv: KVPool, num_speculative_tokens: int,
+                 num_layers: int | None = None, shares_target_cache: bool = False) -> None:
+        self.env, self.model, self.kv = env, model, kv
+        self.k, self.num_layers, self.shares_target_cache = num_speculative_tokens, num_layers, shares_target_cache
         self.caches: dict[int, DraftCache] = {}
 
+    def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]], trees=None) -> torch.Tensor:
+        """Feed the draft model; hidden states of every fed token [T, H]."""
+        return self.env.run(self.model, self.kv, tables, starts, feeds, trees, self.num_layers)
+
     def propose(self, requests: list[DraftRequest]) -> Draft:
-        seqs = [r.seq for r in requests]
-        st = SamplingTensors.from_params([s.params for s in seqs], [s.generator for s in seqs], self.runner.device)
-        tables = [s.block_table.blocks for s in seqs]
+        st = SamplingTensors.from_requests(requests, self.model.device)
+        tables = [r.block_table for r in requests]
         starts = [self._cached(r) for r in requests]
         feeds = [r.token_ids[start:] for r, start in zip(requests, starts)]
         steps = max(r.max_tokens for r in requests)
         tokens, probs = [], []
         for step in range(steps):
-            hidden = self.runner.run(tables, starts, feeds, self.num_layers)
+            hidden = self.run(tables, starts, feeds)
             last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
-            tok, q = self._sample(self.runner.model.compute_logits(hidden[last]), st)
+            tok, q = self._sample(self.model.compute_logits(hidden[last]), st)
             tokens.append(tok)
             probs.append(q)
             starts = [start + len(f) for start, f in zip(starts, feeds)]
             feeds = [[t] for t in tok.tolist()]
         for i, r in enumerate(requests):  # K/V was written for every drafted token but the last
             drafted = [int(t[i]) for t in tokens[:-1]]
-            self.caches[r.seq_id] = DraftCache(r.seq.num_preemptions, r.token_ids + drafted, len(r.token_ids))
+            self.caches[r.seq_id] = DraftCache(r.epoch, r.token_ids + drafted, len(r.token_ids))
         if not tokens:
             return Draft.chains([[] for _ in requests])
         draft = Draft.chains(torch.stack(tokens, 1).tolist())
@@ -74,15 +79,15 @@ class ChainDrafter(Drafter):
     def _cached(self, r: DraftRequest) -> int:
         """How many leading tokens of the sequence already have valid K/V in the draft cache."""
         if self.shares_target_cache:
-            return r.seq.num_cached  # the target wrote these layers' K/V for every committed token
-        return min(self.cached_prefix(r.seq), len(r.token_ids) - 1)
+            return r.num_cached  # the target wrote these layers' K/V for every committed token
+        return min(self.cached_prefix(r), len(r.token_ids) - 1)
 
-    def cached_prefix(self, seq) -> int | None:
+    def cached_prefix(self, request: DraftRequest) -> int | None:
         if self.shares_target_cache:
             return None  # the target's own K/V
-        cache = self.caches.get(seq.seq_id, DraftCache())
+        cache = self.caches.get(request.seq_id, DraftCache())
         # Blocks reused from the prefix cache came with the draft's K/V (they were cached where both held them).
-        return max(cache.valid_prefix(seq.token_ids, seq.num_preemptions), seq.num_prefix_hit)
+        return max(cache.valid_prefix(request.token_ids, request.epoch), request.num_prefix_hit)
 
     @staticmethod
     def _sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:

@@ -1,12 +1,25 @@
-"""Draft/target speculation: a small LM with the target's tokenizer drafts k tokens autoregressively.
+"""Draft/target speculation (`draft_model`): a small LM with the target's tokenizer drafts chains, static
+trees or EAGLE-2 dynamic trees.
 
 Its K/V live in a pool of its own, addressed by the target's block tables, so blocks are reserved,
 rewound and freed for both models at once.
 """
 from __future__ import annotations
 
-from specdec.config import SpecdecError
+from dataclasses import dataclass
+
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import DraftEnv
 from specdec.drafting.tree_draft import TreeDrafter
+
+
+@dataclass
+class DraftModelOptions:
+    model: str | None = None  # the draft LM: alias, Hugging Face directory or .gguf
+
+    def __post_init__(self) -> None:
+        if not self.model:
+            raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
 
 
 def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_size: int,
@@ -20,5 +33,16 @@ def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_s
                            "but a different tokenizer; the draft must use the target's tokenizer")
 
 
+@register_method("draft_model", DraftModelOptions, trees=True, dynamic_trees=True)
 class DraftModelDrafter(TreeDrafter):
-    """Chains or static trees from a draft LM with its own KV pool (built by the engine: see `build_drafter`)."""
+    """Chains or trees from a draft LM with its own KV pool."""
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "DraftModelDrafter":
+        from specdec.models.loader import load_model, load_tokenizer
+
+        name, target = cfg.options.model, env.target
+        draft, src = load_model(name, target.dtype, target.device)
+        check_same_vocabulary(name, draft.config.vocab_size, target.config.vocab_size, load_tokenizer(src),
+                              env.tokenizer)
+        return cls(env, draft, env.kv_pool(draft.config, draft.act_dtype), cfg.num_speculative_tokens)

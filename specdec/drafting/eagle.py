@@ -18,22 +18,48 @@ head's argmax (q = one-hot), which verification handles losslessly at any temper
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from specdec.drafting.base import Draft, DraftRequest, Drafter
-from specdec.drafting.tree_draft import grow_static_tree, tree_shape
-from specdec.kv_cache import KVPool
-from specdec.tree import TreeFeed
+from specdec.config import SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
+from specdec.drafting.tree_draft import grow_static_tree
+from specdec.models.eagle import EagleHead
+from specdec.models.eagle3 import Eagle3Head
+from specdec.tree import TreeFeed, tree_shape
 
 
+@dataclass
+class Eagle3Options(HeadOptions):
+    method: ClassVar[str] = "eagle3"
+
+
+@dataclass
+class EagleOptions(HeadOptions):
+    method: ClassVar[str] = "eagle"
+
+
+@dataclass
+class MtpOptions(HeadOptions):
+    method: ClassVar[str] = "mtp"
+
+
+@register_method("mtp", MtpOptions, trees=True, head=EagleHead)
+@register_method("eagle", EagleOptions, trees=True, head=EagleHead)
+@register_method("eagle3", Eagle3Options, trees=True, head=Eagle3Head)
 class EagleDrafter(Drafter):
-    def __init__(self, head, target_runner, num_speculative_tokens: int) -> None:
-        self.head, self.k, self.runner = head, num_speculative_tokens, target_runner
-        self.embed = target_runner.model.embed
-        alloc = target_runner.allocator
-        self.kv = KVPool(head.config, alloc.num_blocks, alloc.block_size, torch.float32, head.device)
+    def __init__(self, head, env: DraftEnv, num_speculative_tokens: int) -> None:
+        self.head, self.k, self.env = head, num_speculative_tokens, env
+        self.embed = env.target.embed
+        self.kv = env.kv_pool(head.config, torch.float32)
         self.feature_layers = head.aux_layers
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "EagleDrafter":
+        head = cfg.info.head.load_for(cfg.method, cfg.options.model, env.target)
+        return cls(head, env, cfg.num_speculative_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
@@ -49,13 +75,13 @@ class EagleDrafter(Drafter):
         last row, from which the first draft tokens come, [B, H]."""
         starts = [r.features_start for r in reqs]
         feeds = [r.token_ids[s + 1:s + 1 + len(r.features)] for r, s in zip(reqs, starts)]
-        out = self._run([r.seq.block_table.blocks for r in reqs], starts, feeds,
+        out = self._run([r.block_table for r in reqs], starts, feeds,
                         features=torch.cat([r.features for r in reqs]))
         return out[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
 
     def _chain(self, requests: list[DraftRequest], active: list[int], hidden: torch.Tensor) -> Draft:
         reqs = [requests[i] for i in active]
-        tables = [r.seq.block_table.blocks for r in reqs]
+        tables = [r.block_table for r in reqs]
         first_row = [len(r.token_ids) - 1 for r in reqs]  # the first draft token's row: right after the features
         budget = [min(self.k, r.max_tokens) for r in reqs]
         chains = [[t] for t in self._next(hidden).tolist()]
@@ -89,7 +115,7 @@ class EagleDrafter(Drafter):
             hidden = torch.stack([root[slot[i]] if shape.parents[n] < 0 else outputs[(i, shape.parents[n])]
                                   for i in batch for n in rows[i]])
             trees = [TreeFeed.level(shape.parents[:sizes[i]], rows[i]) for i in batch]
-            out = self._run([reqs[i].seq.block_table.blocks for i in batch], [len(reqs[i].token_ids) - 1 for i in batch],
+            out = self._run([reqs[i].block_table for i in batch], [len(reqs[i].token_ids) - 1 for i in batch],
                             [tokens[i, rows[i]].tolist() for i in batch], hidden=hidden, trees=trees)
             j = 0
             for i in batch:
@@ -101,7 +127,7 @@ class EagleDrafter(Drafter):
         return grow_static_tree(shape, reqs, root_logits, expand)
 
     def _run(self, tables, starts, feeds, features=None, hidden=None, trees=None) -> torch.Tensor:
-        tokens, positions, meta = self.runner.build(tables, starts, feeds, trees)
+        tokens, positions, meta = self.env.inputs(tables, starts, feeds, trees)
         return self.head(self.embed(tokens), positions, meta, self.kv, features=features, hidden=hidden)
 
     def _next(self, out: torch.Tensor) -> torch.Tensor:

@@ -13,18 +13,26 @@ handles losslessly at any temperature.
 from __future__ import annotations
 
 import dataclasses
+from dataclasses import dataclass
+from typing import ClassVar
 
 import torch
 
-from specdec.config import SpecdecError, SpeculativeConfig
-from specdec.drafting.base import Draft, DraftRequest, Drafter
-from specdec.drafting.tree_draft import grow_static_tree, tree_shape
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
+from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.medusa import MedusaHeads
+from specdec.tree import tree_shape
+
+
+@dataclass
+class MedusaOptions(HeadOptions):
+    method: ClassVar[str] = "medusa"
 
 
 def check_depth(cfg: SpeculativeConfig, num_heads: int, where: str) -> None:
     """Head i drafts depth i + 1 only: refuse chains or trees (default and dispatch shapes) deeper than that."""
-    for shape in [cfg.shape, *dict(cfg.dispatch_table).values()]:
+    for shape in cfg.shapes():
         if shape.tree is not None:
             depth = max(map(len, shape.tree))
             what = f"the tree {shape} is {depth} deep"
@@ -38,11 +46,19 @@ def check_depth(cfg: SpeculativeConfig, num_heads: int, where: str) -> None:
                                f"i + 1): draft at most {num_heads} deep")
 
 
+@register_method("medusa", MedusaOptions, trees=True, head=MedusaHeads)
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, target_runner, num_speculative_tokens: int) -> None:
+    def __init__(self, heads: MedusaHeads, target, num_speculative_tokens: int) -> None:
+        """target: the model the heads draft for (its final norm is applied to its last layer's output)."""
         self.heads, self.k = heads, num_speculative_tokens
-        self.norm = target_runner.model.norm
-        self.feature_layers = (target_runner.model.config.num_hidden_layers - 1,)  # the last layer, pre-norm
+        self.norm = target.norm
+        self.feature_layers = (target.config.num_hidden_layers - 1,)  # the last layer, pre-norm
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "MedusaDrafter":
+        heads = MedusaHeads.load_for(cfg.method, cfg.options.model, env.target)
+        check_depth(cfg, heads.num_heads, cfg.options.model)
+        return cls(heads, env.target, cfg.num_speculative_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]

@@ -23,11 +23,38 @@ prompt_lookup_max match drafts k; "fixed" always drafts k (vLLM's behaviour).
 from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
+from dataclasses import dataclass
 
-from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
 MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
+
+
+@dataclass
+class NgramOptions:
+    prompt_lookup_min: int = 1  # shortest n-gram looked up
+    prompt_lookup_max: int = 4  # longest n-gram looked up (tried first)
+    ngram_match: str = "frequent"  # follow the continuation most occurrences agree on, the "latest" or "oldest"
+    ngram_pool: str = "request"  # look up in the request's own text, or "shared" across requests
+    ngram_draft_length: str = "adaptive"  # "adaptive" (by match length, up to k) or "fixed" (always k)
+    ngram_branches: int = 1  # continuations with different first tokens, drafted as a tree (k nodes in all)
+
+    def __post_init__(self) -> None:
+        lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
+        if not all(isinstance(n, int) and not isinstance(n, bool) for n in (lo, hi)) or not 1 <= lo <= hi:
+            raise SpecdecError(f"invalid prompt_lookup_min={lo!r} / prompt_lookup_max={hi!r}: need integers "
+                               "with 1 <= min <= max")
+        if self.ngram_match not in ("latest", "oldest", "frequent"):
+            raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest', 'oldest' or 'frequent'")
+        if self.ngram_pool not in ("request", "shared"):
+            raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
+        b = self.ngram_branches
+        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 8:
+            raise SpecdecError(f"invalid ngram_branches={b!r}: must be an integer in [1, 8]")
+        if self.ngram_draft_length not in ("adaptive", "fixed"):
+            raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
 
 
 class NgramIndex:
@@ -102,7 +129,14 @@ class NgramIndex:
         self.indexed.pop(text_id, None)
 
 
+@register_method("ngram", NgramOptions)
 class NgramDrafter(Drafter):
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "NgramDrafter":
+        o = cfg.options
+        return cls(cfg.num_speculative_tokens, o.prompt_lookup_min, o.prompt_lookup_max, o.ngram_match, o.ngram_pool,
+                   adaptive=o.ngram_draft_length == "adaptive", branches=o.ngram_branches)
+
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  match: str = "frequent", pool: str = "request", adaptive: bool = True, branches: int = 1) -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max

@@ -10,31 +10,11 @@ verification overwrites) and are not kept: the next catch-up feeds the accepted 
 """
 from __future__ import annotations
 
-import functools
-
 import torch
 
-from specdec.drafting.base import PAD, ROOT, Draft, DraftRequest
+from specdec.drafting.base import Draft, DraftRequest
 from specdec.drafting.chain import ChainDrafter, DraftCache
-from specdec.tree import TreeFeed, expand_step, select_dynamic_tree, tree_from_choices
-
-
-@functools.lru_cache(maxsize=64)
-def tree_shape(choices: tuple[tuple[int, ...], ...]) -> "TreeShape":
-    """The prepared form of a static tree (shared by every drafter; a step asks for it by its choices)."""
-    return TreeShape(choices)
-
-
-class TreeShape:
-    """A static tree prepared for drafting: parents, ranks and the nodes of each level."""
-
-    def __init__(self, choices: tuple[tuple[int, ...], ...]) -> None:
-        tree = tree_from_choices(choices)
-        self.tensor_parents = tree.parents
-        self.parents, self.ranks = tree.parents.tolist(), tree.ranks.tolist()
-        self.width = max(self.ranks) + 1
-        depth = tree.depths.tolist()
-        self.levels = [[n for n, d in enumerate(depth) if d == level] for level in range(1, max(depth) + 1)]
+from specdec.tree import PAD, ROOT, TreeFeed, TreeShape, expand_step, select_dynamic_tree, tree_shape
 
 
 def grow_static_tree(shape: TreeShape, requests: list[DraftRequest], root_logits, expand) -> Draft:
@@ -77,12 +57,9 @@ def grow_static_tree(shape: TreeShape, requests: list[DraftRequest], root_logits
 
 class TreeDrafter(ChainDrafter):
     """A ChainDrafter that drafts the static tree a request asks for (`DraftRequest.tree`), all requests of
-    a step sharing one shape; chains when none is asked for. One drafter (and one draft cache) serves
-    every shape, so the tree dispatcher can switch shapes from step to step."""
-
-    def __init__(self, runner, num_speculative_tokens: int, num_layers: int | None = None,
-                 shares_target_cache: bool = False) -> None:
-        super().__init__(runner, num_speculative_tokens, num_layers, shares_target_cache)
+    a step sharing one shape; chains when none is asked for; EAGLE-2 dynamic trees (`DraftRequest.dynamic`).
+    One drafter (and one draft cache) serves every shape, so the tree dispatcher can switch shapes from step
+    to step."""
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         if requests and requests[0].dynamic is not None:
@@ -90,13 +67,13 @@ class TreeDrafter(ChainDrafter):
         if not requests or requests[0].tree is None:
             return super().propose(requests)
         shape = tree_shape(requests[0].tree)
-        tables = [r.seq.block_table.blocks for r in requests]
+        tables = [r.block_table for r in requests]
 
         def expand(batch: list[int], rows: list[list[int]], tokens: torch.Tensor, sizes: list[int]) -> torch.Tensor:
             trees = [TreeFeed.level(shape.parents[:sizes[i]], rows[i]) for i in batch]
-            hidden = self.runner.run([tables[i] for i in batch], [len(requests[i].token_ids) for i in batch],
-                                     [tokens[i, rows[i]].tolist() for i in batch], self.num_layers, trees)
-            return self.runner.model.compute_logits(hidden)
+            hidden = self.run([tables[i] for i in batch], [len(requests[i].token_ids) for i in batch],
+                              [tokens[i, rows[i]].tolist() for i in batch], trees)
+            return self.model.compute_logits(hidden)
 
         return grow_static_tree(shape, requests, lambda: self._catch_up(requests), expand)
 
@@ -104,12 +81,11 @@ class TreeDrafter(ChainDrafter):
         """Feed what the draft cache lacks up to the last committed token; the draft's logits there [B, V].
         The cache then holds committed tokens only: node K/V written later are not on the sequence's path."""
         starts = [self._cached(r) for r in requests]
-        hidden = self.runner.run([r.seq.block_table.blocks for r in requests], starts,
-                                 [r.token_ids[s:] for r, s in zip(requests, starts)], self.num_layers)
+        hidden = self.run([r.block_table for r in requests], starts, [r.token_ids[s:] for r, s in zip(requests, starts)])
         last = torch.tensor([len(r.token_ids) - s for r, s in zip(requests, starts)], device=hidden.device).cumsum(0) - 1
         for r in requests:
-            self.caches[r.seq_id] = DraftCache(r.seq.num_preemptions, list(r.token_ids), len(r.token_ids))
-        return self.runner.model.compute_logits(hidden[last])
+            self.caches[r.seq_id] = DraftCache(r.epoch, list(r.token_ids), len(r.token_ids))
+        return self.model.compute_logits(hidden[last])
 
     def _propose_dynamic(self, requests: list[DraftRequest], topk: int, num_steps: int, num_draft_tokens: int
                          ) -> Draft:
@@ -124,7 +100,7 @@ class TreeDrafter(ChainDrafter):
         depth = [torch.ones(B, topk, dtype=torch.long)]
         frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
         fed: list[torch.Tensor] = []  # candidate index of every expanded node, in slot order, [B] each
-        tables = [r.seq.block_table.blocks for r in requests]
+        tables = [r.block_table for r in requests]
         for _ in range(num_steps - 1):
             all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
             fed += list(frontier.T)
@@ -139,9 +115,9 @@ class TreeDrafter(ChainDrafter):
                         node = int(all_parents[i, node])
                 rows = frontier[i].tolist()
                 feeds.append(TreeFeed([slot_of[n] for n in rows], (all_depth[i, rows] - 1).tolist(), visible))
-            hidden = self.runner.run(tables, [len(r.token_ids) for r in requests],
-                                     [all_tokens[i, frontier[i]].tolist() for i in range(B)], self.num_layers, feeds)
-            child = torch.log_softmax(self.runner.model.compute_logits(hidden).float(), -1).cpu().topk(topk)
+            hidden = self.run(tables, [len(r.token_ids) for r in requests],
+                              [all_tokens[i, frontier[i]].tolist() for i in range(B)], feeds)
+            child = torch.log_softmax(self.model.compute_logits(hidden).float(), -1).cpu().topk(topk)
             child_tokens, child_logp = child.indices.view(B, topk, topk), child.values.view(B, topk, topk)
             step = expand_step(frontier, frontier_scores, child_tokens, child_logp, topk)
             base = all_tokens.shape[1]

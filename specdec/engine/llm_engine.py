@@ -3,19 +3,22 @@ from __future__ import annotations
 
 import itertools
 import time
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
+from contextlib import contextmanager
 from dataclasses import dataclass, field
 
 import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
-from specdec.drafting import build_drafter
+from specdec.drafting import DraftEnv, build_drafter
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.scheduler import Scheduler
+from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
-from specdec.engine.speculator import Speculator
+from specdec.engine.speculator import Speculator, draft_request
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
+from specdec.sampling import SamplingTensors, sample
+from specdec.tree import SpecShape
 
 
 @dataclass
@@ -80,12 +83,13 @@ class LLMEngine:
         self.kv = KVPool(mcfg, num_blocks, bs, model.act_dtype, model.device)
         lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
-        self.runner = ModelRunner(model, self.kv, self.allocator)
-        self.speculator = Speculator(build_drafter(speculative, self.runner, tokenizer), self.runner,
-                                     speculative) if speculative else None
-        if self.speculator is not None:
-            self.runner.feature_layers = tuple(getattr(self.speculator.drafter, "feature_layers", ()))
-        if self.runner.feature_layers:
+        self.runner = ModelRunner(model, self.kv, bs)
+        self.speculator = None
+        if speculative is not None:
+            env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs)
+            self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative)
+        self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
+        if self.feature_layers:
             # A feature drafter (EAGLE) reads the target's hidden states of every token it is re-aligned from;
             # a prefix-cache hit skips computing them, so such engines do not cache prefixes.
             self.allocator.enable_prefix_caching = False
@@ -151,19 +155,60 @@ class LLMEngine:
         if batch is None:
             return []
         if self.speculator is not None and not batch.is_prefill:
-            produced = self.speculator.step(batch.seqs)
+            outputs = self.speculator.step(batch.seqs)
         else:
-            produced = [None if t is None else [t] for t in self.runner.step(batch)]
+            outputs = self._forward(batch)
+        self.scheduler.update(batch, outputs)
         events = []
-        for seq, tokens in zip(batch.seqs, produced):
-            if tokens is None:
+        for seq, out in zip(batch.seqs, outputs):
+            if out.tokens is None:
                 continue
             seq.num_steps += 1
-            events.append((seq, self._commit(seq, tokens)))
+            events.append((seq, self._commit(seq, out.tokens)))
         for seq in batch.seqs:
             if not seq.is_finished:
                 self._register_prefix(seq)
         return events
+
+    def _forward(self, batch: ScheduledBatch) -> list[StepOutput]:
+        """A step without drafts (a prefill chunk, or plain decoding): feed the scheduled tokens, and sample
+        the next token of every sequence whose input is then fully cached."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
+                                           [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, counts)],
+                                           feature_layers=self.feature_layers)
+        ends = torch.tensor(counts).cumsum(0)
+        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
+        tokens: list[list[int] | None] = [None] * len(seqs)
+        if ready:
+            logits = self.model.compute_logits(hidden[(ends[ready] - 1).to(hidden.device)])
+            st = SamplingTensors.from_requests([seqs[i] for i in ready], self.model.device)
+            for i, token in zip(ready, sample(logits, st).tolist()):
+                tokens[i] = [token]
+        starts = (ends - torch.tensor(counts)).tolist()
+        return [StepOutput(n, t, None if features is None else features[start:start + n])
+                for n, t, start in zip(counts, tokens, starts)]
+
+    # -- control for measuring tools (`specdec tune`) ---------------------------------------------------
+    def pin_draft_shape(self, shape: SpecShape | None) -> None:
+        """Draft this shape at every step, whatever the batch size (None: back to the dispatcher)."""
+        if self.speculator is None:
+            raise SpecdecError("this engine does not speculate: there is no draft shape to pin")
+        if shape is not None and shape.num_slots > self.scheduler.lookahead:
+            raise SpecdecError(f"draft shape {shape} needs {shape.num_slots} slots per step; this engine reserves "
+                               f"{self.scheduler.lookahead} (its speculative config's largest shape)")
+        self.speculator.pinned = shape
+
+    @contextmanager
+    def trace_speculation(self) -> Iterator[list[tuple[list[int], int]]]:
+        """Within the block, every verification appends (accepted node indices, nodes drafted) per sequence."""
+        if self.speculator is None:
+            raise SpecdecError("this engine does not speculate: there is nothing to trace")
+        self.speculator.trace = trace = []
+        try:
+            yield trace
+        finally:
+            self.speculator.trace = None
 
     def _register_prefix(self, seq: Sequence) -> None:
         """Offer the sequence's full blocks to the prefix cache, up to where both the target's K/V and the
@@ -172,7 +217,7 @@ class LLMEngine:
             return
         n = min(seq.num_cached, len(seq.token_ids))
         if self.speculator is not None:
-            drafted = self.speculator.drafter.cached_prefix(seq)
+            drafted = self.speculator.drafter.cached_prefix(draft_request(seq))
             n = n if drafted is None else min(n, drafted)
         self.allocator.register(seq.block_table, seq.token_ids, n)
 

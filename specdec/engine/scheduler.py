@@ -1,5 +1,9 @@
 """CPU bookkeeping: which sequences run this step, with how many tokens, and in which KV blocks.
 
+Every block-allocator call and every change to a sequence's cache state (`num_cached`, its block table,
+the target features waiting for its drafter) happens here: `schedule` reserves the slots a step may
+write, the step reports what it kept (`StepOutput`), and `update` applies it.
+
 A step is either a prefill step (new or preempted sequences feed their uncached tokens, chunked by a
 token budget) or a decode step (every running sequence feeds its last token, plus up to `lookahead`
 draft tokens whose slots are reserved here). While both kinds of work wait, prefill and decode steps
@@ -13,6 +17,8 @@ from __future__ import annotations
 from collections import deque
 from dataclasses import dataclass
 
+import torch
+
 from specdec.config import EngineConfig
 from specdec.engine.sequence import Sequence, Status
 from specdec.kv_cache import BlockAllocator
@@ -23,6 +29,15 @@ class ScheduledBatch:
     seqs: list[Sequence]
     num_new_tokens: list[int]  # tokens each sequence feeds this step
     is_prefill: bool
+
+
+@dataclass
+class StepOutput:
+    """What one sequence keeps from a step."""
+
+    num_cached: int  # fed tokens whose K/V are now final, in order from the old num_cached
+    tokens: list[int] | None  # tokens it emits (None: a prefill chunk short of the prompt's end)
+    features: torch.Tensor | None = None  # the target features of those cached tokens [num_cached, F]
 
 
 class Scheduler:
@@ -103,6 +118,15 @@ class Scheduler:
             raise RuntimeError(f"request {seq.seq_id} needs more KV blocks than the cache holds "
                                f"({len(seq.token_ids)} tokens, {self.allocator.num_free} blocks free)")
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
+
+    def update(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> None:
+        """Apply a step: the kept tokens are cached, slots reserved past them go back to the pool, and their
+        target features wait for the drafter."""
+        for seq, out in zip(batch.seqs, outputs):
+            seq.num_cached += out.num_cached
+            self.allocator.truncate(seq.block_table, seq.num_cached)
+            if out.features is not None:
+                seq.pending_features.append(out.features)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it to be recomputed from its tokens."""

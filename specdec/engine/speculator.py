@@ -5,19 +5,21 @@
     after verification:     the K/V of `last` and the a accepted drafts stay; the cache is rewound past them
 
 A tree is fed the same way, one row per node, with the tree mask and per-depth positions (see
-model_runner). Bookkeeping is a rewind: accepted tokens of a chain are already in place, so nothing is
-copied; for a tree the accepted path is first moved down to consecutive slots.
+model_runner). The step returns what each sequence keeps and the scheduler applies it (a rewind:
+accepted tokens of a chain are already in place, so nothing is copied; for a tree the accepted path is
+first moved down to consecutive slots here).
 """
 from __future__ import annotations
 
 import torch
 
-from specdec.config import SpecShape, SpeculativeConfig
-from specdec.drafting.base import PAD, Draft, DraftRequest, Drafter
+from specdec.config import SpeculativeConfig
+from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
+from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.sampling import SamplingTensors, logits_to_probs, sample
-from specdec.tree import TreeFeed
+from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy
 
 
@@ -34,10 +36,21 @@ def plain_result(tokens: torch.Tensor) -> VerifyResult:
     return VerifyResult([[] for _ in range(B)], [[t] for t in tokens.tolist()], zeros, zeros - 1, tokens)
 
 
+def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None) -> DraftRequest:
+    """What a drafter sees of a sequence: plain values (the token and block lists are the sequence's own,
+    read-only)."""
+    return DraftRequest(seq.seq_id, seq.token_ids, seq.num_uncached, max_tokens, seq.params, seq.generator,
+                        seq.block_table.blocks, seq.num_cached, seq.num_prefix_hit, seq.num_preemptions,
+                        shape.tree if shape else None, shape.dynamic if shape else None,
+                        seq.params.max_tokens - len(seq.output_token_ids) - 1)
+
+
 class Speculator:
     def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig) -> None:
         self.drafter, self.runner, self.cfg = drafter, runner, cfg
-        self.history: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per step
+        self.feature_layers = tuple(drafter.feature_layers)
+        self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
+        self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
 
     @staticmethod
@@ -69,13 +82,13 @@ class Speculator:
             spec.paused = spec.backoff
             spec.recent_acceptance = 1.2 * PAUSE_ACCEPTANCE  # a failed probe pauses again, a hit resumes
 
-    def step(self, seqs: list[Sequence]) -> list[list[int]]:
-        """Tokens each sequence emits this step (accepted drafts, then the recovered or bonus token).
-        The draft shape (chain, tree or none) follows the batch size through the tree dispatcher."""
-        shape = self.cfg.shape_for(len(seqs))
-        requests = [DraftRequest(s.seq_id, s.token_ids, s.num_uncached, self.draft_budget(s, shape), s, shape.tree,
-                                 shape.dynamic, s.params.max_tokens - len(s.output_token_ids) - 1) for s in seqs]
-        if shape.k and self.runner.feature_layers:  # hand over the target features gathered since the last draft
+    def step(self, seqs: list[Sequence]) -> list[StepOutput]:
+        """What each sequence keeps this step: the last token and the accepted drafts are cached, and it emits
+        the accepted drafts, then the recovered or bonus token. The draft shape (chain, tree or none) follows
+        the batch size through the tree dispatcher."""
+        shape = self.pinned if self.pinned is not None else self.cfg.shape_for(len(seqs))
+        requests = [draft_request(s, self.draft_budget(s, shape), shape) for s in seqs]
+        if shape.k and self.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
@@ -86,29 +99,27 @@ class Speculator:
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
         parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
-        hidden = self.runner.forward_rows(seqs, [1 + n for n in counts], extra_tokens=drafted,
-                                          trees=trees if any(t is not None for t in trees) else None)
+        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
+                                           [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
+                                           trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
         result = self._verify(seqs, draft, counts, logits)
-        emitted = []
+        outputs = []
         row = 0
         for i, seq in enumerate(seqs):
-            accepted = int(result.num_accepted[i])
-            if self.runner.features is not None:  # the last token's and the accepted nodes' features
-                kept = [row] + [row + 1 + node for node in result.accepted_nodes[i]]
-                seq.pending_features.append(self.runner.features[kept])
+            nodes = result.accepted_nodes[i]
+            kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
             row += 1 + counts[i]
             if trees[i] is not None:
-                self.runner.compact(seq, result.accepted_nodes[i])
-            seq.num_cached += 1 + accepted
-            self.runner.allocator.truncate(seq.block_table, seq.num_cached)
-            seq.spec.record(counts[i], accepted)
-            self.back_off(seq.spec, counts[i], accepted)
-            self.totals.record(counts[i], accepted)
-            if self.history is not None:
-                self.history.append((result.accepted_nodes[i], counts[i]))
-            emitted.append(result.emitted_tokens[i])
-        return emitted
+                self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)
+            seq.spec.record(counts[i], len(nodes))
+            self.back_off(seq.spec, counts[i], len(nodes))
+            self.totals.record(counts[i], len(nodes))
+            if self.trace is not None:
+                self.trace.append((nodes, counts[i]))
+            outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
+                                      features[kept] if features is not None else None))
+        return outputs
 
     def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], logits: torch.Tensor):
         """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens."""
@@ -121,7 +132,7 @@ class Speculator:
         for i, n in enumerate(counts):
             rows[i, : n + 1] = torch.arange(start, start + n + 1)
             start += n + 1
-        st = SamplingTensors.from_params([s.params for s in seqs], [s.generator for s in seqs], logits.device)
+        st = SamplingTensors.from_requests(seqs, logits.device)
         if N == 0:  # nobody drafted: a plain decode step
             return plain_result(sample(logits, st))
         if st.all_greedy:

@@ -33,8 +33,7 @@ from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata
 from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
-from specdec.models.llama import (DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer,
-                                  rope_inv_freq)
+from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
 
 LAYOUTS = ("eagle", "mtp")
 _MTP_NAMES = {"fc": "eh_proj.", "norm": "shared_head.norm.", "enorm": "enorm.", "hnorm": "hnorm."}  # ours -> DeepSeek
@@ -64,12 +63,9 @@ class EagleHead(nn.Module):
         if not first_layer_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.norm = RMSNorm(H, eps, dtype, device) if output_norm else nn.Identity()
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float64), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = emb.shape[-1] // 2
-        self.register_buffer("rope_cos", emb.cos().float().to(device), persistent=False)
-        self.register_buffer("rope_sin", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).float().to(device),
-                             persistent=False)
+        cos, sin = rope_tables(config, torch.float32, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def trainable_parameters(self) -> list[nn.Parameter]:
         """The head's own weights (the target's norm and LM head stay frozen)."""
@@ -129,6 +125,11 @@ class EagleHead(nn.Module):
                   "vocab_size": self.draft_vocab_size, "bias": self.fc.bias is not None}
         (path / "config.json").write_text(json.dumps(config, indent=1))
         save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})
+
+    @classmethod
+    def load_for(cls, method: str, path: str | Path, target) -> "EagleHead":
+        """The head of `method` ("eagle" or "mtp": its layout) in `path`, for `target`."""
+        return cls.load(path, target, method)
 
     @classmethod
     def load(cls, path: str | Path, target, layout: str = "eagle") -> "EagleHead":

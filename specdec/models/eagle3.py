@@ -23,15 +23,13 @@ import json
 from pathlib import Path
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
-from specdec.models.llama import (Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_inv_freq,
-                                  rotate)
+from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -40,34 +38,26 @@ def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
     return tuple(min(max(i, 0), last) for i in (2, num_target_layers // 2, num_target_layers - 3))
 
 
-class Eagle3Layer(nn.Module):
-    """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide)."""
+class Eagle3Layer(DecoderLayer):
+    """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide); the residual
+    stream is `hidden`."""
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
-        super().__init__()
+        cfg = dataclasses.replace(cfg, attention_bias=False, qk_norm=False)
+        super().__init__(cfg, dtype, device, torch.float32)
         H, D = cfg.hidden_size, cfg.head_dim
-        self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
-        self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
-        self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
         self.qkv_proj = Linear(2 * H, (self.num_heads + 2 * self.num_kv_heads) * D, False, dtype, device)
-        self.o_proj = Linear(self.num_heads * D, H, False, dtype, device)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
-        self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
-        self.scale = D ** -0.5
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
-        T = hidden.shape[0]
-        x = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
-        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
-        qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)
-        attn = paged_attention(q, k, v.contiguous(), k_pool, v_pool, meta, self.scale)
-        h = hidden + self.o_proj(attn.reshape(T, -1))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(h)).chunk(2, dim=-1)
-        return h + self.down_proj(F.silu(gate) * up)
+        q, k, v = self.project_inputs(embeds, hidden, cos, sin)
+        return self.finish(hidden, paged_attention(q, k, v, k_pool, v_pool, meta, self.scale))
+
+    def project_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                       ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """q, k, v ([T, Hq, D], [T, Hkv, D] x 2) of the rows (embedding of the next token, hidden state)."""
+        return self.project(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1), cos, sin)
 
 
 class Eagle3Head(nn.Module):
@@ -84,12 +74,9 @@ class Eagle3Head(nn.Module):
         self.norm = RMSNorm(H, config.rms_norm_eps, torch.float32, device)
         self.lm_head = nn.Parameter(torch.empty(draft_vocab_size, H, dtype=dtype, device=device), requires_grad=False)
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device=device))
-        freqs = torch.outer(torch.arange(config.max_position_embeddings, dtype=torch.float64), rope_inv_freq(config))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        half = emb.shape[-1] // 2
-        self.register_buffer("rope_cos", emb.cos().float().to(device), persistent=False)
-        self.register_buffer("rope_sin", torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), -1).float().to(device),
-                             persistent=False)
+        cos, sin = rope_tables(config, torch.float32, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv,
@@ -116,6 +103,11 @@ class Eagle3Head(nn.Module):
         return full
 
     # ---- checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def load_for(cls, method: str, path: str | Path, target) -> "Eagle3Head":
+        """The head in `path` for the target model `target`, with the target's weight dtype and device."""
+        return cls.load(path, target.config, target.dtype, target.device)
+
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> "Eagle3Head":

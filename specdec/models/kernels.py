@@ -303,9 +303,14 @@ def _fast(*tensors: torch.Tensor) -> bool:
         t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
+def _no_grad(*tensors: torch.Tensor) -> bool:
+    """No gradient flows through these (the kernels are not differentiable; the head trainer needs torch's ops)."""
+    return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
+
+
 def use_fast_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.shape[0] <= SMALL_M and _fast(x) and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16))
+            and weight.dtype in (torch.float32, torch.bfloat16) and _no_grad(x, weight))
 
 
 def as_numpy(t: torch.Tensor) -> "np.ndarray":
@@ -318,7 +323,7 @@ def as_numpy(t: torch.Tensor) -> "np.ndarray":
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [T, H]; the numba path for small T in float32."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_M and _fast(x, weight):
+    if x.dim() == 2 and x.shape[0] <= SMALL_M and _fast(x, weight) and _no_grad(x, weight):
         x = x.contiguous()
         out = torch.empty_like(x)
         _rms_norm(x.numpy(), weight.numpy(), eps, out.numpy())

@@ -73,6 +73,16 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [max_position_embeddings, head_dim] for `rotate`, for every position at once (the
+    target and the draft heads index them by position)."""
+    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+    emb = torch.cat((freqs, freqs), dim=-1)
+    half = emb.shape[-1] // 2
+    signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
+    return emb.cos().to(dtype=dtype, device=device), signed_sin.to(dtype=dtype, device=device)
+
+
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
     """HF 'rotate_half' RoPE in four ops: rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2].
 
@@ -118,15 +128,25 @@ class DecoderLayer(nn.Module):
             return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
                                          meta.slot_mapping, meta.context_slots, meta.mask, meta.query_lens,
                                          self.num_heads, self.num_kv_heads, self.input_layernorm.eps, self.scale)
+        q, k, v = self.project(self.input_layernorm(x), cos, sin)
+        return self.finish(x, paged_attention(q, k, v, k_pool, v_pool, meta, self.scale))
+
+    def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
+                ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """Rotated queries and keys, and values, of the normed input x [T, in]: [T, Hq, D], [T, Hkv, D] x 2.
+        Differentiable outside inference mode (the draft-head trainer runs the serving layers)."""
         T = x.shape[0]
-        qkv = self.qkv_proj(self.input_layernorm(x)).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
         if self.q_norm is not None:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
             qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
         q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one pass
-        attn = paged_attention(q, k, v.contiguous(), k_pool, v_pool, meta, self.scale)
-        x = x + self.o_proj(attn.reshape(T, self.q_size))
+        return q, k, v.contiguous()
+
+    def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
+        """The residual stream after attention [T, Hq, D]: output projection, then the MLP block."""
+        x = x + self.o_proj(attn.reshape(x.shape[0], self.q_size))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
         return x + self.down_proj(F.silu(gate) * up)
 
@@ -186,12 +206,9 @@ class LlamaModel(nn.Module):
             torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
         self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, act) for _ in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps, act, device)
-        freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
-        emb = torch.cat((freqs, freqs), dim=-1)
-        self.register_buffer("rope_cos", emb.cos().to(dtype=act, device=device), persistent=False)
-        half = emb.shape[-1] // 2
-        signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
-        self.register_buffer("rope_sin", signed_sin.to(dtype=act, device=device), persistent=False)
+        cos, sin = rope_tables(cfg, act, device)
+        self.register_buffer("rope_cos", cos, persistent=False)
+        self.register_buffer("rope_sin", sin, persistent=False)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [T] -> [T, H] in the activation dtype."""

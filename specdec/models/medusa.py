@@ -104,6 +104,11 @@ class MedusaHeads(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
+    def load_for(cls, method: str, path: str | Path, target) -> "MedusaHeads":
+        """The heads in `path` for the target model `target` (sharing its LM head unless they have their own)."""
+        return cls.load(path, target.config, target.lm_head, target.dtype, target.device)
+
+    @classmethod
     def load(cls, path: str | Path, target: ModelConfig, target_lm_head: torch.Tensor,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "MedusaHeads":
         """A head directory in the reference Medusa layout, checked against the target it drafts for. Heads

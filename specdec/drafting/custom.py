@@ -1,0 +1,26 @@
+"""User drafters (`custom`): any object implementing `Drafter`, passed in Python as
+`speculative_config={"method": "custom", "drafter": obj}`."""
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Any
+
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import DraftEnv, Drafter
+
+
+@dataclass
+class CustomOptions:
+    drafter: Any = None  # an object implementing specdec.drafting.Drafter
+
+    def __post_init__(self) -> None:
+        if self.drafter is None:
+            raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
+
+
+@register_method("custom", CustomOptions)
+def custom_drafter(cfg: SpeculativeConfig, env: DraftEnv) -> Drafter:
+    drafter = cfg.options.drafter
+    if not callable(getattr(drafter, "propose", None)):
+        raise SpecdecError("the custom drafter must have a propose(requests) -> Draft method")
+    return drafter
