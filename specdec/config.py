@@ -183,7 +183,7 @@ def method_info(name: str) -> MethodInfo:
 
 def registered_methods(head: bool = False) -> list[str]:
     """The method names `speculative_config` accepts (head=True: only trainable draft heads)."""
-    return [name for name, info in _METHODS.items() if info.head is not None or not head]
+    return sorted(name for name, info in _METHODS.items() if info.head is not None or not head)
 
 
 @dataclass

@@ -22,7 +22,6 @@ from __future__ import annotations
 
 import argparse
 import json
-import math
 import random
 import sys
 import time
@@ -33,7 +32,7 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.config import SamplingParams, SpecdecError
+from specdec.config import SamplingParams, SpecdecError, method_info, registered_methods
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
 TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
@@ -109,9 +108,11 @@ def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, voc
 
 # ---------------------------------------------------------------------------------------------- target
 @torch.inference_mode()
-def target_outputs(model, ids: list[int], layers: tuple[int, ...]) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
-    """One causal forward of the target over `ids` with a private cache: (features [T, 3H], last layer
-    output before the final norm [T, H], logits [T, V])."""
+def target_outputs(model, ids: list[int], layers: tuple[int, ...]
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    """One causal forward of the target over `ids` with a private cache: (the outputs of `layers` concatenated
+    [T, len(layers) * H], or None without any; the last layer's output before the final norm [T, H];
+    logits [T, V])."""
     from specdec.kv_cache import KVPool
     from specdec.models.attention import AttentionMetadata
 
@@ -122,81 +123,11 @@ def target_outputs(model, ids: list[int], layers: tuple[int, ...]) -> tuple[torc
     meta = AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T])
     last = model.config.num_hidden_layers - 1
     normed, captured = model(torch.tensor(ids, device=model.device), pos, meta, kv, output_layers=(*layers, last))
-    return torch.cat([captured[i] for i in layers], -1), captured[last], model.compute_logits(normed)
+    features = torch.cat([captured[i] for i in layers], -1) if layers else None
+    return features, captured[last], model.compute_logits(normed)
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def head_train_forward(head, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
-    """The head over one whole sequence, differentiable, unrolled `steps` times on its own outputs (EAGLE-3's
-    training-time test). Returns out_s [T, H] for s = 1..steps; row p of step s is what serving computes
-    for the s-th draft token when the last feature it had was token p - s + 1's:
-
-        step 1, row p: hidden fc(features[p]),  token p + 1 (embeds[p]), keys: step-1 rows 0..p
-        step s, row p: hidden out_(s-1)[p - 1], token p + 1,             keys: step-1 rows 0..p-s+1, and the
-                       step-r row p - s + r for r = 2..s (the draft rows serving wrote before it)
-
-    so rows p < s - 1 of step s are meaningless. Same math as serving, which reads a paged cache.
-    """
-    L = head.midlayer
-    T, H = embeds.shape
-    pos = torch.arange(T, device=embeds.device)
-    cos, sin = head.rope_cos[pos][:, None, :], head.rope_sin[pos][:, None, :]
-    group, nq, nkv = L.num_heads // L.num_kv_heads, L.num_heads, L.num_kv_heads
-    e = _norm(L.input_layernorm, embeds)
-    h = F.linear(features, head.fc.weight)
-    keys: list[torch.Tensor] = []
-    values: list[torch.Tensor] = []
-    outs: list[torch.Tensor] = []
-    for s in range(1, steps + 1):
-        if s > 1:
-            h = torch.cat([outs[-1][:1] * 0, outs[-1][:-1]])  # row p reads the previous step's row p - 1
-        qkv = F.linear(torch.cat([e, _norm(L.hidden_norm, h)], -1), L.qkv_proj.weight).view(T, nq + 2 * nkv, -1)
-        qk = qkv[:, :nq + nkv]
-        qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
-        q = qk[:, :nq].transpose(0, 1)  # [Hq, T, D]
-        keys.append(qk[:, nq:].repeat_interleave(group, 1).transpose(0, 1))  # [Hq, T, D]
-        values.append(qkv[:, nq + nkv:].repeat_interleave(group, 1).transpose(0, 1))
-        scores = (q @ keys[0].transpose(1, 2)) * L.scale  # [Hq, T, T] against step-1 rows
-        visible = pos[None, :] <= pos[:, None] - (s - 1)
-        scores = scores.masked_fill(~visible, float("-inf"))
-        shifted_values, extra = [], []
-        for r in range(2, s + 1):  # one earlier draft row per step r: row p - (s - r)
-            shift = s - r
-            k_r = torch.cat([keys[r - 1][:, :1].expand(-1, shift, -1) * 0, keys[r - 1][:, :T - shift]], 1)
-            v_r = torch.cat([values[r - 1][:, :1].expand(-1, shift, -1) * 0, values[r - 1][:, :T - shift]], 1)
-            d = (q * k_r).sum(-1) * L.scale  # [Hq, T]
-            extra.append(d.masked_fill(pos[None, :] < shift, float("-inf"))[..., None])
-            shifted_values.append(v_r)
-        probs = torch.softmax(torch.cat([scores, *extra], -1), -1)
-        attn = probs[..., :T] @ values[0]
-        for j, v_r in enumerate(shifted_values):
-            attn = attn + probs[..., T + j:T + j + 1] * v_r
-        h2 = h + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
-        gate, up = F.linear(_norm(L.post_attention_layernorm, h2), L.gate_up_proj.weight).chunk(2, -1)
-        outs.append(h2 + F.linear(F.silu(gate) * up, L.down_proj.weight))
-    return outs
-
-
-def eagle_train_forward(head, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
-    """An EAGLE-1 / MTP head (`specdec/models/eagle.py`) over one whole sequence, differentiable: row t reads
-    the target's final hidden state of token t (`hidden` [T, H], normed) and the embedding of token t + 1."""
-    T = embeds.shape[0]
-    pos = torch.arange(T, device=embeds.device)
-    cos, sin = head.rope_cos[pos][:, None, :], head.rope_sin[pos][:, None, :]
-    x = F.linear(torch.cat([_norm(head.enorm, embeds), _norm(head.hnorm, hidden)], -1), head.fc.weight, head.fc.bias)
-    for L in head.layers:
-        qkv = F.linear(_norm(L.input_layernorm, x), L.qkv_proj.weight).view(T, L.num_heads + 2 * L.num_kv_heads, -1)
-        qk = qkv[:, :L.num_heads + L.num_kv_heads]
-        qk = qk * cos + qk.roll(L.head_dim // 2, dims=-1) * sin
-        q, k = qk[:, :L.num_heads].transpose(0, 1), qk[:, L.num_heads:].transpose(0, 1)  # [heads, T, D]
-        v = qkv[:, L.num_heads + L.num_kv_heads:].transpose(0, 1)
-        attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=L.scale, enable_gqa=True)
-        x = x + F.linear(attn.transpose(0, 1).reshape(T, -1), L.o_proj.weight)
-        gate, up = F.linear(_norm(L.post_attention_layernorm, x), L.gate_up_proj.weight).chunk(2, -1)
-        x = x + F.linear(F.silu(gate) * up, L.down_proj.weight)
-    return x
-
-
 def _norm(norm, x: torch.Tensor) -> torch.Tensor:
     """A head's RMSNorm, differentiable (an absent one is an Identity)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps) if hasattr(norm, "weight") else x
@@ -221,17 +152,21 @@ def head_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logit
 
 
 # ---------------------------------------------------------------------------------------------- run
-METHODS = ("eagle", "eagle3", "medusa", "mtp")
+def head_class(method: str) -> type:
+    """The model class of a registered draft-head method (`specdec.config.register_method(..., head=...)`)."""
+    heads = registered_methods(head=True)
+    if method not in heads:
+        raise SpecdecError(f"--method {method}: the trainer supports {heads}")
+    return method_info(method).head
 
 
 def run_train(args: argparse.Namespace) -> dict:
     from specdec.llm import LLM
 
-    if args.method not in METHODS:
-        raise SpecdecError(f"--method {args.method}: the trainer supports {list(METHODS)}")
+    cls = head_class(args.method)
     if args.ttt_steps is None:
-        args.ttt_steps = 3 if args.method == "eagle3" else 1
-    if args.ttt_steps != 1 and args.method != "eagle3":
+        args.ttt_steps = 3 if cls.unrolls else 1
+    if args.ttt_steps != 1 and not cls.unrolls:
         raise SpecdecError(f"--ttt-steps is EAGLE-3's training-time test; {args.method} trains one step")
     for name in ("steps", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
         if getattr(args, name) < 1:
@@ -254,10 +189,11 @@ def run_train(args: argparse.Namespace) -> dict:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
     state = None
     if args.resume and ckpt.is_file():
-        head = load_head(args.method, out_dir, target)
+        head = cls.load_for(args.method, out_dir, target)
         state = torch.load(ckpt, weights_only=False)
     else:
-        head = new_head(args.method, target, samples, args)
+        draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
+        head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
     params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
@@ -286,52 +222,11 @@ def run_train(args: argparse.Namespace) -> dict:
     bar.close()
     result = {"steps": step, "history": history[-50:]}
     if held_out:
-        k = min(3, args.num_heads) if args.method == "medusa" else 3
+        k = min(3, head.max_draft_depth or 3)
         result["validation"] = validate(args.target, args.method, out_dir, held_out, args.val_tokens, k)
         print(json.dumps(result["validation"]))
     (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
     return result
-
-
-def new_head(method: str, target, samples: list[tuple[list[int], list[bool]]], args: argparse.Namespace):
-    """An untrained head for `target`: small random weights, unit norms."""
-    import dataclasses
-
-    cfg = target.config
-    if method == "eagle3":
-        from specdec.models.eagle3 import Eagle3Head, default_aux_layers
-
-        head = Eagle3Head(dataclasses.replace(cfg, num_hidden_layers=1), min(args.draft_vocab, cfg.vocab_size),
-                          default_aux_layers(cfg.num_hidden_layers))
-        init_head(head, target, draft_vocabulary(samples, head.draft_vocab_size, cfg.vocab_size))
-        return head
-    if method == "medusa":
-        from specdec.models.medusa import MedusaHeads
-
-        heads = MedusaHeads(args.num_heads, args.num_layers, cfg.hidden_size, cfg.vocab_size, target.lm_head)
-        for p in heads.parameters():
-            p.data.zero_()  # every block starts as the identity (Medusa's initialisation)
-        return heads
-    from specdec.models.eagle import EagleHead
-
-    layers = args.num_layers if method == "eagle" else 1  # an MTP module is one decoder block
-    head = EagleHead(dataclasses.replace(cfg, num_hidden_layers=layers), target, method)
-    _init_random(trainable_parameters(head))
-    return head
-
-
-def load_head(method: str, path: Path, target):
-    if method == "eagle3":
-        from specdec.models.eagle3 import Eagle3Head
-
-        return Eagle3Head.load(path, target.config)
-    if method == "medusa":
-        from specdec.models.medusa import MedusaHeads
-
-        return MedusaHeads.load(path, target.config, target.lm_head)
-    from specdec.models.eagle import EagleHead
-
-    return EagleHead.load(path, target, method)
 
 
 def trainable_parameters(head) -> list[torch.nn.Parameter]:
@@ -343,29 +238,17 @@ def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse
     """Equation 1 over one training sequence; the target runs once, under inference mode.
 
     Row t pairs the target's feature of token t with the embedding of token t + 1 and is trained against the
-    target at t + 1 (token t + 2). EAGLE-3 regresses the target's last layer output; EAGLE-1 / MTP / Medusa
-    read and regress the target's final (normed) hidden state, as the EAGLE and Medusa references do. Each
-    term below is (head output [n, H], ahead, first row): row t is trained against the target at t + ahead
-    (predicting token t + ahead + 1), from `first row` on."""
-    last = (target.config.num_hidden_layers - 1,)
-    features, hidden, logits = target_outputs(target, ids, head.aux_layers if args.method == "eagle3" else last)
+    target at t + 1 (token t + 2). The head says what it fits (`training_terms`): each term is (head output
+    [n, H], ahead, first row): row t is trained against the target at t + ahead (predicting token
+    t + ahead + 1), from `first row` on; later terms (unrolled steps, further heads) weigh less."""
+    features, hidden, logits = target_outputs(target, ids, head.aux_layers)
     with torch.inference_mode():
         normed = target.norm(hidden)
     embeds = target.embed(torch.tensor(ids[1:])).float()
-    rows = len(ids) - 2
-    if args.method == "eagle3":  # unrolled step s (0-based) is meaningful from row s on
-        outs = head_train_forward(head, embeds[:rows], features[:rows].clone(), args.ttt_steps)
-        terms, goal = [(out, 1, s) for s, out in enumerate(outs)], hidden.clone()
-        draft_ids = head.target_ids(torch.arange(head.draft_vocab_size))
-    elif args.method == "medusa":  # head i at row t predicts token t + i + 2
-        outs = medusa_train_forward(head, normed.clone())
-        terms, goal, draft_ids = [(out[:len(ids) - i - 2], i + 1, 0) for i, out in enumerate(outs)], normed.clone(), None
-    else:
-        terms = [(eagle_train_forward(head, embeds[:rows], normed[:rows].clone()), 1, 0)]
-        goal, draft_ids = normed.clone(), None
+    terms, goal, draft_ids = head.training_terms(embeds, features, hidden, normed, args.ttt_steps)
     loss, stats = 0.0, {}
     goal_logits = logits.clone()
-    for s, (out, ahead, first_row) in enumerate(terms):  # later steps / heads weigh less
+    for s, (out, ahead, first_row) in enumerate(terms):
         n = len(out)
         step_mask = torch.tensor(mask[ahead + 1:ahead + 1 + n]) & (torch.arange(n) >= first_row)
         if n <= 0 or not step_mask.any():
@@ -375,35 +258,6 @@ def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse
         loss = loss + TTT_DECAY ** s * step_loss
         stats = stats or step_stats  # the progress bar reports the first step / head
     return loss, stats
-
-
-def medusa_train_forward(heads, hidden: torch.Tensor) -> list[torch.Tensor]:
-    """Each Medusa head's block output over the target's final hidden states [T, H], differentiable."""
-    outs = []
-    for head in heads.medusa_head:
-        h = hidden
-        for block in head[:heads.num_layers]:
-            h = h + F.silu(F.linear(h, block.linear.weight, block.linear.bias))
-        outs.append(h)
-    return outs
-
-
-def init_head(head, target, draft_ids: torch.Tensor) -> None:
-    """Small random weights, unit norms, and the LM head started from the target's rows of the draft
-    vocabulary (the head begins by reading h like the target reads its last hidden state)."""
-    _init_random(list(head.parameters()))
-    head.lm_head.data.copy_(target.lm_head[draft_ids].float())
-    head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
-
-
-def _init_random(params: list[torch.Tensor]) -> None:
-    """1-D tensors (norm weights) to one, matrices ~ N(0, 1 / fan_in)."""
-    g = torch.Generator().manual_seed(0)
-    for p in params:
-        if p.dim() == 1:
-            p.data.fill_(1.0)
-        else:
-            p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
 def save_checkpoint(head, opt, step: int, out_dir: Path, ckpt: Path) -> None:

@@ -11,7 +11,7 @@ import torch
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.models.eagle import EagleHead
-from specdec.train import eagle_train_forward, target_outputs
+from specdec.train import target_outputs
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -66,7 +66,7 @@ def test_serving_forward_equals_the_training_forward(target, layout, parts):
     ids = [5, 9, 3, 17, 22, 8, 1, 40, 33, 2, 7, 11, 19, 4, 6, 12, 30, 31, 9]
     _, hidden, _ = target_outputs(target, ids, head.aux_layers)
     with torch.no_grad():
-        train = eagle_train_forward(head, target.embed(torch.tensor(ids[1:])).float(), target.norm(hidden)[:-1])
+        train = head.train_forward(target.embed(torch.tensor(ids[1:])).float(), target.norm(hidden)[:-1])
     torch.testing.assert_close(serving_forward(head, target, ids), train, rtol=1e-4, atol=1e-4)
 
 

@@ -14,7 +14,7 @@ from specdec.cli import main
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.eagle3 import Eagle3Head, default_aux_layers
-from specdec.train import head_loss, head_train_forward, target_outputs
+from specdec.train import head_loss, target_outputs
 
 
 @pytest.fixture(scope="module")
@@ -39,7 +39,7 @@ def test_training_forward_equals_the_serving_forward(target_dir):
     T = len(ids) - 1
     embeds = model.embed(torch.tensor(ids[1:])).float()
     with torch.no_grad():
-        trained = head_train_forward(head, embeds, features[:T])[0]
+        trained = head.unroll(embeds, features[:T])[0]
     kv = KVPool(head.config, 8, 16, torch.float32, "cpu")
     pos = torch.arange(T)
     slots = (pos + 16)[None]
@@ -59,7 +59,7 @@ def test_unrolled_training_steps_equal_serving_draft_steps(target_dir):
     T = len(ids) - 1
     embeds = model.embed(torch.tensor(ids[1:])).float()
     with torch.no_grad():
-        outs = head_train_forward(head, embeds, features[:T], steps=3)
+        outs = head.unroll(embeds, features[:T], steps=3)
     p = 20
     kv = KVPool(head.config, 8, 16, torch.float32, "cpu")
 

@@ -27,11 +27,12 @@ import re
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata
-from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
+from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
 from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
 
@@ -42,6 +43,9 @@ _MTP_NAMES = {"fc": "eh_proj.", "norm": "shared_head.norm.", "enorm": "enorm.", 
 class EagleHead(nn.Module):
     """config: the head's own Llama config (num_hidden_layers = M). target: the model it drafts for (its final
     norm and LM head are used, not copied). Optional parts: see the module docstring."""
+
+    unrolls = False  # trained one step ahead
+    max_draft_depth: int | None = None
 
     def __init__(self, config: ModelConfig, target, layout: str = "eagle", input_norms: bool = True,
                  output_norm: bool = True, fc_bias: bool = False, first_layer_norm: bool = True) -> None:
@@ -77,11 +81,36 @@ class EagleHead(nn.Module):
         """One draft step for T rows: the target's last-layer `features` [T, H] or the head's own previous
         output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
         h = self.target_norm(features.float()) if features is not None else hidden
-        x = self.fc(torch.cat([self.enorm(embeds.float()), self.hnorm(h)], -1))
+        x = self.mix(embeds.float(), h)
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
         return x
+
+    def mix(self, embeds: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
+        """The decoder's input: fc(concat(enorm(embedding), hnorm(hidden state))) [T, H]."""
+        return self.fc(torch.cat([self.enorm(embeds), self.hnorm(h)], -1))
+
+    def train_forward(self, embeds: torch.Tensor, normed: torch.Tensor) -> torch.Tensor:
+        """The head over one whole sequence, differentiable, through the serving layers: row t reads the
+        target's final (normed) hidden state of token t, normed [T, H], and the embedding of token t + 1."""
+        T = embeds.shape[0]
+        pos = torch.arange(T, device=embeds.device)
+        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
+        x = self.mix(embeds, normed)
+        for layer in self.layers:
+            q, k, v = (t.transpose(0, 1) for t in layer.project(layer.input_layernorm(x), cos, sin))  # [heads, T, D]
+            attn = F.scaled_dot_product_attention(q, k, v, is_causal=True, scale=layer.scale, enable_gqa=True)
+            x = layer.finish(x, attn.transpose(0, 1))
+        return x
+
+    def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
+                       normed: torch.Tensor, steps: int) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor,
+                                                                  None]:
+        """What the trainer fits (see `Eagle3Head.training_terms`): EAGLE-1 and MTP read and regress the
+        target's final normed hidden state, as the EAGLE reference does."""
+        rows = len(embeds) - 1
+        return [(self.train_forward(embeds[:rows], normed[:rows].clone()), 1, 0)], normed.clone(), None
 
     @torch.inference_mode()
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -125,6 +154,16 @@ class EagleHead(nn.Module):
                   "vocab_size": self.draft_vocab_size, "bias": self.fc.bias is not None}
         (path / "config.json").write_text(json.dumps(config, indent=1))
         save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})
+
+    @classmethod
+    def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
+               num_heads: int = 1) -> "EagleHead":
+        """An untrained head in `method`'s layout: `num_layers` decoder layers (an MTP module has one), small
+        random weights, unit norms."""
+        layers = num_layers if method == "eagle" else 1
+        head = cls(dataclasses.replace(target.config, num_hidden_layers=layers), target, method)
+        init_random(head.trainable_parameters())
+        return head
 
     @classmethod
     def load_for(cls, method: str, path: str | Path, target) -> "EagleHead":

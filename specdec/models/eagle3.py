@@ -27,7 +27,7 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
-from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors, tensor_copier
+from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
 from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
 
@@ -60,8 +60,34 @@ class Eagle3Layer(DecoderLayer):
         return self.project(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1), cos, sin)
 
 
+def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
+                       ) -> torch.Tensor:
+    """Attention of unrolled step s = len(keys) (see `Eagle3Head.unroll`): q [Hq, T, D] sees the step-1 keys of
+    rows 0..p-s+1 and, for each step r = 2..s, the one row p - s + r. keys/values: per step, [Hq, T, D]."""
+    s, T = len(keys), q.shape[1]
+    pos = torch.arange(T, device=q.device)
+    scores = (q @ keys[0].transpose(1, 2)) * scale  # [Hq, T, T] against step-1 rows
+    scores = scores.masked_fill(~(pos[None, :] <= pos[:, None] - (s - 1)), float("-inf"))
+    shifted_values, extra = [], []
+    for r in range(2, s + 1):  # one earlier draft row per step r: row p - (s - r)
+        shift = s - r
+        k_r = torch.cat([keys[r - 1][:, :1].expand(-1, shift, -1) * 0, keys[r - 1][:, :T - shift]], 1)
+        v_r = torch.cat([values[r - 1][:, :1].expand(-1, shift, -1) * 0, values[r - 1][:, :T - shift]], 1)
+        d = (q * k_r).sum(-1) * scale  # [Hq, T]
+        extra.append(d.masked_fill(pos[None, :] < shift, float("-inf"))[..., None])
+        shifted_values.append(v_r)
+    probs = torch.softmax(torch.cat([scores, *extra], -1), -1)
+    attn = probs[..., :T] @ values[0]
+    for j, v_r in enumerate(shifted_values):
+        attn = attn + probs[..., T + j:T + j + 1] * v_r
+    return attn
+
+
 class Eagle3Head(nn.Module):
     """config: the head's own Llama config (num_hidden_layers = 1); it shares the target's embedding."""
+
+    unrolls = True  # trained with the training-time test (`unroll`)
+    max_draft_depth: int | None = None
 
     def __init__(self, config: ModelConfig, draft_vocab_size: int, aux_layers: tuple[int, ...],
                  dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
@@ -87,6 +113,48 @@ class Eagle3Head(nn.Module):
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         return self.midlayer(embeds.float(), h, cos, sin, meta, kv.k[0], kv.v[0])
 
+    def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
+        """The head over one whole sequence, differentiable, unrolled `steps` times on its own outputs (EAGLE-3's
+        training-time test), through the serving layers. Returns out_s [T, H] for s = 1..steps; row p of step
+        s is what serving computes for the s-th draft token when the last feature it had was token p - s + 1's:
+
+            step 1, row p: hidden fc(features[p]),  token p + 1 (embeds[p]), keys: step-1 rows 0..p
+            step s, row p: hidden out_(s-1)[p - 1], token p + 1,             keys: step-1 rows 0..p-s+1, and the
+                           step-r row p - s + r for r = 2..s (the draft rows serving wrote before it)
+
+        so rows p < s - 1 of step s are meaningless. Only the attention pattern is training's own: serving
+        reads the same keys from its paged cache."""
+        L = self.midlayer
+        T = embeds.shape[0]
+        pos = torch.arange(T, device=embeds.device)
+        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
+        group = L.num_heads // L.num_kv_heads
+        h = self.fc(features)
+        keys: list[torch.Tensor] = []  # per step, [Hq, T, D] (GQA heads repeated)
+        values: list[torch.Tensor] = []
+        outs: list[torch.Tensor] = []
+        for s in range(1, steps + 1):
+            if s > 1:
+                h = torch.cat([outs[-1][:1] * 0, outs[-1][:-1]])  # row p reads the previous step's row p - 1
+            q, k, v = L.project_inputs(embeds, h, cos, sin)
+            keys.append(k.repeat_interleave(group, 1).transpose(0, 1))
+            values.append(v.repeat_interleave(group, 1).transpose(0, 1))
+            attn = unrolled_attention(q.transpose(0, 1), keys, values, L.scale)  # [Hq, T, D]
+            outs.append(L.finish(h, attn.transpose(0, 1)))
+        return outs
+
+    def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
+                       normed: torch.Tensor, steps: int) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor,
+                                                                  torch.Tensor | None]:
+        """What the trainer fits for one sequence of T tokens (see `specdec.train.sequence_loss`): terms
+        (head output [n, H], ahead, first row), the regression goal per token and the target ids of the
+        head's vocabulary. The target's features, last-layer output and normed state are [T, *]; embeds are
+        tokens 1..T-1. Unrolled step s is meaningful from row s on; EAGLE-3 regresses the last layer's output."""
+        rows = len(embeds) - 1
+        outs = self.unroll(embeds[:rows], features[:rows].clone(), steps)
+        draft_ids = self.target_ids(torch.arange(self.draft_vocab_size, device=embeds.device))
+        return [(out, 1, s) for s, out in enumerate(outs)], hidden.clone(), draft_ids
+
     @torch.inference_mode()
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] head outputs -> float32 logits over the draft vocabulary [N, draft_vocab]."""
@@ -103,6 +171,19 @@ class Eagle3Head(nn.Module):
         return full
 
     # ---- checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, method: str, target, draft_ids: torch.Tensor, num_layers: int = 1, num_heads: int = 1
+               ) -> "Eagle3Head":
+        """An untrained head for `target` over the draft vocabulary `draft_ids` (sorted target ids): small random
+        weights, unit norms, and the LM head started from the target's rows of that vocabulary (the head
+        begins by reading h like the target reads its last hidden state)."""
+        cfg = target.config
+        head = cls(dataclasses.replace(cfg, num_hidden_layers=1), len(draft_ids), default_aux_layers(cfg.num_hidden_layers))
+        init_random(list(head.parameters()))
+        head.lm_head.data.copy_(target.lm_head[draft_ids].float())
+        head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))
+        return head
+
     @classmethod
     def load_for(cls, method: str, path: str | Path, target) -> "Eagle3Head":
         """The head in `path` for the target model `target`, with the target's weight dtype and device."""

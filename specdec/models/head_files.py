@@ -3,6 +3,7 @@ hidden and vocabulary sizes, whose tensors are copied into ours with their names
 from __future__ import annotations
 
 import json
+import math
 from pathlib import Path
 
 import torch
@@ -36,6 +37,16 @@ def check_made_for(what: str, path: Path, hidden_size: int, vocab_size: int, tar
     if hidden_size != target.hidden_size or vocab_size != target.vocab_size:
         raise SpecdecError(f"{what} head {path} was made for hidden size {hidden_size} and vocab size {vocab_size}, "
                            f"the target has {target.hidden_size} and {target.vocab_size}")
+
+
+def init_random(params: list[torch.Tensor], seed: int = 0) -> None:
+    """An untrained head's weights: 1-D tensors (norm weights) to one, matrices ~ N(0, 1 / fan_in)."""
+    g = torch.Generator().manual_seed(seed)
+    for p in params:
+        if p.dim() == 1:
+            p.data.fill_(1.0)
+        else:
+            p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
 def tensor_copier(sd: dict[str, torch.Tensor], what: str):

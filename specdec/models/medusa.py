@@ -53,6 +53,9 @@ class MedusaHeads(nn.Module):
     lm_head: the target's LM head [V, H], shared by every head (not part of this module's weights); None gives
     each head its own (`medusa_head.{i}.{L}`), to be loaded from a checkpoint."""
 
+    unrolls = False  # trained one step ahead
+    aux_layers: tuple[int, ...] = ()  # reads no intermediate target layer: only its final hidden state
+
     def __init__(self, num_heads: int, num_layers: int, hidden_size: int, vocab_size: int,
                  lm_head: torch.Tensor | None = None, dtype: torch.dtype = torch.float32,
                  device: str | torch.device = "cpu") -> None:
@@ -73,6 +76,11 @@ class MedusaHeads(nn.Module):
             for _ in range(num_heads))
 
     @property
+    def max_draft_depth(self) -> int:
+        """Head i drafts depth i + 1 only."""
+        return self.num_heads
+
+    @property
     def lm_head(self) -> torch.Tensor | None:
         """The shared LM head (the trainer's logits when heads share the target's)."""
         return self.shared_lm_head
@@ -85,14 +93,26 @@ class MedusaHeads(nn.Module):
     def forward(self, hidden: torch.Tensor, num_heads: int | None = None) -> torch.Tensor:
         """hidden: the target's final-normed states [T, H] -> each head's block output [K, T, H] (float32).
         num_heads: run only the first heads (a draft shallower than K needs no more)."""
-        x = hidden.float()
+        return torch.stack(self.blocks(hidden.float(), num_heads))
+
+    def blocks(self, hidden: torch.Tensor, num_heads: int | None = None) -> list[torch.Tensor]:
+        """Each head's block output [T, H] (differentiable outside inference mode: the trainer uses it)."""
         outs = []
         for head in self.medusa_head[:num_heads]:
-            h = x
+            h = hidden
             for block in head[:self.num_layers]:
                 h = block(h)
             outs.append(h)
-        return torch.stack(outs)
+        return outs
+
+    def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
+                       normed: torch.Tensor, steps: int) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor,
+                                                                  None]:
+        """What the trainer fits (see `Eagle3Head.training_terms`): head i at row t reads the target's final
+        normed hidden state and predicts token t + i + 2."""
+        T = len(embeds) + 1
+        outs = self.blocks(normed.clone())
+        return [(out[:T - i - 2], i + 1, 0) for i, out in enumerate(outs)], normed.clone(), None
 
     @torch.inference_mode()
     def logits(self, out: torch.Tensor) -> torch.Tensor:
@@ -103,6 +123,16 @@ class MedusaHeads(nn.Module):
         return linear(out.reshape(k * T, H), self.shared_lm_head).float().view(k, T, -1)
 
     # ---- checkpoints ------------------------------------------------------------------------------
+    @classmethod
+    def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
+               num_heads: int = 3) -> "MedusaHeads":
+        """Untrained heads sharing the target's LM head; every block starts as the identity (Medusa's
+        initialisation: zero weights)."""
+        heads = cls(num_heads, num_layers, target.config.hidden_size, target.config.vocab_size, target.lm_head)
+        for p in heads.parameters():
+            p.data.zero_()
+        return heads
+
     @classmethod
     def load_for(cls, method: str, path: str | Path, target) -> "MedusaHeads":
         """The heads in `path` for the target model `target` (sharing its LM head unless they have their own)."""
