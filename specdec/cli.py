@@ -165,11 +165,11 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "serve":
             cmd_serve(args)
         elif args.command == "bench" and args.serve:
-            from specdec.serve_bench import run_serve_bench
+            from specdec.bench.serve import run_serve_bench
 
             run_serve_bench(args)
         elif args.command == "bench":
-            from specdec.bench import run_bench
+            from specdec.bench.offline import run_bench
 
             run_bench(args)
         elif args.command == "train":
@@ -177,7 +177,7 @@ def main(argv: list[str] | None = None) -> int:
 
             run_train(args)
         elif args.command == "tune":
-            from specdec.tune import run_tune
+            from specdec.bench.tune import run_tune
 
             run_tune(args)
     except SpecdecError as e:

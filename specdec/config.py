@@ -248,7 +248,10 @@ class SpeculativeConfig:
 
         trees = [n for n, m in _METHODS.items() if m.trees]
         dynamic = [n for n, m in _METHODS.items() if m.dynamic_trees]
-        return parse_shape(value, self.num_speculative_tokens, what, self.method, trees, dynamic)
+        try:
+            return parse_shape(value, self.num_speculative_tokens, what, self.method, trees, dynamic)
+        except ValueError as e:
+            raise SpecdecError(str(e)) from None
 
     def _parse_dispatch(self) -> list[tuple[int, Any]]:
         if self.dispatch is None:

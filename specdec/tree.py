@@ -35,8 +35,6 @@ from typing import Any, NamedTuple
 
 import torch
 
-from specdec.config import SpecdecError
-
 ROOT, PAD = -1, -2  # parent pointers: a child of the last committed token; padding
 MAX_TREE_NODES = 64  # draft nodes verified per sequence and step, at most
 
@@ -336,7 +334,7 @@ def parse_shape(value: Any, k: int, what: str = "tree", method: str = "", tree_m
                 dynamic_methods: Sequence[str] = ()) -> SpecShape:
     """A draft shape in the grammar above, for `method` (k: its num_speculative_tokens). Trees are refused
     unless the method is in `tree_methods`, dynamic trees unless it is in `dynamic_methods`; every refusal
-    is a SpecdecError naming `what` and the value."""
+    is a ValueError naming `what` and the value."""
     if value == "off":
         return SpecShape(0)
     if value in ("chain", None):
@@ -345,15 +343,15 @@ def parse_shape(value: Any, k: int, what: str = "tree", method: str = "", tree_m
     if chain_k or (isinstance(value, int) and not isinstance(value, bool)):
         n = int(chain_k[1]) if chain_k else value
         if not 1 <= n <= 15:
-            raise SpecdecError(f"invalid {what} {value!r}: a chain drafts 1 to 15 tokens")
+            raise ValueError(f"invalid {what} {value!r}: a chain drafts 1 to 15 tokens")
         return SpecShape(n)
     if method not in tree_methods:
-        raise SpecdecError(f"invalid {what} {value!r}: method {method!r} drafts chains only ('chain', "
+        raise ValueError(f"invalid {what} {value!r}: method {method!r} drafts chains only ('chain', "
                            f"'chain-K' or 'off'); trees are available for {list(tree_methods)} (ngram branches "
                            "with 'ngram_branches'; a custom drafter returns its own trees)")
     if isinstance(value, dict):
         if method not in dynamic_methods:
-            raise SpecdecError(f"invalid {what} {value!r}: dynamic trees are available for "
+            raise ValueError(f"invalid {what} {value!r}: dynamic trees are available for "
                                f"{' and '.join(dynamic_methods)}; {method} drafts chains and static trees")
         return _parse_dynamic(value, what)
     try:
@@ -368,9 +366,9 @@ def parse_shape(value: Any, k: int, what: str = "tree", method: str = "", tree_m
                              '{"topk": 4, "num_steps": 3, "num_draft_tokens": 12}')
         tree = tree_from_choices(choices)
     except ValueError as e:
-        raise SpecdecError(f"invalid {what} {value!r}: {e}") from None
+        raise ValueError(f"invalid {what} {value!r}: {e}") from None
     if not 1 <= len(choices) <= MAX_TREE_NODES:
-        raise SpecdecError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
+        raise ValueError(f"invalid {what} {value!r}: it has {len(choices)} nodes; at most "
                            f"{MAX_TREE_NODES} are verified per step")
     return SpecShape(len(choices), tuple(tuple(p) for p in tree.paths))
 
@@ -379,11 +377,11 @@ def _parse_dynamic(value: dict, what: str) -> SpecShape:
     """EAGLE-2's dynamic tree, with SGLang's knob names."""
     limits = {"topk": (1, 8), "num_steps": (1, 8), "num_draft_tokens": (1, MAX_TREE_NODES)}
     if set(value) != set(limits):
-        raise SpecdecError(f"invalid {what} {value!r}: a dynamic tree needs exactly the keys {sorted(limits)}")
+        raise ValueError(f"invalid {what} {value!r}: a dynamic tree needs exactly the keys {sorted(limits)}")
     for key, (lo, hi) in limits.items():
         v = value[key]
         if not isinstance(v, int) or isinstance(v, bool) or not lo <= v <= hi:
-            raise SpecdecError(f"invalid {what}: {key}={v!r} must be an integer in [{lo}, {hi}]")
+            raise ValueError(f"invalid {what}: {key}={v!r} must be an integer in [{lo}, {hi}]")
     return SpecShape(value["num_draft_tokens"], dynamic=(value["topk"], value["num_steps"], value["num_draft_tokens"]))
 
 

@@ -7,7 +7,7 @@ from pathlib import Path
 import pytest
 
 from conftest import save_tiny_model
-from specdec import bench
+from specdec.bench import prompts as prompt_sets
 from specdec.cli import main
 
 ROWS = [{"question_id": 1, "category": "qa", "turns": ["What is the answer?"]},
@@ -65,7 +65,7 @@ def test_bad_prompts_file(tiny_model: Path, tmp_path: Path, capsys, name, conten
 
 def test_missing_default_prompts(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(bench, "_REPO_PROMPTS", tmp_path / "elsewhere" / "question.jsonl")
+    monkeypatch.setattr(prompt_sets, "_REPO_PROMPTS", tmp_path / "elsewhere" / "question.jsonl")
     assert main(["bench", "--out", str(tmp_path / "b.json")]) == 2
     err = capsys.readouterr().err
     assert "no --prompts given" in err and "elsewhere" in err and "pass --prompts" in err

@@ -106,7 +106,7 @@ def test_the_default_model_drafts_with_the_shipped_head_unless_off():
     from specdec.models.loader import HEADS_DIR
 
     spec = LLM("smollm2-135m").engine.speculative
-    assert spec.method == "eagle3" and spec.model == str(HEADS_DIR / "smollm2-135m-eagle3")
+    assert spec.method == "eagle3" and spec.options.model == str(HEADS_DIR / "smollm2-135m-eagle3")
     assert LLM("smollm2-135m", speculative_config="off").engine.speculative is None
 
 

@@ -9,7 +9,6 @@ import torch
 
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.drafting import DraftRequest
 from specdec.drafting.eagle import EagleDrafter
 from specdec.models.eagle3 import Eagle3Head
 

@@ -103,3 +103,12 @@ def test_drafters_get_plain_values_never_engine_objects(tiny_llama_dir):
     assert not any(isinstance(getattr(env, f.name), engine_types) for f in dataclasses.fields(env))
     assert {r.params.temperature for r in drafter.seen_requests} == {0.0, 0.8}
     assert any(r.generator is not None for r in drafter.seen_requests)  # the seeded request's generator
+
+
+def test_a_custom_drafter_must_be_a_drafter(tiny_llama_dir):
+    class Almost:
+        def propose(self, requests):
+            return Draft.chains([[] for _ in requests])
+
+    with pytest.raises(SpecdecError, match="must be a specdec.drafting.Drafter .* got Almost"):
+        LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "drafter": Almost()})

@@ -19,7 +19,7 @@ from collections import defaultdict
 from pathlib import Path
 
 from specdec import LLM, SamplingParams
-from specdec.bench import encode_prompts, load_questions, prompts_path
+from specdec.bench.prompts import encode_prompts, load_questions, prompts_path
 from specdec.drafting import DraftRequest
 from specdec.drafting.ngram import NgramDrafter
 

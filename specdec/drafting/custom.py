@@ -21,6 +21,7 @@ class CustomOptions:
 @register_method("custom", CustomOptions)
 def custom_drafter(cfg: SpeculativeConfig, env: DraftEnv) -> Drafter:
     drafter = cfg.options.drafter
-    if not callable(getattr(drafter, "propose", None)):
-        raise SpecdecError("the custom drafter must have a propose(requests) -> Draft method")
+    if not isinstance(drafter, Drafter):  # the engine also calls release, cached_prefix, feature_layers
+        raise SpecdecError(f"the custom drafter must be a specdec.drafting.Drafter (subclass it and implement "
+                           f"propose(requests) -> Draft), got {type(drafter).__name__}")
     return drafter

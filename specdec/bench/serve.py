@@ -25,7 +25,9 @@ import time
 from dataclasses import dataclass, field
 from pathlib import Path
 
-from specdec.bench import format_table, load_questions, machine_info, output_path, pick_round_robin, prompts_path
+from specdec.bench.machine import machine_info
+from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
+from specdec.bench.report import format_table, output_path
 from specdec.config import SpecdecError, SpeculativeConfig
 from specdec.llm import parse_device
 from specdec.models.loader import default_speculative_config

@@ -33,7 +33,7 @@ def test_tune_writes_a_dispatch_table_that_speculative_config_loads(tiny_llama_d
 
 def test_candidates_for_a_head_are_chains_and_static_trees():
     """Heads draft static trees only, so tuning one never proposes a dynamic tree (it would be refused)."""
-    from specdec.tune import candidates
+    from specdec.bench.tune import candidates
 
     rates = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
     for method in ("eagle3", "medusa"):

@@ -7,7 +7,7 @@ import pytest
 
 from specdec.cli import main
 from specdec.config import SpecdecError
-from specdec.serve_bench import RequestResult, parse_levels, percentile, summarize_level
+from specdec.bench.serve import RequestResult, parse_levels, percentile, summarize_level
 
 
 def test_percentiles_and_level_summary():

@@ -18,34 +18,27 @@ from collections import defaultdict
 
 from tqdm import tqdm
 
-from specdec.bench import encode_prompts, load_questions, output_path, parse_batch_sizes, pick_round_robin, \
-    prompts_path, time_group
-from specdec.config import HEAD_METHODS, TREE_METHODS, SamplingParams, SpecdecError, SpecShape, SpeculativeConfig
+from specdec.bench.engines import time_group
+from specdec.bench.prompts import encode_prompts, load_questions, parse_batch_sizes, pick_round_robin, prompts_path
+from specdec.bench.report import output_path
+from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.tree import SpecShape, pruned_tree
 
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
 DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6}, {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
 
 
-def shape_json(shape: SpecShape) -> str | list[list[int]] | dict:
-    """How a shape is written in a dispatch table."""
-    if shape.dynamic:
-        return dict(zip(("topk", "num_steps", "num_draft_tokens"), shape.dynamic))
-    return "off" if shape.k == 0 else [list(p) for p in shape.tree] if shape.tree else f"chain-{shape.k}"
-
-
 def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:
     """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
-    cfg = llm.engine.speculative
-    shape = cfg.parse_shape(MEASURE_TREE, "tree")
-    cfg.dispatch_table = [(1, shape)]
+    shape = llm.engine.speculative.parse_shape(MEASURE_TREE, "tree")
+    llm.engine.pin_draft_shape(shape)
     width, depth = 1 + max(p[-1] for p in shape.tree), max(len(p) for p in shape.tree)
     reached, accepted = [0] * depth, [[0] * width for _ in range(depth)]
-    spec = llm.engine.speculator
     for p in tqdm(prompts, desc="acceptance statistics", file=sys.stderr):
-        spec.history = []
-        llm.generate({"prompt_token_ids": p.token_ids}, params)
-        for nodes, num_drafted in spec.history:
+        with llm.engine.trace_speculation() as trace:
+            llm.generate({"prompt_token_ids": p.token_ids}, params)
+        for nodes, num_drafted in trace:
             if not num_drafted:
                 continue
             deepest = max(len(shape.tree[n]) for n in range(num_drafted))
@@ -53,7 +46,7 @@ def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:
                 reached[d] += 1
             for d, n in enumerate(nodes):
                 accepted[d][shape.tree[n][-1]] += 1
-    spec.history = None
+    llm.engine.pin_draft_shape(None)
     return [[a / r if r else 0.0 for a in row] for row, r in zip(accepted, reached)]
 
 
@@ -61,11 +54,9 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
     k = cfg.num_speculative_tokens
     shapes = [SpecShape(0)] + [SpecShape(n) for n in sorted({1, 2, max(1, k // 2), k})]
     if rates is not None:
-        from specdec.tree import pruned_tree
-
         for size in PRUNED_SIZES:
             shapes.append(cfg.parse_shape(pruned_tree(rates, size), "tree"))
-        if cfg.method not in HEAD_METHODS:  # heads draft static trees only
+        if cfg.info.dynamic_trees:  # the heads draft static trees only
             shapes += [cfg.parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
     unique: dict[SpecShape, None] = dict.fromkeys(shapes)
     return list(unique)
@@ -82,7 +73,7 @@ def run_tune(args: argparse.Namespace) -> dict:
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
     out = output_path(args.out)
-    tree_method = cfg.method in TREE_METHODS
+    tree_method = cfg.info.trees
     measure = {**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=measure,
               max_num_seqs=max(max(batch_sizes), 1))
@@ -96,17 +87,17 @@ def run_tune(args: argparse.Namespace) -> dict:
         for g, group in enumerate(tqdm(groups, desc=f"batch {b}", file=sys.stderr)):
             for j in range(len(shapes)):  # rotate the order every group: drift hits every candidate alike
                 shape = shapes[(g + j) % len(shapes)]
-                llm.engine.speculative.dispatch_table = [(1, shape)]
+                llm.engine.pin_draft_shape(shape)
                 record, _ = time_group(llm, group, params)
                 totals[shape][0] += record["decode_tokens"]
                 totals[shape][1] += record["decode_s"]
         speeds[b] = {str(s): n / t for s, (n, t) in totals.items()}
     best = {b: max(shapes, key=lambda s: speeds[b][str(s)]) for b in batch_sizes}
-    result = {"method": cfg.method, "dispatch": {str(b): shape_json(best[b]) for b in batch_sizes},
+    result = {"method": cfg.method, "dispatch": {str(b): best[b].to_json() for b in batch_sizes},
               "chosen": {str(b): str(best[b]) for b in batch_sizes},
               "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},
               "acceptance_by_depth_and_rank": rates,
-              "candidates": {str(s): shape_json(s) for s in shapes},
+              "candidates": {str(s): s.to_json() for s in shapes},
               "args": {k: v for k, v in vars(args).items() if k != "func"}}
     out.write_text(json.dumps(result, indent=1))
     print(format_tune(result))

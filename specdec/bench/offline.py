@@ -1,0 +1,231 @@
+"""`specdec bench`: time specdec against itself (batch sizes, dtypes), transformers, and the memory roofline.
+
+Results are a list of runs, each a config {engine, method, dtype, batch_size} with its measurements, so a
+new decoding method is one more run. Batch-1 runs of different engines alternate per prompt (A/B, then
+B/A) so that drift in a noisy machine's speed hits both engines alike.
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from collections.abc import Callable
+
+import torch
+from tqdm import tqdm
+
+from specdec.bench.engines import load_hf, time_group, time_hf, time_specdec
+from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
+from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, parse_batch_sizes, pick_round_robin, \
+    prompts_path
+from specdec.bench.report import format_report, output_path
+from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.models.loader import default_speculative_config, resolve
+
+
+def parse_dtypes(dtypes: str | None, default: str) -> list[str]:
+    from specdec.llm import parse_dtype
+
+    names = [d.strip() for d in (dtypes or default).split(",") if d.strip()]
+    if not names:
+        raise SpecdecError(f"invalid --dtypes {dtypes!r}: expected comma-separated dtypes, e.g. float32,bfloat16")
+    for name in names:
+        parse_dtype(name)  # raises with the valid names listed
+    return list(dict.fromkeys(names))
+
+
+def bench_params(args: argparse.Namespace) -> SamplingParams:
+    temperature = getattr(args, "temperature", 0.0)
+    return SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=0 if temperature > 0 else None)
+
+
+def acceptance(records: list[dict]) -> dict | None:
+    """Speculation over a set of requests: acceptance length = tokens per target forward (bonus included)."""
+    if not records or "num_steps" not in records[0] or not sum(r["num_draft_tokens"] for r in records):
+        return None
+    steps = sum(r["num_steps"] for r in records)
+    drafted = sum(r["num_draft_tokens"] for r in records)
+    per_pos = [sum(r["accepted_per_pos"][j] if j < len(r["accepted_per_pos"]) else 0 for r in records)
+               for j in range(max(len(r["accepted_per_pos"]) for r in records))]
+    drafts = sum(r["num_drafts"] for r in records)
+    return {"acceptance_length": sum(r["generated_tokens"] for r in records) / steps,
+            "acceptance_rate": sum(r["num_accepted_tokens"] for r in records) / drafted,
+            "num_drafts": drafts, "num_draft_tokens": drafted,
+            "acceptance_per_pos": [a / drafts for a in per_pos]}
+
+
+def acceptance_by_category(records: list[dict]) -> dict:
+    categories = dict.fromkeys(r["category"] for r in records)
+    return {c: acceptance([r for r in records if r["category"] == c]) for c in categories}
+
+
+def summarize(records: list[dict]) -> dict:
+    """Aggregates are ratios of sums (total tokens / total time), so long requests weigh what they cost."""
+    tokens = sum(r["generated_tokens"] for r in records)
+    e2e = sum(r["e2e_s"] for r in records)
+    decode_s = sum(r["decode_s"] for r in records)
+    ttfts = [r["ttft_s"] for r in records if r["ttft_s"] is not None]
+    return {"num_prompts": len(records), "generated_tokens": tokens, "e2e_s": e2e,
+            "ttft_s_mean": sum(ttfts) / len(ttfts) if ttfts else None,
+            "decode_tokens_per_s": sum(max(r["generated_tokens"] - 1, 0) for r in records) / decode_s
+            if decode_s > 0 else None,
+            "e2e_tokens_per_s": tokens / e2e if e2e > 0 else None}
+
+
+def batch1_runs(timers: dict[tuple[str, str], Callable[[BenchPrompt], dict]], prompts: list[BenchPrompt],
+                dtype: str, probe: Callable[[], float]) -> list[dict]:
+    """Every engine on every prompt, one request at a time, alternating which engine goes first."""
+    for timer in timers.values():
+        timer(prompts[0])  # untimed warm-up
+    per_prompt: dict[tuple[str, str], list[dict]] = {name: [] for name in timers}
+    names = list(timers)
+    for i, p in enumerate(tqdm(prompts, desc=f"{dtype} batch 1", file=sys.stderr)):
+        bandwidth = probe()
+        for name in names if i % 2 == 0 else names[::-1]:
+            rec = timers[name](p)
+            per_prompt[name].append({"index": i, "question_id": p.question_id, "category": p.category,
+                                     "prompt_tokens": len(p.token_ids), "read_bytes_per_s_beside": bandwidth,
+                                     **rec})
+    return [{"config": run_config(engine, dtype, 1, method), "summary": summarize(recs), "per_prompt": recs,
+             "acceptance": acceptance(recs), "acceptance_by_category": acceptance_by_category(recs)}
+            for (engine, method), recs in per_prompt.items()]
+
+
+def run_config(engine: str, dtype: str, batch_size: int, method: str = "plain") -> dict:
+    return {"engine": engine, "method": method, "dtype": dtype, "batch_size": batch_size}
+
+
+def batched_run(llm, prompts: list[BenchPrompt], batch_size: int, params: SamplingParams, dtype: str,
+                batch1: dict, method: str = "plain") -> dict:
+    """Groups of batch_size prompts (cycling through the list), one generate() call per group."""
+    if batch_size > llm.engine.cfg.max_num_seqs:
+        raise SpecdecError(f"batch size {batch_size} exceeds the engine's max_num_seqs={llm.engine.cfg.max_num_seqs}")
+    order = [i % len(prompts) for i in range(math.ceil(len(prompts) / batch_size) * batch_size)]
+    reference = [r["token_ids"] for r in batch1["per_prompt"]]
+    per_group, identical = [], 0
+    for g in tqdm(range(0, len(order), batch_size), desc=f"{method} {dtype} batch {batch_size}", file=sys.stderr):
+        group = order[g:g + batch_size]
+        record, token_ids = time_group(llm, [prompts[i] for i in group], params)
+        identical += sum(ids == reference[i] for ids, i in zip(token_ids, group))
+        per_group.append({"prompt_indices": group, **record})
+    total = {k: sum(g[k] for g in per_group) for k in ("generated_tokens", "wall_s", "ttft_s_sum", "decode_tokens",
+                                                         "decode_s")}
+    base = batch1["summary"]["e2e_tokens_per_s"]
+    e2e_tps = total["generated_tokens"] / total["wall_s"]
+    summary = {"num_prompts": len(order), "generated_tokens": total["generated_tokens"], "e2e_s": total["wall_s"],
+               "ttft_s_mean": total["ttft_s_sum"] / len(order),
+               "decode_tokens_per_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None,
+               "e2e_tokens_per_s": e2e_tps, "speedup_vs_batch1": e2e_tps / base if base else None,
+               "identical_to_batch1": identical}
+    return {"config": run_config("specdec", dtype, batch_size, method), "summary": summary, "per_group": per_group}
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    """Index of the first differing token (or the shorter length); None if identical."""
+    if a == b:
+        return None
+    return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
+
+
+def _ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x and y else None
+
+
+def compare(candidate: dict, baseline: dict) -> dict:
+    """Speed of candidate over baseline from the same interleaved run, and whether greedy outputs agree."""
+    cs, bs = candidate["summary"], baseline["summary"]
+    divergences = []
+    for c, b in zip(candidate["per_prompt"], baseline["per_prompt"]):
+        pos = first_divergence(c["token_ids"], b["token_ids"])
+        if pos is not None:
+            divergences.append({"index": c["index"], "question_id": c["question_id"], "position": pos})
+    by_category = {}
+    for cat in dict.fromkeys(r["category"] for r in candidate["per_prompt"]):
+        c_sum = summarize([r for r in candidate["per_prompt"] if r["category"] == cat])
+        b_sum = summarize([r for r in baseline["per_prompt"] if r["category"] == cat])
+        by_category[cat] = {"e2e_speedup": _ratio(c_sum["e2e_tokens_per_s"], b_sum["e2e_tokens_per_s"]),
+                            "decode_speedup": _ratio(c_sum["decode_tokens_per_s"], b_sum["decode_tokens_per_s"])}
+    return {"candidate": candidate["config"], "baseline": baseline["config"],
+            "e2e_speedup": _ratio(cs["e2e_tokens_per_s"], bs["e2e_tokens_per_s"]),
+            "decode_speedup": _ratio(cs["decode_tokens_per_s"], bs["decode_tokens_per_s"]),
+            "ttft_speedup": _ratio(bs["ttft_s_mean"], cs["ttft_s_mean"]),
+            "by_category": by_category, "num_prompts": len(candidate["per_prompt"]),
+            "identical_prompts": len(candidate["per_prompt"]) - len(divergences), "divergences": divergences}
+
+
+def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None, records: list[dict]) -> dict:
+    """Batch-1 decode reads every weight once per token, so bandwidth / weight bytes bounds tokens/s.
+
+    Judged twice: against the bandwidth measured at the start of the run, and per prompt against the
+    bandwidth sampled just before it (the median of those per-prompt fractions).
+    """
+    read = bandwidth["read_bytes_per_s"] / weight_bytes
+    copy = bandwidth["copy_bytes_per_s"] / weight_bytes
+    beside = sorted(r["decode_tokens_per_s"] * weight_bytes / r["read_bytes_per_s_beside"]
+                    for r in records if r.get("decode_tokens_per_s") and r.get("read_bytes_per_s_beside"))
+    return {"weight_bytes_per_token": weight_bytes, "read_bw_tokens_per_s": read, "copy_bw_tokens_per_s": copy,
+            "achieved_decode_tokens_per_s": achieved,
+            "fraction_of_read_bw": achieved / read if achieved else None,
+            "fraction_of_copy_bw": achieved / copy if achieved else None,
+            "fraction_of_read_bw_beside_median": beside[len(beside) // 2] if beside else None}
+
+
+def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
+                bandwidth: dict) -> tuple[list[dict], list[dict]]:
+    """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked),
+    roofline, larger batches. Speculation is compared with plain decoding of the same engine and weights."""
+    from specdec.llm import LLM, parse_dtype
+
+    llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off")
+    prompts = encode_prompts(llm, rows)
+    params = bench_params(args)
+    engines = {("specdec", "plain"): llm}
+    spec = args.speculative_config if args.speculative_config is not None else default_speculative_config(args.model)
+    if SpeculativeConfig.parse(spec) is not None:
+        spec_llm = llm.with_speculative_config(spec)
+        engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
+    timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
+    if args.compare_hf:
+        hf = load_hf(resolve(args.model), parse_dtype(dtype), llm.engine.model.device)
+        eos = sorted(llm.engine.eos_token_ids)
+        timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
+    runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
+    plain = runs[0]
+    plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
+                                 plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
+    comparisons = [{**compare(other, plain), "sampled": params.temperature > 0}
+                   for other in runs[1:] if other["config"]["engine"] == "specdec"]
+    comparisons += [compare(plain, other) for other in runs[1:] if other["config"]["engine"] != "specdec"]
+    for (_, method), engine in engines.items():
+        batch1 = next(r for r in runs if r["config"]["method"] == method and r["config"]["engine"] == "specdec")
+        runs += [batched_run(engine, prompts, b, params, dtype, batch1, method) for b in batch_sizes if b > 1]
+    return runs, comparisons
+
+
+def run_bench(args: argparse.Namespace) -> dict:
+    """Validate everything cheap first, then measure; prints the report and writes the JSON."""
+    SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
+    from specdec.llm import parse_device
+
+    path = prompts_path(args.prompts)
+    dtypes = parse_dtypes(args.dtypes, args.dtype)
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    bench_params(args)  # validates --max-tokens and --temperature
+    if args.threads is not None:
+        if args.threads < 1:
+            raise SpecdecError(f"invalid --threads {args.threads}: must be >= 1")
+        torch.set_num_threads(args.threads)
+    rows = pick_round_robin(load_questions(path), args.num_prompts)
+    device = parse_device(args.device)
+    out = output_path(args.out)
+    result = {"machine": machine_info(device), "args": vars(args), "prompts_file": str(path),
+              "bandwidth": measure_bandwidth(device), "runs": [], "comparisons": []}
+    for dtype in dtypes:
+        runs, comparisons = bench_dtype(args, dtype, rows, batch_sizes, result["bandwidth"])
+        result["runs"] += runs
+        result["comparisons"] += comparisons
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(format_report(result))
+    print(f"\nresults written to {out}")
+    return result
