@@ -5,7 +5,7 @@ import argparse
 import json
 import sys
 
-from specdec.config import SpecdecError
+from specdec.config import SpecdecError, registered_methods
 from specdec.models.loader import DEFAULT_MODEL
 
 
@@ -75,7 +75,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(t)
     add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
     tr = sub.add_parser("train", help="train a draft head (eagle3, eagle, mtp, medusa) by online distillation")
-    tr.add_argument("--method", default="eagle3", help="eagle3 (default), eagle, mtp or medusa")
+    tr.add_argument("--method", default="eagle3",
+                    help=f"a draft-head method: {', '.join(registered_methods(head=True))} (default eagle3)")
     tr.add_argument("--target", default=DEFAULT_MODEL, help=f"the frozen target (default {DEFAULT_MODEL})")
     tr.add_argument("--data", nargs="+", required=True, help="chat JSONL files ({'messages': [...]} per line)")
     tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")

@@ -13,7 +13,6 @@ from typing import Any
 import torch
 
 BANDWIDTH_BUFFER_BYTES = 512 * 2**20  # far beyond any CPU cache, so the bandwidth is DRAM's
-
 BANDWIDTH_REPEATS = 5
 
 

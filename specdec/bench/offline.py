@@ -17,11 +17,21 @@ from tqdm import tqdm
 
 from specdec.bench.engines import load_hf, time_group, time_hf, time_specdec
 from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
-from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, parse_batch_sizes, pick_round_robin, \
-    prompts_path
+from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_report, output_path
 from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.models.loader import default_speculative_config, resolve
+
+
+def parse_batch_sizes(text: str) -> list[int]:
+    """Batch size 1 is always measured: every other batch size is reported relative to it."""
+    try:
+        sizes = {int(s) for s in text.split(",") if s.strip()}
+    except ValueError:
+        sizes = {0}
+    if not sizes or min(sizes) < 1:
+        raise SpecdecError(f"invalid --batch-sizes {text!r}: expected comma-separated positive integers, e.g. 1,4,16")
+    return sorted(sizes | {1})
 
 
 def parse_dtypes(dtypes: str | None, default: str) -> list[str]:

@@ -10,27 +10,14 @@ from typing import Any
 from specdec.config import SpecdecError
 
 DEFAULT_PROMPTS = Path("../shared/data/spec_bench/question.jsonl")
-
 _REPO_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared/data/spec_bench/question.jsonl"
 
 
 @dataclass
-
 class BenchPrompt:
     question_id: Any
     category: str
     token_ids: list[int]
-
-
-def parse_batch_sizes(text: str) -> list[int]:
-    """Batch size 1 is always measured: every other batch size is reported relative to it."""
-    try:
-        sizes = {int(s) for s in text.split(",") if s.strip()}
-    except ValueError:
-        sizes = {0}
-    if not sizes or min(sizes) < 1:
-        raise SpecdecError(f"invalid --batch-sizes {text!r}: expected comma-separated positive integers, e.g. 1,4,16")
-    return sorted(sizes | {1})
 
 
 def prompts_path(arg: str | None) -> Path:

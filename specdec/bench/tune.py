@@ -19,7 +19,8 @@ from collections import defaultdict
 from tqdm import tqdm
 
 from specdec.bench.engines import time_group
-from specdec.bench.prompts import encode_prompts, load_questions, parse_batch_sizes, pick_round_robin, prompts_path
+from specdec.bench.offline import parse_batch_sizes
+from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.tree import SpecShape, pruned_tree
