@@ -6,6 +6,9 @@ Memory layout (one pool per model; a draft model gets its own pool over the same
                     |-- block 0 --|-- block 1 --| ...      block 0 is the null block: padding writes land there
     block_table(seq) = [7, 3, 12]  ->  token at position p lives in slot block_table[p // bs] * bs + p % bs
 
+`paged_inputs` lays a step's tokens out over this cache: where each new token's K/V go and which slots each
+query reads.
+
 Prefix caching (Meta's persistent KV): once a block is full of committed tokens it is keyed by a hash of
 every token up to its end (chained block by block, so a key names the whole prefix). Blocks are reference
 counted: a new request whose prompt starts with a cached prefix shares those blocks instead of prefilling
@@ -22,6 +25,7 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import ModelConfig
+from specdec.models.attention import AttentionMetadata
 
 NULL_BLOCK = 0
 
@@ -178,3 +182,47 @@ class BlockAllocator:
         """Flat slot indices of positions [start, end)."""
         bs = self.block_size
         return [table.blocks[p // bs] * bs + p % bs for p in range(start, end)]
+
+
+def paged_inputs(tables: list[list[int]], starts: list[int], feeds: list[list[int]], trees: list | None = None, *,
+                 block_size: int, device: torch.device | str = "cpu"
+                 ) -> tuple[torch.Tensor, torch.Tensor, AttentionMetadata]:
+    """Tensors for feeding `feeds[i]` into slots starts[i].. of the sequence owning blocks tables[i]:
+    consecutive and causal, or in the layout of trees[i] when given (a `tree.TreeFeed`: each row's slot
+    offset, rotary offset, and which slots from starts[i] on it sees).
+
+        tokens, positions: [T]      every sequence's new tokens, flattened (no padding)
+        context:           [B, L]   every slot sequence i attends: its cached prefix + this step's tokens
+    """
+    trees = trees or [None] * len(feeds)
+    num_new = [len(f) for f in feeds]
+    B, S = len(feeds), max(num_new)
+    bs = block_size
+    ends = [start + (n if t is None else t.visible.shape[1]) for start, n, t in zip(starts, num_new, trees)]
+    L = max(ends)
+    padded_index = torch.full((B, S), -1, dtype=torch.long)  # slot index in the sequence, -1 = padding
+    block_tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
+    for i, (start, n, blocks) in enumerate(zip(starts, num_new, tables)):
+        offsets = torch.arange(n) if trees[i] is None else torch.tensor(trees[i].index, dtype=torch.long)
+        padded_index[i, :n] = start + offsets
+        blocks = blocks[: block_tables.shape[1]]
+        block_tables[i, : len(blocks)] = torch.tensor(blocks)
+    pos = torch.arange(L)
+    valid = pos[None, :] < torch.tensor(ends)[:, None]  # [B, L]
+    context_slots = torch.where(valid, block_tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
+    context_positions = torch.where(valid, pos[None, :], -1)
+    is_new = padded_index >= 0
+    slot_mapping = context_slots.gather(1, padded_index.clamp(min=0))[is_new]
+    meta = AttentionMetadata.causal(padded_index, context_slots, context_positions, slot_mapping, num_new)
+    rope = padded_index.clone()
+    if any(t is not None for t in trees):
+        meta.tree_starts = list(starts)  # every sequence's fed region is its "tree"; a chain's is causal
+    for i, tree in enumerate(trees):
+        if tree is not None:
+            n, start = len(tree.index), starts[i]
+            rope[i, :n] = start + torch.tensor(tree.rope, dtype=torch.long)
+            meta.mask[i, :n, start:start + tree.visible.shape[1]] = tree.visible
+    dev = device
+    meta = meta.to(dev)
+    tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
+    return tokens, rope[is_new].to(dev), meta

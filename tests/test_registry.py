@@ -101,6 +101,7 @@ def test_drafters_get_plain_values_never_engine_objects(tiny_llama_dir):
     env = drafter.seen_env
     assert type(env) is DraftEnv
     assert not any(isinstance(getattr(env, f.name), engine_types) for f in dataclasses.fields(env))
+    assert getattr(env.inputs, "__self__", None) is None  # a function, not a bound method of the engine's runner
     assert {r.params.temperature for r in drafter.seen_requests} == {0.0, 0.8}
     assert any(r.generator is not None for r in drafter.seen_requests)  # the seeded request's generator
 

@@ -181,15 +181,12 @@ def test_dtype_is_preserved():
 def test_engine_tree_layouts_split_into_prefix_and_suffix_match_the_full_mask():
     """What the model runs: ModelRunner lays out verification trees (and a chain beside them) over the
     paged cache; attention split into prefix + tree suffix equals attention with the full explicit mask."""
-    from specdec.engine.model_runner import ModelRunner
-    from specdec.kv_cache import BlockAllocator, BlockTable
+    from specdec.kv_cache import BlockAllocator, BlockTable, paged_inputs
     from specdec.models.attention import paged_attention
     from specdec.tree import TreeFeed
 
     gen = torch.Generator().manual_seed(4)
     allocator = BlockAllocator(64, 4)
-    runner = ModelRunner.__new__(ModelRunner)
-    runner.block_size, runner.device = allocator.block_size, torch.device("cpu")
     starts, trees = [9, 3, 14], [random_parents(6, gen), None, random_parents(3, gen)]
     feeds = [[1] * (len(p) + 1) if p is not None else [1, 1, 1] for p in trees]
     tables = []
@@ -198,7 +195,7 @@ def test_engine_tree_layouts_split_into_prefix_and_suffix_match_the_full_mask():
         allocator.allocate(table, s + len(f))
         tables.append(table.blocks)
     layouts = [TreeFeed.verification(p) if p is not None else None for p in trees]
-    _, _, meta = runner.inputs(tables, starts, feeds, layouts)
+    _, _, meta = paged_inputs(tables, starts, feeds, layouts, block_size=allocator.block_size)
     assert meta.tree_starts == starts
     T, Hq, Hkv, D = sum(len(f) for f in feeds), 6, 2, 16
     q = torch.randn(T, Hq, D, generator=gen)

@@ -39,7 +39,8 @@ Inputs = Callable[[list[list[int]], list[int], list[list[int]], "list[TreeFeed |
 class DraftEnv:
     """What the engine lends a drafting method when it is built: the frozen target (its config, embedding,
     final norm, LM head, and first layers for self-speculation) with its KV pool, the tokenizer, the
-    geometry of the KV blocks every model shares, and `inputs`."""
+    geometry of the KV blocks every model shares, and `inputs` (`kv_cache.paged_inputs` bound to that block
+    size and the target's device: a plain function, not the engine's)."""
 
     target: LlamaModel
     target_kv: KVPool
