@@ -13,18 +13,21 @@ import time
 from specdec import LLM, SamplingParams
 
 
-def main() -> None:
+def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    ap.add_argument("--model", default="smollm2-135m", help="alias, HF directory or .gguf (default smollm2-135m)")
     ap.add_argument("--contexts", default="64,768", help="committed tokens before the step, comma-separated")
     ap.add_argument("--tokens", default="1,2,3,5,9,16", help="tokens fed by the step, comma-separated (1 first)")
-    args = ap.parse_args()
+    args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = [int(n) for n in args.tokens.split(",")]
-    engine = LLM(speculative_config="off").engine
+    engine = LLM(args.model, speculative_config="off").engine
     print("| context | " + " | ".join(f"{n} tokens" for n in rows) + " |")
     print("|---" * (len(rows) + 1) + "|")
     for ctx in contexts:
-        seq = engine.add_request(list(range(1000, 1000 + ctx)), SamplingParams(temperature=0, max_tokens=400))
+        vocab = engine.model.config.vocab_size
+        prompt = [(1000 + i) % vocab for i in range(ctx)]
+        seq = engine.add_request(prompt, SamplingParams(temperature=0, max_tokens=400))
         while seq.num_cached < ctx:  # the prompt's prefill
             engine.step()
         engine.allocator.allocate(seq.block_table, seq.num_cached + max(rows))
@@ -32,7 +35,8 @@ def main() -> None:
         for _ in range(9):
             for n in rows:  # the fed tokens are written past the committed ones and never committed
                 start = time.perf_counter()
-                hidden = engine.runner.forward_rows([seq], [n], extra_tokens=[[100] * (n - 1)])
+                hidden, _ = engine.runner.run([seq.block_table.blocks], [seq.num_cached],
+                                              [seq.token_ids[seq.num_cached:] + [100 % vocab] * (n - 1)])
                 engine.runner.model.compute_logits(hidden).argmax(-1)
                 times[n].append(time.perf_counter() - start)
         ms = {n: statistics.median(t) * 1e3 for n, t in times.items()}
