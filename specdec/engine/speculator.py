@@ -39,10 +39,11 @@ def plain_result(tokens: torch.Tensor) -> VerifyResult:
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None) -> DraftRequest:
     """What a drafter sees of a sequence: plain values (the token and block lists are the sequence's own,
     read-only)."""
-    return DraftRequest(seq.seq_id, seq.token_ids, seq.num_uncached, max_tokens, seq.params, seq.generator,
-                        seq.block_table.blocks, seq.num_cached, seq.num_prefix_hit, seq.num_preemptions,
-                        shape.tree if shape else None, shape.dynamic if shape else None,
-                        seq.params.max_tokens - len(seq.output_token_ids) - 1)
+    return DraftRequest(seq.seq_id, seq.token_ids, seq.num_uncached, max_tokens, params=seq.params,
+                        generator=seq.generator, block_table=seq.block_table.blocks, num_cached=seq.num_cached,
+                        num_prefix_hit=seq.num_prefix_hit, epoch=seq.num_preemptions,
+                        tree=shape.tree if shape else None, dynamic=shape.dynamic if shape else None,
+                        max_depth=seq.params.max_tokens - len(seq.output_token_ids) - 1)
 
 
 class Speculator:
