@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Explain in three sentences why the sky is blue.
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: setup run test bench
+.PHONY: setup run test bench bench-peers
 
 setup: $(VENV)/.installed
 
@@ -30,3 +30,8 @@ test: setup
 
 bench: setup
 	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 128 --compare-hf --batch-sizes 1,4,16 --dtypes float32,bfloat16 --speculative-config '$(SPEC)' --out bench_results/bench.json
+
+# Peers for `specdec bench --compare-llamacpp`: llama.cpp through llama-cpp-python, built from source for this
+# CPU (about 10 minutes on 2 cores; 30 when the cores are busy). Optional: nothing else needs it.
+bench-peers: setup
+	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q llama-cpp-python==0.3.36 diskcache

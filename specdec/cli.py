@@ -11,7 +11,10 @@ from specdec.models.loader import DEFAULT_MODEL
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, HF directory or .gguf file (default {DEFAULT_MODEL})")
-    p.add_argument("--dtype", default="float32", help="float32 | bfloat16")
+    p.add_argument("--dtype", default="auto", help="auto (a GGUF computes on its own quantized blocks, a Hugging Face "
+                   "model in float32) | float32 | bfloat16 (a GGUF dequantized)")
+    p.add_argument("--quantization", default=None, help="gguf (a GGUF's own blocks) | q8_0 | q4_0 | q4_1 "
+                   "(quantize float weights on load)")
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\', or off (default: the built-in model '
@@ -60,6 +63,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: --dtype)")
     b.add_argument("--compare-hf", action="store_true",
                    help="also time transformers' generate on the same prompts, interleaved, and compare token ids")
+    b.add_argument("--compare-llamacpp", action="store_true",
+                   help="also time llama.cpp (llama-cpp-python, `make bench-peers`) on the same GGUF and token ids, "
+                   "interleaved prompt by prompt")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     b.add_argument("--temperature", type=float, default=0.0,
                    help="0: greedy (default); above 0 every prompt samples with a fixed seed, so speculative and "
@@ -120,7 +126,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens)
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config)
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
+              quantization=args.quantization)
     if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):
         prompt_ids = llm.encode(args.prompt)[1]
     else:
@@ -154,7 +161,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     if args.max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
-    llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config, **engine_kwargs)
+    llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
+              quantization=args.quantization, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
 
 

@@ -18,11 +18,12 @@ _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bf
 Prompt = str | dict[str, Any]
 
 
-def parse_dtype(dtype: str | torch.dtype) -> torch.dtype:
-    if isinstance(dtype, torch.dtype):
+def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
+    """A torch dtype, or 'auto' (a GGUF computes on its own quantized blocks, anything else in float32)."""
+    if isinstance(dtype, torch.dtype) or dtype == "auto":
         return dtype
     if dtype not in _DTYPES:
-        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of {sorted(_DTYPES)}")
+        raise SpecdecError(f"unknown dtype {dtype!r}; choose one of {['auto', *sorted(_DTYPES)]}")
     return _DTYPES[dtype]
 
 
@@ -43,17 +44,21 @@ class LLM:
     speculative_config: vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     output is the same as without it (greedy: token for token; sampling: in distribution). None: the
     built-in model drafts with the head we ship for it, other models do not speculate; "off": no speculation.
+    dtype: 'auto' computes a GGUF on its own quantized blocks (native int8 kernels on CPU) and a Hugging Face
+    model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
+    quantization: 'gguf' (insist on a GGUF's own blocks), or 'q8_0' / 'q4_0' / 'q4_1' to quantize float weights
+    on load.
     Extra keyword arguments are EngineConfig fields (block_size, max_num_seqs, ...).
     """
 
-    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "float32",
+    def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
-                 **engine_kwargs: Any) -> None:
+                 quantization: str | None = None, **engine_kwargs: Any) -> None:
         if speculative_config is None:
             speculative_config = default_speculative_config(model)
         speculative = SpeculativeConfig.parse(speculative_config)
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
-        net, src = load_model(model, parse_dtype(dtype), parse_device(device))
+        net, src = load_model(model, parse_dtype(dtype), parse_device(device), quantization)
         self.model_name = str(model)
         self.tokenizer = load_tokenizer(src)
         self.engine = LLMEngine(net, self.tokenizer, engine_cfg, speculative)

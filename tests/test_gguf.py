@@ -95,7 +95,8 @@ def random_k_quant(rng: np.random.Generator, shape: tuple[int, int], qtype: Q) -
 def write_model(path: Path, arch: str, *, layers: int = 2, heads: int = 4, kv_heads: int = 2, head_dim: int = 16,
                 hidden: int = 64, inter: int = 256, vocab: int = 64, rope_theta: float = 10000.0, tied: bool = False,
                 omit: str | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
-                metadata: Callable[[gguf.GGUFWriter], None] | None = None) -> dict[str, torch.Tensor]:
+                metadata: Callable[[gguf.GGUFWriter], None] | None = None,
+                types: tuple = QUANTIZABLE) -> dict[str, torch.Tensor]:
     """Write a tiny GGUF the way llama.cpp lays one out; return the HF state dict load_gguf must produce.
 
     Expected values are dequantize(quantize(W)) in HF layout: quantization is per row and the Q/K permutation
@@ -141,7 +142,7 @@ def write_model(path: Path, arch: str, *, layers: int = 2, heads: int = 4, kv_he
     if metadata:
         metadata(writer)
 
-    expected, types = {}, itertools.cycle(QUANTIZABLE)
+    expected, types = {}, itertools.cycle(types)
     for name, (hf_name, shape) in specs.items():
         w = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith("ffn_down.weight"):
@@ -186,6 +187,27 @@ def test_llama_gqa_unpermutes_qk_for_every_quant_type(tmp_path: Path, arch: str)
         "max_position_embeddings": 256, "vocab_size": 64, "tie_word_embeddings": False, "attention_bias": False,
         "bos_token_id": 1, "eos_token_id": 2,
     }
+
+
+@pytest.mark.parametrize("arch", ["llama", "qwen2"])
+def test_native_load_keeps_the_files_blocks(tmp_path: Path, arch: str) -> None:
+    """keep_blocks: every quantized matrix stays in its blocks (Q/K rows un-permuted as whole rows), and its
+    dequantization is exactly what the float load gives."""
+    from specdec.models.quant import QuantWeight
+
+    expected = write_model(tmp_path / "m.gguf", arch, types=(Q.Q8_0, Q.Q4_0, Q.F32, Q.Q4_1, Q.F16))
+    _, state_dict = load_gguf(tmp_path / "m.gguf", keep_blocks=True)
+    kept = {name for name, t in state_dict.items() if isinstance(t, QuantWeight)}
+    assert "model.layers.0.mlp.down_proj.weight" in kept and "model.layers.1.mlp.down_proj.weight" in kept  # K-quants
+    assert len(kept) >= 10  # 3 in 5 of the other matrices
+    assert_state_dicts_equal({n: t.dequantize() if n in kept else t for n, t in state_dict.items()}, expected)
+
+
+def test_native_load_names_a_type_it_cannot_compute_on(tmp_path: Path) -> None:
+    write_model(tmp_path / "m.gguf", "llama", layers=1)  # its matrices cycle through Q5_0 and Q5_1 too
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.\w+\.weight' is Q5_[01], which the native quantized "
+                                         r"runtime does not compute on.*dtype='float32'"):
+        load_gguf(tmp_path / "m.gguf", keep_blocks=True)
 
 
 def test_converts_to_requested_dtype(tmp_path: Path) -> None:

@@ -122,3 +122,30 @@ def test_shard_that_does_not_match_the_config(tmp_path, tiny_llama_dir):
 def test_unknown_engine_option_lists_valid_ones(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="valid keys"):
         LLM(str(tiny_llama_dir), block_sz=8)
+
+
+def test_quantization_on_load(tmp_path_factory):
+    """A Hugging Face model quantized on load: q8_0 logits close to float32, greedy ngram speculation
+    token-identical to plain decoding of the same quantized model."""
+    from conftest import save_tiny_model
+
+    path = save_tiny_model(tmp_path_factory.mktemp("tiny128"), "llama", intermediate_size=128)
+    prompts = ["the quick brown fox", "def add(a, b):"]
+    params = SamplingParams(temperature=0, max_tokens=24)
+    for name in ("q8_0", "q4_1"):
+        plain = LLM(str(path), quantization=name, speculative_config="off")
+        assert plain.engine.model.quantization == name
+        spec = plain.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+        assert [o.token_ids for o in spec.generate(prompts, params)] == \
+            [o.token_ids for o in plain.generate(prompts, params)]
+
+
+def test_quantization_errors_name_the_choices(tiny_llama_dir):
+    with pytest.raises(SpecdecError, match=r"unknown quantization 'int3'; choose one of \['gguf', 'q4_0', 'q4_1', 'q8_0'\]"):
+        LLM(str(tiny_llama_dir), quantization="int3")
+    with pytest.raises(SpecdecError, match="is a Hugging Face model: quantize it on load"):
+        LLM(str(tiny_llama_dir), quantization="gguf")
+    with pytest.raises(SpecdecError, match="112 inputs, not a multiple of q4_0's block of 32"):
+        LLM(str(tiny_llama_dir), quantization="q4_0")  # intermediate_size 112
+    with pytest.raises(SpecdecError, match="computes with float32 activations"):
+        LLM(str(tiny_llama_dir), quantization="q8_0", dtype="bfloat16")

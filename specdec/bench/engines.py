@@ -1,6 +1,6 @@
-"""The engines a benchmark times on the same token ids: specdec (one request, or a group decoded together)
-and transformers' greedy generate; each returns the same measurement record. (llama.cpp joins here with
-the native-quantization issue.)"""
+"""The engines a benchmark times on the same token ids: specdec (one request, or a group decoded together),
+transformers' greedy generate, and llama.cpp (llama-cpp-python) on the same GGUF file; each returns the
+same measurement record."""
 from __future__ import annotations
 
 import time
@@ -94,3 +94,37 @@ def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device):
     if missing - {"lm_head.weight"} or ("lm_head.weight" in missing and not config.tie_word_embeddings):
         raise SpecdecError(f"transformers' load of {src.name} lacks tensors {sorted(missing)[:3]}")
     return model.to(device).eval()
+
+
+def load_llamacpp(src: ModelSource, threads: int, context: int = 4096):
+    """llama.cpp on the model's own GGUF file (the peer a CPU user already has)."""
+    try:
+        from llama_cpp import Llama
+    except ImportError:
+        raise SpecdecError("--compare-llamacpp needs llama-cpp-python: make bench-peers (builds it, ~10 minutes)") \
+            from None
+    if src.gguf_file is None:
+        raise SpecdecError(f"--compare-llamacpp runs llama.cpp on a GGUF file, and {src.name} is a Hugging Face model")
+    return Llama(model_path=str(src.gguf_file), n_threads=threads, n_threads_batch=threads, n_ctx=context,
+                 n_batch=512, verbose=False)
+
+
+def time_llamacpp(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:
+    """Greedy decoding in llama.cpp on the same ids: prefill the prompt, then one token at a time, taking the
+    argmax of its logits (no sampler chain), stopping on the same EOS ids as specdec."""
+    import llama_cpp
+    import numpy as np
+
+    def argmax() -> int:  # the last position's logits, read in place (eval keeps no copy without logits_all)
+        return int(np.argmax(np.ctypeslib.as_array(llama_cpp.llama_get_logits(model.ctx), shape=(model.n_vocab(),))))
+
+    model.reset()
+    start = time.perf_counter()
+    model.eval(prompt.token_ids)
+    tokens = [argmax()]
+    first = time.perf_counter()
+    while len(tokens) < max_tokens and tokens[-1] not in eos:
+        model.eval([tokens[-1]])
+        tokens.append(argmax())
+    end = time.perf_counter()
+    return measurement(tokens, first - start, end - first, end - start)

@@ -15,7 +15,7 @@ from collections.abc import Callable
 import torch
 from tqdm import tqdm
 
-from specdec.bench.engines import load_hf, time_group, time_hf, time_specdec
+from specdec.bench.engines import load_hf, load_llamacpp, time_group, time_hf, time_llamacpp, time_specdec
 from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
 from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_report, output_path
@@ -187,7 +187,10 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     roofline, larger batches. Speculation is compared with plain decoding of the same engine and weights."""
     from specdec.llm import LLM, parse_dtype
 
-    llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off")
+    llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off", quantization=args.quantization)
+    model = llm.engine.model
+    # Runs are labelled with what the weights compute in: 'auto' resolves to a GGUF's block formats ('q4_1').
+    dtype = model.quantization or (str(model.dtype).removeprefix("torch.") if dtype == "auto" else dtype)
     prompts = encode_prompts(llm, rows)
     params = bench_params(args)
     engines = {("specdec", "plain"): llm}
@@ -197,16 +200,23 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
         engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
     timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
     if args.compare_hf:
-        hf = load_hf(resolve(args.model), parse_dtype(dtype), llm.engine.model.device)
+        hf_dtype = torch.float32 if model.quantization else parse_dtype(dtype)
+        hf = load_hf(resolve(args.model), hf_dtype, llm.engine.model.device)
         eos = sorted(llm.engine.eos_token_ids)
         timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
+    if args.compare_llamacpp:
+        peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
+        eos = sorted(llm.engine.eos_token_ids)
+        timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
     runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
                                  plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
     comparisons = [{**compare(other, plain), "sampled": params.temperature > 0}
                    for other in runs[1:] if other["config"]["engine"] == "specdec"]
-    comparisons += [compare(plain, other) for other in runs[1:] if other["config"]["engine"] != "specdec"]
+    # Against peers: our plain decoding, and every speculative configuration, over each peer's plain decoding.
+    peers = [other for other in runs[1:] if other["config"]["engine"] != "specdec"]
+    comparisons += [compare(ours, peer) for peer in peers for ours in runs if ours["config"]["engine"] == "specdec"]
     for (_, method), engine in engines.items():
         batch1 = next(r for r in runs if r["config"]["method"] == method and r["config"]["engine"] == "specdec")
         runs += [batched_run(engine, prompts, b, params, dtype, batch1, method) for b in batch_sizes if b > 1]

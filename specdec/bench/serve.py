@@ -212,7 +212,8 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
     from specdec.config import SamplingParams
     from specdec.llm import LLM
 
-    plain = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off")
+    plain = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off",
+                quantization=args.quantization)
     fast = plain.with_speculative_config(spec)
     params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
     for llm in (plain, fast):  # first calls pay one-time costs (kernel loading)

@@ -77,7 +77,7 @@ def run_tune(args: argparse.Namespace) -> dict:
     tree_method = cfg.info.trees
     measure = {**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=measure,
-              max_num_seqs=max(max(batch_sizes), 1))
+              quantization=args.quantization, max_num_seqs=max(max(batch_sizes), 1))
     prompts = encode_prompts(llm, rows)
     rates = acceptance_table(llm, prompts, params) if tree_method else None
     shapes = candidates(llm.engine.speculative, rates)

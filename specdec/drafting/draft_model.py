@@ -16,6 +16,9 @@ from specdec.drafting.tree_draft import TreeDrafter
 @dataclass
 class DraftModelOptions:
     model: str | None = None  # the draft LM: alias, Hugging Face directory or .gguf
+    # None: as the target (a quantized target runs a GGUF draft on its own blocks, anything else in the target's
+    # dtype); 'gguf' or a format to quantize the draft on load ('q8_0', 'q4_0', 'q4_1').
+    quantization: str | None = None
 
     def __post_init__(self) -> None:
         if not self.model:
@@ -42,7 +45,9 @@ class DraftModelDrafter(TreeDrafter):
         from specdec.models.loader import load_model, load_tokenizer
 
         name, target = cfg.options.model, env.target
-        draft, src = load_model(name, target.dtype, target.device)
+        quantization = cfg.options.quantization
+        dtype = "auto" if quantization or target.quantization else target.dtype
+        draft, src = load_model(name, dtype, target.device, quantization)
         check_same_vocabulary(name, draft.config.vocab_size, target.config.vocab_size, load_tokenizer(src),
                               env.tokenizer)
         return cls(env, draft, env.kv_pool(draft.config, draft.act_dtype), cfg.num_speculative_tokens)

@@ -35,6 +35,7 @@ from specdec.models.attention import AttentionMetadata
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
 from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
+from specdec.models.quant import QuantWeight
 
 LAYOUTS = ("eagle", "mtp")
 _MTP_NAMES = {"fc": "eh_proj.", "norm": "shared_head.norm.", "enorm": "enorm.", "hnorm": "hnorm."}  # ours -> DeepSeek
@@ -54,7 +55,8 @@ class EagleHead(nn.Module):
             raise SpecdecError(f"unknown head layout {layout!r}; choose one of {list(LAYOUTS)}")
         H, dtype, device = config.hidden_size, torch.float32, target.device
         self.config, self.layout, self.device = config, layout, target.device
-        self.lm_head = target.lm_head.data  # a plain tensor: shared with the target, not part of the head
+        # Shared with the target, not part of the head: a plain tensor (or the target's quantized matrix).
+        self.lm_head = target.lm_head if isinstance(target.lm_head, QuantWeight) else target.lm_head.data
         self.target_norm = RMSNorm(H, target.config.rms_norm_eps, dtype, device)  # a frozen copy, not saved
         self.target_norm.weight.data.copy_(target.norm.weight)
         self.draft_vocab_size = target.config.vocab_size
@@ -186,7 +188,7 @@ class EagleHead(nn.Module):
         head = cls(config, target, layout, input_norms="enorm.weight" in sd, output_norm="norm.weight" in sd,
                    fc_bias="fc.bias" in sd, first_layer_norm="layers.0.input_layernorm.weight" in sd)
         if "shared_head.head.weight" in sd:  # an MTP module with its own copy of the LM head
-            head.lm_head = sd["shared_head.head.weight"].to(target.lm_head.dtype)
+            head.lm_head = sd["shared_head.head.weight"].to(target.dtype)
         head.load_state_dict_reference(sd)
         return head
 

@@ -1,8 +1,9 @@
 """Load llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict.
 
-Weights are dequantized to floats at load time (the engine computes in float), so any type that
-`gguf.quants.dequantize` handles works: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0, Q2_K..Q6_K,
-the IQ*/TQ* families and MXFP4.
+Two ways: matrices kept in their own block formats (`keep_blocks`, the native quantized runtime: Q8_0,
+Q4_0, Q4_1, Q4_K, Q6_K, see `quant.FORMATS`), or every weight dequantized to floats at load time, for which
+any type that `gguf.quants.dequantize` handles works: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
+Q2_K..Q6_K, the IQ*/TQ* families and MXFP4.
 """
 from __future__ import annotations
 
@@ -16,6 +17,10 @@ import torch
 from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
+
+from specdec.models.quant import BY_GGML, FORMATS, QuantWeight
+
+_FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
 SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
 
@@ -75,12 +80,15 @@ class _Reader(GGUFReader):
         self._buffer = value.view(np.ndarray)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tuple[dict, dict[str, torch.Tensor]]:
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_blocks: bool = False
+              ) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
     """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint.
 
     hf_config mirrors config.json (model_type, architectures, sizes, rope_theta/rope_scaling, token ids);
     state_dict uses HF parameter names and [out, in] linear shapes, converted to `dtype`. lm_head.weight is
     present only when the file has its own output.weight (otherwise tie_word_embeddings is True).
+    keep_blocks: quantized matrices stay in their blocks (`QuantWeight`), float ones become float32; a
+    quantized type the native kernels do not know is an error naming it and the tensor.
     """
     path = Path(path)
     if not path.is_file():
@@ -102,11 +110,23 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32) -> tu
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if shape != hf_shape:
             raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
+        permuted = arch in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight"))
+        heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
+        if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES:
+            if tensor.tensor_type not in BY_GGML:
+                raise ValueError(f"tensor {name!r} is {tensor.tensor_type.name}, which the native quantized runtime "
+                                 f"does not compute on (it does {[f.upper() for f in FORMATS]}); load with "
+                                 "dtype='float32' or 'bfloat16' to dequantize it")
+            weights = QuantWeight.from_gguf(tensor.data, tensor.tensor_type, shape[1])
+            if permuted:
+                order = _unpermute_qk(np.arange(shape[0]), heads)
+                weights = weights.permute_rows(torch.from_numpy(order))
+            state_dict[hf_name] = weights
+            continue
         weights = _dequantize(tensor.data, tensor.tensor_type, name).reshape(shape)
-        if arch in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight")):
-            heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
+        if permuted:
             weights = _unpermute_qk(weights, heads)
-        state_dict[hf_name] = _to_torch(weights, dtype)
+        state_dict[hf_name] = _to_torch(weights, torch.float32 if keep_blocks else dtype)
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
     return config, state_dict

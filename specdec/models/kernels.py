@@ -18,6 +18,8 @@ import os
 import torch
 import torch.nn.functional as F
 
+from specdec.models.quant import QuantWeight
+
 SMALL_M = 16
 BLOCK = 16  # weight rows per GEMM task (and per register tile)
 # Verification feeds 1 + k tokens per sequence; up to this many go through the fused layer kernel (beyond
@@ -303,14 +305,14 @@ def _fast(*tensors: torch.Tensor) -> bool:
         t.device.type == "cpu" and t.dtype == torch.float32 for t in tensors)
 
 
-def _no_grad(*tensors: torch.Tensor) -> bool:
+def no_grad(*tensors: torch.Tensor) -> bool:
     """No gradient flows through these (the kernels are not differentiable; the head trainer needs torch's ops)."""
     return not torch.is_grad_enabled() or not any(t.requires_grad for t in tensors)
 
 
 def use_fast_gemv(x: torch.Tensor, weight: torch.Tensor) -> bool:
     return (x.shape[0] <= SMALL_M and _fast(x) and weight.device.type == "cpu"
-            and weight.dtype in (torch.float32, torch.bfloat16) and _no_grad(x, weight))
+            and weight.dtype in (torch.float32, torch.bfloat16) and no_grad(x, weight))
 
 
 def as_numpy(t: torch.Tensor) -> "np.ndarray":
@@ -323,7 +325,7 @@ def as_numpy(t: torch.Tensor) -> "np.ndarray":
 
 def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     """RMSNorm over the last dim of x [T, H]; the numba path for small T in float32."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_M and _fast(x, weight) and _no_grad(x, weight):
+    if x.dim() == 2 and x.shape[0] <= SMALL_M and _fast(x, weight) and no_grad(x, weight):
         x = x.contiguous()
         out = torch.empty_like(x)
         _rms_norm(x.numpy(), weight.numpy(), eps, out.numpy())
@@ -355,11 +357,13 @@ def decoder_layer(x: torch.Tensor, weights: tuple, cos: torch.Tensor, signed_sin
     return out
 
 
-def linear(x: torch.Tensor, weight: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+def linear(x: torch.Tensor, weight: torch.Tensor | QuantWeight, bias: torch.Tensor | None = None) -> torch.Tensor:
     """x @ weight.T + bias. x: [M, in], weight: [out, in] (nn.Linear layout).
 
-    Weights may be stored in a narrower dtype than x (bfloat16 weights, float32 activations on CPU):
-    the result is always in x's dtype."""
+    Weights may be stored in a narrower dtype than x (bfloat16 weights, float32 activations on CPU), or
+    block-quantized (`QuantWeight`): the result is always in x's dtype."""
+    if isinstance(weight, QuantWeight):
+        return weight.linear(x, bias)
     if use_fast_gemv(x, weight):
         x = x.contiguous()
         y = torch.empty(x.shape[0], weight.shape[0], dtype=x.dtype)

@@ -15,15 +15,17 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
-from specdec.models import kernels
+from specdec.models import kernels, native
 from specdec.models.kernels import linear, rms_norm
+from specdec.models.quant import QuantWeight, check_quantizable
 
 if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
     from specdec.kv_cache import KVPool
 
 
 class Linear(nn.Module):
-    """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints."""
+    """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints: a float Parameter, or a
+    block-quantized `QuantWeight` (a GGUF's own blocks, or quantized on load) set by `set_weight`."""
 
     def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device,
                  act_dtype: torch.dtype | None = None) -> None:
@@ -35,6 +37,22 @@ class Linear(nn.Module):
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         return linear(x, self.weight, self.bias)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QuantWeight)
+
+    def set_weight(self, value: torch.Tensor | QuantWeight, name: str) -> None:
+        """Load a float tensor into the Parameter, or replace the Parameter by a quantized matrix."""
+        if tuple(value.shape) != tuple(self.weight.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects {tuple(self.weight.shape)}")
+        if isinstance(value, QuantWeight):
+            self._parameters.pop("weight", None)
+            self.weight = value
+        else:
+            if self.quantized:
+                raise ValueError(f"tensor {name!r}: a float tensor for a quantized layer")
+            self.weight.data.copy_(value.to(self.weight.dtype))
 
 
 class RMSNorm(nn.Module):
@@ -108,6 +126,26 @@ class DecoderLayer(nn.Module):
         self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
         self.scale = D ** -0.5
         self._kernel_weights: tuple | None = None  # numpy views of the weights, built on first fused call
+        self._native: object | None = None  # the C++ layer over quantized weights, built on first fused call
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+
+    def native_layer(self):
+        """The C++ decoder layer when every matrix is block-quantized (the fused decode path), else None."""
+        if self._native is None and all(lin.quantized for lin in self.linears) \
+                and isinstance(self.input_layernorm, RMSNorm):
+            none = torch.empty(0)
+            qkv_b = self.qkv_proj.bias if self.qkv_proj.bias is not None else none
+            q_norm = self.q_norm.weight if self.q_norm is not None else none
+            k_norm = self.k_norm.weight if self.k_norm is not None else none
+            self._native = native.ops().Layer(
+                self.input_layernorm.weight.detach(), self.qkv_proj.weight.matrix(), qkv_b.detach(), q_norm.detach(),
+                k_norm.detach(), self.o_proj.weight.matrix(), self.post_attention_layernorm.weight.detach(),
+                self.gate_up_proj.weight.matrix(), self.down_proj.weight.matrix(), self.num_heads,
+                self.num_kv_heads, self.head_dim, self.input_layernorm.eps)
+        return self._native
 
     def kernel_weights(self) -> tuple:
         """The weights as numpy views, in the fused kernel's argument order (absent ones empty)."""
@@ -124,7 +162,16 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
-        if isinstance(self.input_layernorm, RMSNorm) and kernels.can_fuse_layer(x, meta.query_lens):
+        if self.qkv_proj.quantized:
+            # Every row count (decode, verification, prefill) through the one C++ layer: a token's bits then
+            # never depend on how its step was batched, so a self-draft is always accepted.
+            if x.device.type == "cpu" and kernels.no_grad(x) and (layer := self.native_layer()) is not None:
+                out = x.contiguous().clone()
+                layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
+                              meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
+                              self.scale)
+                return out
+        elif isinstance(self.input_layernorm, RMSNorm) and kernels.can_fuse_layer(x, meta.query_lens):
             return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
                                          meta.slot_mapping, meta.context_slots, meta.mask, meta.query_lens,
                                          self.num_heads, self.num_kv_heads, self.input_layernorm.eps, self.scale)
@@ -151,23 +198,31 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
+def _cat(weights: list) -> torch.Tensor | QuantWeight:
+    """Fuse matrices by rows (q/k/v, gate/up), float or block-quantized."""
+    if any(isinstance(w, QuantWeight) for w in weights):
+        if not all(isinstance(w, QuantWeight) for w in weights):
+            raise ValueError("cannot fuse a quantized matrix with a float one")
+        return QuantWeight.cat(weights)
+    return torch.cat(weights)
+
+
 def load_decoder_layer(layer: DecoderLayer, prefix: str, take, put, cfg: ModelConfig) -> None:
     """Copy one Hugging Face-named decoder layer (`{prefix}self_attn.q_proj.weight`, ...) into `layer`,
     fusing q/k/v and gate/up. take(name) -> tensor; put(param, tensor, name) checks the shape. A layer whose
     input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
     p = prefix
-    put(layer.qkv_proj.weight, torch.cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-        p + "self_attn.qkv_proj.weight")
+    layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "self_attn.qkv_proj.weight")
     if cfg.attention_bias:
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
             p + "self_attn.qkv_proj.bias")
-    put(layer.o_proj.weight, take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+    layer.o_proj.set_weight(take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
     if cfg.qk_norm:
         put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
         put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-    put(layer.gate_up_proj.weight, torch.cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-        p + "mlp.gate_up_proj.weight")
-    put(layer.down_proj.weight, take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+    layer.gate_up_proj.set_weight(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
+                                  p + "mlp.gate_up_proj.weight")
+    layer.down_proj.set_weight(take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
     if isinstance(layer.input_layernorm, RMSNorm):
         put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
     put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
@@ -252,9 +307,23 @@ class LlamaModel(nn.Module):
                 raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects {tuple(param.shape)}")
             param.data.copy_(value.to(param.dtype))
 
-        put(self.embed_tokens, take("model.embed_tokens.weight"), "model.embed_tokens.weight")
+        def put_matrix(attr: str, value: torch.Tensor | QuantWeight, name: str) -> None:
+            """The embedding or LM head: a float Parameter, or replaced by a block-quantized matrix."""
+            if not isinstance(value, QuantWeight):
+                return put(getattr(self, attr), value, name)
+            if tuple(value.shape) != tuple(getattr(self, attr).shape):
+                raise ValueError(f"tensor {name!r} has shape {value.shape}, config expects "
+                                 f"{tuple(getattr(self, attr).shape)}")
+            tied = self.lm_head is self.embed_tokens
+            self._parameters.pop(attr, None)
+            setattr(self, attr, value)
+            if tied:
+                self._parameters.pop("lm_head", None)
+                self.lm_head = value
+
+        put_matrix("embed_tokens", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if not cfg.tie_word_embeddings:
-            put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
+            put_matrix("lm_head", take("lm_head.weight"), "lm_head.weight")
         sd.pop("lm_head.weight", None)  # some tied checkpoints still store a copy
         for i, layer in enumerate(self.layers):
             load_decoder_layer(layer, f"model.layers.{i}.", take, put, cfg)
@@ -263,13 +332,47 @@ class LlamaModel(nn.Module):
         if leftover:
             raise ValueError(f"checkpoint has tensors the config does not expect, e.g. {leftover[:3]}")
 
+    @property
+    def quantization(self) -> str | None:
+        """The block formats of the decoder's matrices ('q4_1', or 'q4_k+q6_k' for a mix), None if float."""
+        names = sorted({f for layer in self.layers for lin in layer.linears if lin.quantized for f in lin.weight.formats})
+        return "+".join(names) or None
+
     def weight_bytes_per_token(self) -> int:
         """Bytes of weights a single decode step must read (the memory-bandwidth roofline's numerator).
 
-        Every parameter once, except an untied input embedding, of which a step reads a single row.
+        Every parameter and quantized matrix once, except an untied input embedding, of which a step reads
+        a single row.
         """
-        total = sum(p.numel() * p.element_size() for p in self.parameters())
+        def nbytes(t) -> int:
+            return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
+
+        total = sum(nbytes(p) for p in self.parameters())
+        total += sum(nbytes(lin.weight) for layer in self.layers for lin in layer.linears if lin.quantized)
+        for m in {id(self.lm_head): self.lm_head, id(self.embed_tokens): self.embed_tokens}.values():
+            total += nbytes(m) if isinstance(m, QuantWeight) else 0
         if self.lm_head is not self.embed_tokens:
-            total -= (self.embed_tokens.shape[0] - 1) * self.embed_tokens.shape[1] * self.embed_tokens.element_size()
+            total -= nbytes(self.embed_tokens) * (self.embed_tokens.shape[0] - 1) // self.embed_tokens.shape[0]
         return total
+
+    def quantize_(self, name: str) -> None:
+        """Quantize the float matrices in place into block format `name` (quantization on load): every
+        decoder matrix, and the LM head in q8_0 (a 4-bit LM head costs accuracy for little speed)."""
+        for i, layer in enumerate(self.layers):
+            for lin in layer.linears:
+                if not lin.quantized:
+                    check_quantizable(name, tuple(lin.weight.shape), f"layer {i}'s {type(lin).__name__}")
+        for layer in self.layers:
+            for lin in layer.linears:
+                if not lin.quantized:
+                    lin.set_weight(QuantWeight.quantize(lin.weight.data, name), "")
+            layer._native = None
+        if not isinstance(self.lm_head, QuantWeight) and self.lm_head.shape[1] % 32 == 0:
+            head = QuantWeight.quantize(self.lm_head.data, "q8_0")
+            tied = self.lm_head is self.embed_tokens
+            self._parameters.pop("lm_head", None)
+            self.lm_head = head
+            if tied:
+                self._parameters.pop("embed_tokens", None)
+                self.embed_tokens = head
 

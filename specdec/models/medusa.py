@@ -69,7 +69,7 @@ class MedusaHeads(nn.Module):
         self.hidden_size, self.vocab_size = hidden_size, vocab_size
         self.dtype, self.device = dtype, torch.device(device)
         # detach(): a plain tensor view, so the target's weight is neither registered nor saved here
-        self.shared_lm_head = lm_head.detach() if lm_head is not None else None
+        self.shared_lm_head = lm_head.detach() if isinstance(lm_head, torch.Tensor) else lm_head  # or quantized
         self.medusa_head = nn.ModuleList(
             nn.ModuleList([*(ResBlock(hidden_size, dtype, device) for _ in range(num_layers)),
                            *([] if lm_head is not None else [HeadLM(vocab_size, hidden_size, dtype, device)])])

@@ -1,0 +1,163 @@
+"""Weights kept in GGUF block formats, and the linear layer that computes on them.
+
+A `QuantWeight` is a matrix [out, in] stored as the GGUF file stores it: each row a run of blocks (Q8_0,
+Q4_0, Q4_1: 32 weights; Q4_K, Q6_K: 256), in one format per range of rows ("parts": q/k/v or gate/up
+fused from tensors a GGUF may quantize differently). The bytes are the file's own, not a repacking, so
+what we multiply is exactly what llama.cpp multiplies. The C++ kernels (`native`) unpack the blocks in
+registers and take integer dot products with activations quantized per row to int8 blocks of 32;
+`dequantize` (gguf's reference) gives the float32 matrix the tests compare against.
+
+Numerics: weights are exactly the file's (f16 scales read as f16). Activations are rounded to 8 bits per
+block of 32 (relative error about 0.4% of the block's largest value), as llama.cpp does on CPU, so logits
+differ from the float32 engine's by a little, and greedy output can differ from it at near-ties. Every
+row is computed independently of the others, so speculative output equals plain output of this runtime.
+"""
+from __future__ import annotations
+
+from dataclasses import dataclass, field
+
+import numpy as np
+import torch
+from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
+from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+
+from specdec.models import native
+
+
+@dataclass(frozen=True)
+class BlockFormat:
+    name: str
+    ggml: GGMLQuantizationType
+    kernel_id: int  # the format's id in csrc/quant.cpp
+    can_quantize: bool  # gguf can quantize float weights into it (for quantization on load)
+
+    @property
+    def block(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml][0]
+
+    @property
+    def bytes(self) -> int:
+        return GGML_QUANT_SIZES[self.ggml][1]
+
+
+FORMATS = {f.name: f for f in (
+    BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 0, True),
+    BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 1, True),
+    BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 2, True),
+    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 3, False),
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 4, False),
+)}
+BY_GGML = {f.ggml: f for f in FORMATS.values()}
+QUANTIZE_ON_LOAD = sorted(n for n, f in FORMATS.items() if f.can_quantize)
+
+
+@dataclass
+class QuantWeight:
+    """A block-quantized matrix [out_features, in_features]: parts of rows, each (uint8 [rows, row_bytes], format)."""
+
+    parts: list[tuple[torch.Tensor, BlockFormat]]
+    in_features: int
+    _matrix: object = field(default=None, repr=False, compare=False)
+    _dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
+
+    @property
+    def out_features(self) -> int:
+        return sum(data.shape[0] for data, _ in self.parts)
+
+    @property
+    def shape(self) -> tuple[int, int]:
+        return (self.out_features, self.in_features)
+
+    @property
+    def nbytes(self) -> int:
+        return sum(data.numel() for data, _ in self.parts)
+
+    @property
+    def formats(self) -> list[str]:
+        return [fmt.name for _, fmt in self.parts]
+
+    @classmethod
+    def from_gguf(cls, data: np.ndarray, ggml: GGMLQuantizationType, in_features: int) -> "QuantWeight":
+        """data: the tensor's bytes as gguf reads them, [rows, row_bytes] uint8."""
+        fmt = BY_GGML[ggml]
+        rows = np.ascontiguousarray(data).reshape(-1, in_features // fmt.block * fmt.bytes)
+        return cls([(torch.from_numpy(np.array(rows)), fmt)], in_features)
+
+    @classmethod
+    def quantize(cls, weight: torch.Tensor, name: str) -> "QuantWeight":
+        """Quantize a float matrix [out, in] into format `name` with gguf's reference quantizer."""
+        fmt = FORMATS[name]
+        data = gguf_quantize(weight.detach().float().cpu().numpy(), fmt.ggml)
+        return cls([(torch.from_numpy(np.ascontiguousarray(data)), fmt)], weight.shape[1])
+
+    @classmethod
+    def cat(cls, weights: list["QuantWeight"]) -> "QuantWeight":
+        """Stack matrices by rows (q/k/v, gate/up); neighbouring parts of one format are merged."""
+        if len({w.in_features for w in weights}) != 1:
+            raise ValueError("cannot fuse matrices with different input sizes")
+        parts: list[tuple[torch.Tensor, BlockFormat]] = []
+        for w in weights:
+            for data, fmt in w.parts:
+                if parts and parts[-1][1] == fmt:
+                    parts[-1] = (torch.cat([parts[-1][0], data]), fmt)
+                else:
+                    parts.append((data, fmt))
+        return cls(parts, weights[0].in_features)
+
+    def permute_rows(self, order: torch.Tensor) -> "QuantWeight":
+        """Rows in a new order (undoing convert_hf_to_gguf's q/k permutation); one part only."""
+        if len(self.parts) != 1:
+            raise ValueError("can only permute the rows of a single-format matrix")
+        data, fmt = self.parts[0]
+        return QuantWeight([(data[order].contiguous(), fmt)], self.in_features)
+
+    def dequantize(self) -> torch.Tensor:
+        """The float32 matrix (gguf's reference dequantizer): what the kernels' integer math approximates."""
+        return torch.cat([torch.from_numpy(gguf_dequantize(data.numpy(), fmt.ggml).reshape(data.shape[0], -1))
+                          for data, fmt in self.parts]).float()
+
+    @property
+    def dtype(self) -> torch.dtype:
+        """What the matrix computes in and returns: float32 activations."""
+        return torch.float32
+
+    def __getitem__(self, rows: torch.Tensor) -> torch.Tensor:
+        """Rows (token ids, for an embedding) as float32 [len(rows), in_features]."""
+        rows = torch.as_tensor(rows)
+        if rows.device.type == "cpu" and native.available():
+            return native.ops().dequantize_rows(self.matrix(), rows.reshape(-1)).reshape(*rows.shape, -1)
+        return self.dense(rows.device)[rows]
+
+    def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
+        """x @ W.T + bias for x [..., in]: the native kernels on CPU, the dequantized matrix elsewhere."""
+        shape = x.shape
+        x2 = x.reshape(-1, shape[-1])
+        if x2.device.type == "cpu":
+            y = native.ops().linear(x2.float(), self.matrix())
+        else:  # no device kernels (CUDA): the dequantized matrix, built once
+            y = torch.nn.functional.linear(x2.float(), self.dense(x2.device))
+        if bias is not None:
+            y = y + bias
+        return y.to(x.dtype).reshape(*shape[:-1], y.shape[-1])
+
+    def dense(self, device: torch.device) -> torch.Tensor:
+        if self._dense is None or self._dense.device != device:
+            self._dense = self.dequantize().to(device)
+        return self._dense
+
+    def matrix(self):
+        """The kernels' view of this matrix (built once)."""
+        if self._matrix is None:
+            self._matrix = native.ops().QMatrix([d for d, _ in self.parts], [f.kernel_id for _, f in self.parts],
+                                                self.in_features)
+        return self._matrix
+
+
+def check_quantizable(name: str, shape: tuple[int, ...], what: str) -> None:
+    """Refuse a quantization that a matrix cannot take, naming the valid choices."""
+    if name not in FORMATS or not FORMATS[name].can_quantize:
+        raise ValueError(f"unknown quantization {name!r}; choose one of {QUANTIZE_ON_LOAD}")
+    block = FORMATS[name].block
+    if shape[-1] % block:
+        raise ValueError(f"{what} has {shape[-1]} inputs, not a multiple of {name}'s block of {block}: "
+                         f"it cannot be quantized to {name} (choices: {QUANTIZE_ON_LOAD}, or no quantization)")
