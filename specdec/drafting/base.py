@@ -26,7 +26,8 @@ import torch
 from specdec.config import ModelConfig, SamplingParams, SpecdecError
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
-from specdec.models.llama import LlamaModel
+from specdec.models.llama import LlamaModel, quantize_module
+from specdec.models.quant import QUANTIZE_ON_LOAD
 from specdec.tree import PAD, ROOT, TreeFeed
 
 # inputs(tables, starts, feeds, trees) -> tokens [T], positions [T], metadata: feed feeds[i] into the slots
@@ -143,15 +144,27 @@ class Draft:
 
 @dataclass
 class HeadOptions:
-    """The keys of every draft-head method: the head's directory."""
+    """The keys of every draft-head method: the head's directory, and optionally a block format to quantize
+    its matrices into on load ('q8_0', 'q4_0', 'q4_1': the native int8 kernels on CPU)."""
 
     model: str | None = None
+    quantization: str | None = None
     method: ClassVar[str] = "a draft"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SpecdecError(f"method {self.method!r} needs 'model': the directory of a {self.method} head "
                                "(config.json + model.safetensors)")
+        check_quantization_name(self.quantization, self.method)
+
+    def quantize(self, head) -> None:
+        if self.quantization:
+            quantize_module(head, self.quantization)
+
+
+def check_quantization_name(name: str | None, method: str) -> None:
+    if name is not None and name not in QUANTIZE_ON_LOAD:
+        raise SpecdecError(f"method {method!r}: unknown quantization {name!r}; choose one of {QUANTIZE_ON_LOAD}")
 
 
 class Drafter(ABC):

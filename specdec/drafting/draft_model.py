@@ -11,6 +11,7 @@ from dataclasses import dataclass
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv
 from specdec.drafting.tree_draft import TreeDrafter
+from specdec.models.loader import QUANTIZATIONS
 
 
 @dataclass
@@ -23,6 +24,9 @@ class DraftModelOptions:
     def __post_init__(self) -> None:
         if not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
+        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
+            raise SpecdecError(f"method 'draft_model': unknown quantization {self.quantization!r}; choose one of "
+                               f"{list(QUANTIZATIONS)}")
 
 
 def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_size: int,

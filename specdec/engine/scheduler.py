@@ -102,8 +102,8 @@ class Scheduler:
     def _schedule_decode(self) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
         for seq in list(self.running):
-            if seq.status != Status.RUNNING:
-                continue
+            if seq.status != Status.RUNNING or seq.num_uncached != 1:
+                continue  # part-way through a chunked prefill: its next chunk comes in a prefill step
             need = min(seq.num_cached + 1 + self.lookahead, seq.max_len)
             while not self.allocator.can_allocate(seq.block_table, need):
                 victim = self.running[-1]

@@ -17,7 +17,7 @@ from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models import kernels, native
 from specdec.models.kernels import linear, rms_norm
-from specdec.models.quant import QuantWeight, check_quantizable
+from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
 
 if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
     from specdec.kv_cache import KVPool
@@ -41,6 +41,10 @@ class Linear(nn.Module):
     @property
     def quantized(self) -> bool:
         return isinstance(self.weight, QuantWeight)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
 
     def set_weight(self, value: torch.Tensor | QuantWeight, name: str) -> None:
         """Load a float tensor into the Parameter, or replace the Parameter by a quantized matrix."""
@@ -198,6 +202,23 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
+def quantize_module(module: nn.Module, name: str, attrs: tuple[str, ...] = ("lm_head",)) -> int:
+    """Quantize a draft head on load: every float `Linear` whose width the block divides, and the float matrix
+    parameters named in `attrs` (a head's own LM head). Returns how many matrices were quantized."""
+    count = 0
+    for sub in module.modules():
+        if isinstance(sub, Linear) and not sub.quantized and sub.in_features % FORMATS[name].block == 0:
+            sub.set_weight(QuantWeight.quantize(sub.weight.data, name), "")
+            count += 1
+        for attr in attrs:
+            param = sub._parameters.get(attr)
+            if param is not None and param.dim() == 2 and param.shape[1] % FORMATS[name].block == 0:
+                sub._parameters.pop(attr)
+                setattr(sub, attr, QuantWeight.quantize(param.data, name))
+                count += 1
+    return count
+
+
 def _cat(weights: list) -> torch.Tensor | QuantWeight:
     """Fuse matrices by rows (q/k/v, gate/up), float or block-quantized."""
     if any(isinstance(w, QuantWeight) for w in weights):
@@ -280,6 +301,15 @@ class LlamaModel(nn.Module):
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         """
         x = self.embed(tokens)
+        if x.device.type == "cpu" and (stack := self.native_stack()) is not None:  # all layers in one C++ call
+            n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
+            wanted = [i for i in output_layers if i < n]
+            x = x.contiguous()
+            outs = stack.forward(x, self.rope_cos[positions], self.rope_sin[positions], kv.k[:n], kv.v[:n],
+                                 meta.slot_mapping, meta.context_slots, meta.mask,
+                                 torch.from_numpy(kernels.query_starts(meta.query_lens)), self.layers[0].scale, n,
+                                 wanted)
+            return self.norm(x), dict(zip(sorted(wanted), outs))
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers[:num_layers]):
@@ -287,6 +317,13 @@ class LlamaModel(nn.Module):
             if i in output_layers:
                 captured[i] = x
         return self.norm(x), captured
+
+    def native_stack(self):
+        """Every decoder layer as one C++ stack when all are block-quantized (the whole forward in one call)."""
+        if getattr(self, "_stack", None) is None:
+            layers = [layer.native_layer() for layer in self.layers]
+            self._stack = native.ops().Stack(layers) if all(layer is not None for layer in layers) else False
+        return self._stack or None
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
@@ -355,6 +392,28 @@ class LlamaModel(nn.Module):
             total -= nbytes(self.embed_tokens) * (self.embed_tokens.shape[0] - 1) // self.embed_tokens.shape[0]
         return total
 
+    def quantized_copy(self, name: str) -> "LlamaModel":
+        """Another model over the same config whose matrices (LM head included) are this model's, quantized to
+        block format `name`; norms and the embedding are shared. A cheap self-draft (`quantized_self`)."""
+        copy = LlamaModel(self.config, torch.float32, self.device)
+        for mine, theirs in zip(copy.layers, self.layers):
+            for dst, src in zip(mine.linears, theirs.linears):
+                dense = src.weight.dequantize() if src.quantized else src.weight.data.float()
+                check_quantizable(name, tuple(dense.shape), "a decoder matrix")
+                dst.set_weight(QuantWeight.quantize(dense, name), "")
+                if src.bias is not None:
+                    dst.bias.data.copy_(src.bias)
+            for norm in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
+                if isinstance(getattr(theirs, norm), RMSNorm):
+                    getattr(mine, norm).weight.data.copy_(getattr(theirs, norm).weight)
+        copy.norm.weight.data.copy_(self.norm.weight)
+        head = self.lm_head.dequantize() if isinstance(self.lm_head, QuantWeight) else self.lm_head.data.float()
+        for attr in ("embed_tokens", "lm_head"):
+            copy._parameters.pop(attr, None)
+        copy.embed_tokens = self.embed_tokens
+        copy.lm_head = QuantWeight.quantize(head, name)
+        return copy.eval()
+
     def quantize_(self, name: str) -> None:
         """Quantize the float matrices in place into block format `name` (quantization on load): every
         decoder matrix, and the LM head in q8_0 (a 4-bit LM head costs accuracy for little speed)."""
@@ -367,6 +426,7 @@ class LlamaModel(nn.Module):
                 if not lin.quantized:
                     lin.set_weight(QuantWeight.quantize(lin.weight.data, name), "")
             layer._native = None
+        self._stack = None
         if not isinstance(self.lm_head, QuantWeight) and self.lm_head.shape[1] % 32 == 0:
             head = QuantWeight.quantize(self.lm_head.data, "q8_0")
             tied = self.lm_head is self.embed_tokens

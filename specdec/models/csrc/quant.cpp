@@ -12,6 +12,7 @@
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
 
+#include <algorithm>
 #include <atomic>
 #include <cmath>
 #include <cstdint>
@@ -22,6 +23,15 @@
 #if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
 #include <immintrin.h>
 #define SPECDEC_AVX2 1
+// u8 x s8 dot products of 4 bytes into int32 lanes in one instruction (AVX512-VNNI with VL, or AVX-VNNI):
+// the same integers as maddubs + madd, so the results are bit for bit those of the AVX2 path.
+#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
+#define SPECDEC_VNNI 1
+#define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#elif defined(__AVXVNNI__)
+#define SPECDEC_VNNI 1
+#define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#endif
 #endif
 
 namespace {
@@ -240,9 +250,9 @@ inline float hsum(__m256 v) {
 // 8 int32 sums of 4 products each: lanes 0-3 cover weights 0-15, lanes 4-7 weights 16-31.
 template <bool SIGNED>
 inline __m256i dot32(__m256i w, __m256i x) {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
-  if (SIGNED) return _mm256_dpbusd_epi32(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
-  return _mm256_dpbusd_epi32(_mm256_setzero_si256(), w, x);
+#ifdef SPECDEC_VNNI
+  if (SIGNED) return SPECDEC_DPBUSD(_mm256_setzero_si256(), _mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w));
+  return SPECDEC_DPBUSD(_mm256_setzero_si256(), w, x);
 #else
   // maddubs never saturates here: |w| <= 128 (signed), w <= 63 (unsigned), |x| <= 127.
   __m256i p = SIGNED ? _mm256_maddubs_epi16(_mm256_sign_epi8(w, w), _mm256_sign_epi8(x, w))
@@ -332,6 +342,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, fl
 template <bool FOUR_BIT>
 struct Interleaved {
   static constexpr int64_t REC = FOUR_BIT ? 32 + 128 : 16 + 256;
+  static constexpr int64_t PREFETCH = 8;  // records ahead
 
   template <class F>
   static torch::Tensor pack(const torch::Tensor& data, int64_t K) {
@@ -381,6 +392,13 @@ struct Interleaved {
     const __m256i ones = _mm256_set1_epi16(1);
     for (int64_t j = 0; j < nsub; j++) {
       const uint8_t* rec = recs + j * REC;
+      _mm_prefetch((const char*)(rec + PREFETCH * REC), _MM_HINT_T0);
+      _mm_prefetch((const char*)(rec + PREFETCH * REC + 64), _MM_HINT_T0);
+      _mm_prefetch((const char*)(rec + PREFETCH * REC + 128), _MM_HINT_T0);
+      if (!FOUR_BIT) {
+        _mm_prefetch((const char*)(rec + PREFETCH * REC + 192), _MM_HINT_T0);
+        _mm_prefetch((const char*)(rec + PREFETCH * REC + 256), _MM_HINT_T0);
+      }
       const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
       if (FOUR_BIT) {
         const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)));
@@ -393,10 +411,16 @@ struct Interleaved {
         }
         for (int r = 0; r < NR; r++) {
           const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
+#ifdef SPECDEC_VNNI
+          __m256i s = _mm256_setzero_si256();
+          for (int e = 0; e < 8; e++) s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
+          __m256 p = _mm256_cvtepi32_ps(s);
+#else
           // int16 sums stay below 8 * 2 * 15 * 127 = 30480: no saturation
           __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(xw[0]));
           for (int e = 1; e < 8; e++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[e], _mm256_set1_epi32(xw[e])));
           __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
+#endif
           acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
           acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r][j]), acc[r]);
         }
@@ -807,8 +831,27 @@ void decoder_layer(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 }
 
+// The first num_layers layers in order, in place on x; returns x after each layer listed in `capture`.
+struct Stack {
+  std::vector<Layer> layers;
+  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+                                     std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+                                     const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
+                                     const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
+                                     int64_t num_layers, std::vector<int64_t> capture) const {
+    TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers, "too few layers or pools");
+    std::vector<torch::Tensor> out;
+    for (int64_t i = 0; i < num_layers; i++) {
+      decoder_layer(layers[i], x, cos, ssin, k_pools[i], v_pools[i], slot_mapping, context_slots, mask, query_starts,
+                    scale);
+      if (std::find(capture.begin(), capture.end(), i) != capture.end()) out.push_back(x.clone());
+    }
+    return out;
+  }
+};
+
 std::string isa() {
-#if defined(__AVXVNNI__) || (defined(__AVX512VNNI__) && defined(__AVX512VL__))
+#ifdef SPECDEC_VNNI
   return "avx2+vnni";
 #elif defined(SPECDEC_AVX2)
   return "avx2";
@@ -831,6 +874,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps};
       }))
       .def("forward", &decoder_layer);
+  py::class_<Stack>(m, "Stack")
+      .def(py::init([](std::vector<Layer> layers) { return Stack{std::move(layers)}; }))
+      .def("forward", &Stack::forward);
   m.def("linear", &linear, "y = x @ W.T with x float32 [M, K] quantized per row to int8 blocks");
   m.def("dequantize_rows", &dequantize_rows);
   m.def("isa", &isa);
