@@ -303,13 +303,13 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)
         if x.device.type == "cpu" and (stack := self.native_stack()) is not None:  # all layers in one C++ call
             n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
-            wanted = [i for i in output_layers if i < n]
+            wanted = sorted({i for i in output_layers if i < n})
             x = x.contiguous()
             outs = stack.forward(x, self.rope_cos[positions], self.rope_sin[positions], kv.k[:n], kv.v[:n],
                                  meta.slot_mapping, meta.context_slots, meta.mask,
                                  torch.from_numpy(kernels.query_starts(meta.query_lens)), self.layers[0].scale, n,
                                  wanted)
-            return self.norm(x), dict(zip(sorted(wanted), outs))
+            return self.norm(x), dict(zip(wanted, outs))
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers[:num_layers]):
