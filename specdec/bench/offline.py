@@ -199,14 +199,13 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
         spec_llm = llm.with_speculative_config(spec)
         engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
     timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
+    eos = sorted(llm.engine.eos_token_ids)
     if args.compare_hf:
         hf_dtype = torch.float32 if model.quantization else parse_dtype(dtype)
         hf = load_hf(resolve(args.model), hf_dtype, llm.engine.model.device)
-        eos = sorted(llm.engine.eos_token_ids)
         timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
-        eos = sorted(llm.engine.eos_token_ids)
         timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
     runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
     plain = runs[0]

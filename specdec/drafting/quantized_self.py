@@ -11,9 +11,9 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import DraftEnv
+from specdec.drafting.base import DraftEnv, check_quantization_name
 from specdec.drafting.tree_draft import TreeDrafter
-from specdec.models.quant import QUANTIZE_ON_LOAD
+from specdec.models.quantize import quantized_copy
 
 
 @dataclass
@@ -21,9 +21,7 @@ class QuantizedSelfOptions:
     quantization: str = "q4_0"  # the copy's block format
 
     def __post_init__(self) -> None:
-        if self.quantization not in QUANTIZE_ON_LOAD:
-            raise SpecdecError(f"method 'quantized_self': unknown quantization {self.quantization!r}; choose one of "
-                               f"{QUANTIZE_ON_LOAD}")
+        check_quantization_name(self.quantization, "quantized_self")
 
 
 @register_method("quantized_self", QuantizedSelfOptions, trees=True, dynamic_trees=True)
@@ -31,7 +29,7 @@ class QuantizedSelfDrafter(TreeDrafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "QuantizedSelfDrafter":
         try:
-            copy = env.target.quantized_copy(cfg.options.quantization)
+            copy = quantized_copy(env.target, cfg.options.quantization)
         except ValueError as e:
             raise SpecdecError(f"method 'quantized_self': {e}") from None
         return cls(env, copy, env.kv_pool(copy.config, copy.act_dtype), cfg.num_speculative_tokens)

@@ -17,10 +17,16 @@ from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models import kernels, native
 from specdec.models.kernels import linear, rms_norm
-from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
+from specdec.models.quant import QuantWeight
 
 if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
     from specdec.kv_cache import KVPool
+
+
+def replace_parameter(module: nn.Module, attr: str, value: QuantWeight) -> None:
+    """Put a block-quantized matrix where a float Parameter was (a QuantWeight is not a Parameter)."""
+    module._parameters.pop(attr, None)
+    setattr(module, attr, value)
 
 
 class Linear(nn.Module):
@@ -51,8 +57,7 @@ class Linear(nn.Module):
         if tuple(value.shape) != tuple(self.weight.shape):
             raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects {tuple(self.weight.shape)}")
         if isinstance(value, QuantWeight):
-            self._parameters.pop("weight", None)
-            self.weight = value
+            replace_parameter(self, "weight", value)
         else:
             if self.quantized:
                 raise ValueError(f"tensor {name!r}: a float tensor for a quantized layer")
@@ -140,24 +145,25 @@ class DecoderLayer(nn.Module):
         """The C++ decoder layer when every matrix is block-quantized (the fused decode path), else None."""
         if self._native is None and all(lin.quantized for lin in self.linears) \
                 and isinstance(self.input_layernorm, RMSNorm):
-            none = torch.empty(0)
-            qkv_b = self.qkv_proj.bias if self.qkv_proj.bias is not None else none
-            q_norm = self.q_norm.weight if self.q_norm is not None else none
-            k_norm = self.k_norm.weight if self.k_norm is not None else none
+            qkv_b, q_norm, k_norm = (t.detach() for t in self._optional_weights())
             self._native = native.ops().Layer(
-                self.input_layernorm.weight.detach(), self.qkv_proj.weight.matrix(), qkv_b.detach(), q_norm.detach(),
-                k_norm.detach(), self.o_proj.weight.matrix(), self.post_attention_layernorm.weight.detach(),
+                self.input_layernorm.weight.detach(), self.qkv_proj.weight.matrix(), qkv_b, q_norm, k_norm,
+                self.o_proj.weight.matrix(), self.post_attention_layernorm.weight.detach(),
                 self.gate_up_proj.weight.matrix(), self.down_proj.weight.matrix(), self.num_heads,
                 self.num_kv_heads, self.head_dim, self.input_layernorm.eps)
         return self._native
 
+    def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """The qkv bias and the q / k norms, empty where the architecture has none (the fused kernels' form)."""
+        none = torch.empty(0)
+        return (self.qkv_proj.bias if self.qkv_proj.bias is not None else none,
+                self.q_norm.weight if self.q_norm is not None else none,
+                self.k_norm.weight if self.k_norm is not None else none)
+
     def kernel_weights(self) -> tuple:
         """The weights as numpy views, in the fused kernel's argument order (absent ones empty)."""
         if self._kernel_weights is None:
-            none = torch.empty(0)
-            qkv_b = self.qkv_proj.bias if self.qkv_proj.bias is not None else none
-            q_norm = self.q_norm.weight if self.q_norm is not None else none
-            k_norm = self.k_norm.weight if self.k_norm is not None else none
+            qkv_b, q_norm, k_norm = self._optional_weights()
             tensors = (self.input_layernorm.weight, self.qkv_proj.weight, qkv_b, q_norm, k_norm, self.o_proj.weight,
                        self.post_attention_layernorm.weight, self.gate_up_proj.weight, self.down_proj.weight)
             self._kernel_weights = tuple(kernels.as_numpy(t) for t in tensors)
@@ -202,23 +208,6 @@ class DecoderLayer(nn.Module):
         return x + self.down_proj(F.silu(gate) * up)
 
 
-def quantize_module(module: nn.Module, name: str, attrs: tuple[str, ...] = ("lm_head",)) -> int:
-    """Quantize a draft head on load: every float `Linear` whose width the block divides, and the float matrix
-    parameters named in `attrs` (a head's own LM head). Returns how many matrices were quantized."""
-    count = 0
-    for sub in module.modules():
-        if isinstance(sub, Linear) and not sub.quantized and sub.in_features % FORMATS[name].block == 0:
-            sub.set_weight(QuantWeight.quantize(sub.weight.data, name), "")
-            count += 1
-        for attr in attrs:
-            param = sub._parameters.get(attr)
-            if param is not None and param.dim() == 2 and param.shape[1] % FORMATS[name].block == 0:
-                sub._parameters.pop(attr)
-                setattr(sub, attr, QuantWeight.quantize(param.data, name))
-                count += 1
-    return count
-
-
 def _cat(weights: list) -> torch.Tensor | QuantWeight:
     """Fuse matrices by rows (q/k/v, gate/up), float or block-quantized."""
     if any(isinstance(w, QuantWeight) for w in weights):
@@ -233,7 +222,8 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take, put, cfg: ModelCo
     fusing q/k/v and gate/up. take(name) -> tensor; put(param, tensor, name) checks the shape. A layer whose
     input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
     p = prefix
-    layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]), p + "self_attn.qkv_proj.weight")
+    layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                              p + "self_attn.qkv_proj.weight")
     if cfg.attention_bias:
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
             p + "self_attn.qkv_proj.bias")
@@ -285,6 +275,7 @@ class LlamaModel(nn.Module):
         cos, sin = rope_tables(cfg, act, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._stack: object | None = None  # the C++ stack of all layers (False: not every layer is quantized)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [T] -> [T, H] in the activation dtype."""
@@ -320,7 +311,7 @@ class LlamaModel(nn.Module):
 
     def native_stack(self):
         """Every decoder layer as one C++ stack when all are block-quantized (the whole forward in one call)."""
-        if getattr(self, "_stack", None) is None:
+        if self._stack is None:
             layers = [layer.native_layer() for layer in self.layers]
             self._stack = native.ops().Stack(layers) if all(layer is not None for layer in layers) else False
         return self._stack or None
@@ -345,18 +336,14 @@ class LlamaModel(nn.Module):
             param.data.copy_(value.to(param.dtype))
 
         def put_matrix(attr: str, value: torch.Tensor | QuantWeight, name: str) -> None:
-            """The embedding or LM head: a float Parameter, or replaced by a block-quantized matrix."""
-            if not isinstance(value, QuantWeight):
-                return put(getattr(self, attr), value, name)
+            """The embedding or LM head: into its float Parameter, or in its place when block-quantized."""
             if tuple(value.shape) != tuple(getattr(self, attr).shape):
-                raise ValueError(f"tensor {name!r} has shape {value.shape}, config expects "
+                raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects "
                                  f"{tuple(getattr(self, attr).shape)}")
-            tied = self.lm_head is self.embed_tokens
-            self._parameters.pop(attr, None)
-            setattr(self, attr, value)
-            if tied:
-                self._parameters.pop("lm_head", None)
-                self.lm_head = value
+            if isinstance(value, QuantWeight):
+                self.set_matrix(attr, value)
+            else:
+                put(getattr(self, attr), value, name)
 
         put_matrix("embed_tokens", take("model.embed_tokens.weight"), "model.embed_tokens.weight")
         if not cfg.tie_word_embeddings:
@@ -368,6 +355,19 @@ class LlamaModel(nn.Module):
         leftover = [k for k in sd if not k.endswith("rotary_emb.inv_freq")]
         if leftover:
             raise ValueError(f"checkpoint has tensors the config does not expect, e.g. {leftover[:3]}")
+
+    def weights_changed(self) -> None:
+        """Forget the kernels' views of the weights (the fused layers, the stack); rebuilt on the next forward."""
+        for layer in self.layers:
+            layer._native = layer._kernel_weights = None
+        self._stack = None
+
+    def set_matrix(self, attr: str, value: QuantWeight) -> None:
+        """Replace the embedding or the LM head ('embed_tokens', 'lm_head') by a block-quantized matrix; a tied
+        model's other one is the same object, so it is replaced too."""
+        tied = self.lm_head is self.embed_tokens
+        for name in ("embed_tokens", "lm_head") if tied else (attr,):
+            replace_parameter(self, name, value)
 
     @property
     def quantization(self) -> str | None:
@@ -384,55 +384,9 @@ class LlamaModel(nn.Module):
         def nbytes(t) -> int:
             return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
 
-        total = sum(nbytes(p) for p in self.parameters())
-        total += sum(nbytes(lin.weight) for layer in self.layers for lin in layer.linears if lin.quantized)
-        for m in {id(self.lm_head): self.lm_head, id(self.embed_tokens): self.embed_tokens}.values():
-            total += nbytes(m) if isinstance(m, QuantWeight) else 0
+        matrices = [*self.parameters(), self.embed_tokens, self.lm_head,
+                    *(lin.weight for layer in self.layers for lin in layer.linears)]
+        total = sum(nbytes(t) for t in {id(t): t for t in matrices}.values())
         if self.lm_head is not self.embed_tokens:
             total -= nbytes(self.embed_tokens) * (self.embed_tokens.shape[0] - 1) // self.embed_tokens.shape[0]
         return total
-
-    def quantized_copy(self, name: str) -> "LlamaModel":
-        """Another model over the same config whose matrices (LM head included) are this model's, quantized to
-        block format `name`; norms and the embedding are shared. A cheap self-draft (`quantized_self`)."""
-        copy = LlamaModel(self.config, torch.float32, self.device)
-        for mine, theirs in zip(copy.layers, self.layers):
-            for dst, src in zip(mine.linears, theirs.linears):
-                dense = src.weight.dequantize() if src.quantized else src.weight.data.float()
-                check_quantizable(name, tuple(dense.shape), "a decoder matrix")
-                dst.set_weight(QuantWeight.quantize(dense, name), "")
-                if src.bias is not None:
-                    dst.bias.data.copy_(src.bias)
-            for norm in ("input_layernorm", "post_attention_layernorm", "q_norm", "k_norm"):
-                if isinstance(getattr(theirs, norm), RMSNorm):
-                    getattr(mine, norm).weight.data.copy_(getattr(theirs, norm).weight)
-        copy.norm.weight.data.copy_(self.norm.weight)
-        head = self.lm_head.dequantize() if isinstance(self.lm_head, QuantWeight) else self.lm_head.data.float()
-        for attr in ("embed_tokens", "lm_head"):
-            copy._parameters.pop(attr, None)
-        copy.embed_tokens = self.embed_tokens
-        copy.lm_head = QuantWeight.quantize(head, name)
-        return copy.eval()
-
-    def quantize_(self, name: str) -> None:
-        """Quantize the float matrices in place into block format `name` (quantization on load): every
-        decoder matrix, and the LM head in q8_0 (a 4-bit LM head costs accuracy for little speed)."""
-        for i, layer in enumerate(self.layers):
-            for lin in layer.linears:
-                if not lin.quantized:
-                    check_quantizable(name, tuple(lin.weight.shape), f"layer {i}'s {type(lin).__name__}")
-        for layer in self.layers:
-            for lin in layer.linears:
-                if not lin.quantized:
-                    lin.set_weight(QuantWeight.quantize(lin.weight.data, name), "")
-            layer._native = None
-        self._stack = None
-        if not isinstance(self.lm_head, QuantWeight) and self.lm_head.shape[1] % 32 == 0:
-            head = QuantWeight.quantize(self.lm_head.data, "q8_0")
-            tied = self.lm_head is self.embed_tokens
-            self._parameters.pop("lm_head", None)
-            self.lm_head = head
-            if tied:
-                self._parameters.pop("embed_tokens", None)
-                self.embed_tokens = head
-

@@ -19,6 +19,7 @@ from specdec.config import ModelConfig, SpecdecError
 from specdec.models import native
 from specdec.models.llama import LlamaModel
 from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
+from specdec.models.quantize import quantize_model
 
 # 'gguf': compute on a GGUF's own blocks; the others: quantize float weights into that format on load.
 QUANTIZATIONS = ("gguf", *QUANTIZE_ON_LOAD)
@@ -164,7 +165,7 @@ def load_model(model: str | os.PathLike, dtype: str | torch.dtype = torch.float3
     try:
         net.load_hf_state_dict(state)
         if quant in QUANTIZE_ON_LOAD:
-            net.quantize_(quant)
+            quantize_model(net, quant)
     except ValueError as e:
         raise SpecdecError(f"{src.name}: {e}") from None
     return net.eval(), src

@@ -80,8 +80,8 @@ class QuantWeight:
     def from_gguf(cls, data: np.ndarray, ggml: GGMLQuantizationType, in_features: int) -> "QuantWeight":
         """data: the tensor's bytes as gguf reads them, [rows, row_bytes] uint8."""
         fmt = BY_GGML[ggml]
-        rows = np.ascontiguousarray(data).reshape(-1, in_features // fmt.block * fmt.bytes)
-        return cls([(torch.from_numpy(np.array(rows)), fmt)], in_features)
+        rows = np.array(data).reshape(-1, in_features // fmt.block * fmt.bytes)  # owned: the file may be unmapped
+        return cls([(torch.from_numpy(rows), fmt)], in_features)
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, name: str) -> "QuantWeight":
