@@ -22,6 +22,7 @@ from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
 
+import numpy as np
 import torch
 
 from specdec.config import ModelConfig
@@ -193,36 +194,41 @@ def paged_inputs(tables: list[list[int]], starts: list[int], feeds: list[list[in
 
         tokens, positions: [T]      every sequence's new tokens, flattened (no padding)
         context:           [B, L]   every slot sequence i attends: its cached prefix + this step's tokens
+
+    Built with numpy (a step's layout is a few small arrays; torch's per-op cost would dominate it).
     """
     trees = trees or [None] * len(feeds)
     num_new = [len(f) for f in feeds]
     B, S = len(feeds), max(num_new)
     bs = block_size
-    ends = [start + (n if t is None else t.visible.shape[1]) for start, n, t in zip(starts, num_new, trees)]
-    L = max(ends)
-    padded_index = torch.full((B, S), -1, dtype=torch.long)  # slot index in the sequence, -1 = padding
-    block_tables = torch.full((B, -(-L // bs)), NULL_BLOCK, dtype=torch.long)
+    ends_list = [start + (n if t is None else t.visible.shape[1]) for start, n, t in zip(starts, num_new, trees)]
+    ends, L = np.array(ends_list), max(ends_list)
+    padded_index = np.full((B, S), -1, dtype=np.int64)  # slot index in the sequence, -1 = padding
+    block_tables = np.full((B, -(-L // bs)), NULL_BLOCK, dtype=np.int64)
     for i, (start, n, blocks) in enumerate(zip(starts, num_new, tables)):
-        offsets = torch.arange(n) if trees[i] is None else torch.tensor(trees[i].index, dtype=torch.long)
-        padded_index[i, :n] = start + offsets
+        padded_index[i, :n] = start + (np.arange(n) if trees[i] is None else np.asarray(trees[i].index))
         blocks = blocks[: block_tables.shape[1]]
-        block_tables[i, : len(blocks)] = torch.tensor(blocks)
-    pos = torch.arange(L)
-    valid = pos[None, :] < torch.tensor(ends)[:, None]  # [B, L]
-    context_slots = torch.where(valid, block_tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
-    context_positions = torch.where(valid, pos[None, :], -1)
+        block_tables[i, : len(blocks)] = blocks
+    pos = np.arange(L)
+    valid = pos[None, :] < ends[:, None]  # [B, L]
+    context_slots = np.where(valid, block_tables[:, pos // bs] * bs + pos % bs, NULL_BLOCK * bs)
     is_new = padded_index >= 0
-    slot_mapping = context_slots.gather(1, padded_index.clamp(min=0))[is_new]
-    meta = AttentionMetadata.causal(padded_index, context_slots, context_positions, slot_mapping, num_new)
-    rope = padded_index.clone()
-    if any(t is not None for t in trees):
-        meta.tree_starts = list(starts)  # every sequence's fed region is its "tree"; a chain's is causal
+    rows, _ = np.nonzero(is_new)
+    slot_mapping = context_slots[rows, padded_index[is_new]]
+    # causal: a query sees every valid key at a position <= its own; a padding query still sees one key, so its
+    # softmax stays finite
+    mask = valid[:, None, :] & (pos[None, None, :] <= padded_index[:, :, None])  # [B, S, L]
+    mask[:, :, 0] |= padded_index < 0
+    rope = padded_index.copy()
     for i, tree in enumerate(trees):
         if tree is not None:
             n, start = len(tree.index), starts[i]
-            rope[i, :n] = start + torch.tensor(tree.rope, dtype=torch.long)
-            meta.mask[i, :n, start:start + tree.visible.shape[1]] = tree.visible
-    dev = device
-    meta = meta.to(dev)
-    tokens = torch.tensor([t for f in feeds for t in f], dtype=torch.long, device=dev)
-    return tokens, rope[is_new].to(dev), meta
+            rope[i, :n] = start + np.asarray(tree.rope)
+            mask[i, :n, start:start + tree.visible.shape[1]] = tree.visible.numpy()
+    meta = AttentionMetadata(torch.from_numpy(slot_mapping), torch.from_numpy(context_slots), torch.from_numpy(mask),
+                             num_new, ends_list, list(starts) if any(t is not None for t in trees) else None)
+    tokens = torch.from_numpy(np.array([t for f in feeds for t in f], dtype=np.int64))
+    positions = torch.from_numpy(rope[is_new])
+    if device != "cpu" and torch.device(device).type != "cpu":
+        meta, tokens, positions = meta.to(device), tokens.to(device), positions.to(device)
+    return tokens, positions, meta

@@ -117,7 +117,7 @@ def target_outputs(model, ids: list[int], layers: tuple[int, ...]
     from specdec.models.attention import AttentionMetadata
 
     T, bs = len(ids), 16
-    kv = KVPool(model.config, -(-T // bs) + 1, bs, model.act_dtype, model.device)
+    kv = KVPool(model.config, -(-T // bs) + 1, bs, model.kv_dtype, model.device)
     pos = torch.arange(T, device=model.device)
     slots = (pos + bs)[None]  # block 0 is the null block
     meta = AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T])

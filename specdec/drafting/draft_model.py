@@ -54,4 +54,4 @@ class DraftModelDrafter(TreeDrafter):
         draft, src = load_model(name, dtype, target.device, quantization)
         check_same_vocabulary(name, draft.config.vocab_size, target.config.vocab_size, load_tokenizer(src),
                               env.tokenizer)
-        return cls(env, draft, env.kv_pool(draft.config, draft.act_dtype), cfg.num_speculative_tokens)
+        return cls(env, draft, env.kv_pool(draft.config, draft.kv_dtype), cfg.num_speculative_tokens)

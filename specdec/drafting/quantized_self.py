@@ -32,4 +32,4 @@ class QuantizedSelfDrafter(TreeDrafter):
             copy = quantized_copy(env.target, cfg.options.quantization)
         except ValueError as e:
             raise SpecdecError(f"method 'quantized_self': {e}") from None
-        return cls(env, copy, env.kv_pool(copy.config, copy.act_dtype), cfg.num_speculative_tokens)
+        return cls(env, copy, env.kv_pool(copy.config, copy.kv_dtype), cfg.num_speculative_tokens)

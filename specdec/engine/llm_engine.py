@@ -17,7 +17,7 @@ from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator, draft_request
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import SamplingTensors, sample
+from specdec.sampling import SamplingTensors, greedy_tokens, sample
 from specdec.tree import SpecShape
 
 
@@ -74,13 +74,13 @@ class LLMEngine:
         bs = self.cfg.block_size
         num_blocks = self.cfg.num_kv_blocks
         if num_blocks is None:
-            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.act_dtype))
+            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.kv_dtype))
             by_need = self.cfg.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(by_memory, by_need))
         self.allocator = BlockAllocator(num_blocks, bs, self.cfg.enable_prefix_caching)
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
-        self.kv = KVPool(mcfg, num_blocks, bs, model.act_dtype, model.device)
+        self.kv = KVPool(mcfg, num_blocks, bs, model.kv_dtype, model.device)
         lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, bs)
@@ -177,17 +177,22 @@ class LLMEngine:
         hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
                                            [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, counts)],
                                            feature_layers=self.feature_layers)
-        ends = torch.tensor(counts).cumsum(0)
+        ends = list(itertools.accumulate(counts))
         ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
         tokens: list[list[int] | None] = [None] * len(seqs)
         if ready:
-            logits = self.model.compute_logits(hidden[(ends[ready] - 1).to(hidden.device)])
-            st = SamplingTensors.from_requests([seqs[i] for i in ready], self.model.device)
-            for i, token in zip(ready, sample(logits, st).tolist()):
+            rows = [ends[i] - 1 for i in ready]
+            last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
+            logits = self.model.compute_logits(last)
+            chosen = [seqs[i] for i in ready]
+            if all(s.params.greedy for s in chosen):  # most steps: no sampling tensors to build
+                next_tokens = greedy_tokens(logits).tolist()
+            else:
+                next_tokens = sample(logits, SamplingTensors.from_requests(chosen, self.model.device)).tolist()
+            for i, token in zip(ready, next_tokens):
                 tokens[i] = [token]
-        starts = (ends - torch.tensor(counts)).tolist()
-        return [StepOutput(n, t, None if features is None else features[start:start + n])
-                for n, t, start in zip(counts, tokens, starts)]
+        return [StepOutput(n, t, None if features is None else features[end - n:end])
+                for n, t, end in zip(counts, tokens, ends)]
 
     # -- control for measuring tools (`specdec tune`) ---------------------------------------------------
     def pin_draft_shape(self, shape: SpecShape | None) -> None:

@@ -18,7 +18,7 @@ from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
-from specdec.sampling import SamplingTensors, logits_to_probs, sample
+from specdec.sampling import SamplingTensors, greedy_tokens, logits_to_probs, sample
 from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy
 
@@ -137,7 +137,7 @@ class Speculator:
         if N == 0:  # nobody drafted: a plain decode step
             return plain_result(sample(logits, st))
         if st.all_greedy:
-            target_ids = logits.argmax(-1)[rows.clamp(min=0)]  # [B, N + 1]
+            target_ids = greedy_tokens(logits)[rows.clamp(min=0)]  # [B, N + 1]
             return verify_greedy(tokens, parents, target_ids)
         probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
         q = draft.probs[:, :N] if draft.probs is not None else None

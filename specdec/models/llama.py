@@ -258,7 +258,7 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         """dtype: the weight matrices (embedding, projections, LM head). On CPU activations, norms, biases
-        and the KV cache stay float32 (`act_dtype`): bfloat16 there means bf16 weights widened inside our
+        and the KV cache stay float32 (`act_dtype`; the native runtime keeps K/V in float16, `kv_dtype`): bfloat16 there means bf16 weights widened inside our
         kernels, half the bytes per step with float32 arithmetic that does not depend on the batch shape.
         On CUDA everything runs in `dtype`."""
         super().__init__()
@@ -296,11 +296,11 @@ class LlamaModel(nn.Module):
             n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
             wanted = sorted({i for i in output_layers if i < n})
             x = x.contiguous()
-            outs = stack.forward(x, self.rope_cos[positions], self.rope_sin[positions], kv.k[:n], kv.v[:n],
-                                 meta.slot_mapping, meta.context_slots, meta.mask,
-                                 torch.from_numpy(kernels.query_starts(meta.query_lens)), self.layers[0].scale, n,
-                                 wanted)
-            return self.norm(x), dict(zip(wanted, outs))
+            normed, *outs = stack.forward(x, self.rope_cos[positions], self.rope_sin[positions], kv.k, kv.v,
+                                          meta.slot_mapping, meta.context_slots, meta.mask,
+                                          torch.from_numpy(kernels.query_starts(meta.query_lens)), self.layers[0].scale,
+                                          n, wanted)
+            return normed, dict(zip(wanted, outs))
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers[:num_layers]):
@@ -309,11 +309,18 @@ class LlamaModel(nn.Module):
                 captured[i] = x
         return self.norm(x), captured
 
+    @property
+    def kv_dtype(self) -> torch.dtype:
+        """The element type of this model's K/V cache: float16 where the native runtime computes every layer
+        (attention then reads half the bytes per key; the kernels widen to float32), else the activation dtype."""
+        return torch.float16 if self.device.type == "cpu" and self.native_stack() is not None else self.act_dtype
+
     def native_stack(self):
         """Every decoder layer as one C++ stack when all are block-quantized (the whole forward in one call)."""
         if self._stack is None:
             layers = [layer.native_layer() for layer in self.layers]
-            self._stack = native.ops().Stack(layers) if all(layer is not None for layer in layers) else False
+            self._stack = native.ops().Stack(layers, self.norm.weight.detach(), self.norm.eps) \
+                if all(layer is not None for layer in layers) else False
         return self._stack or None
 
     @torch.inference_mode()

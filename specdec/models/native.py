@@ -1,4 +1,4 @@
-"""Build and load the C++ kernels for quantized weights (csrc/quant.cpp), once per machine.
+"""Build and load the C++ kernels for quantized weights (csrc/), once per machine.
 
 They are compiled on first use with torch's extension builder (g++ and ninja), for the CPU they run on
 (`-march=native`: AVX2, AVX-VNNI or AVX512-VNNI are picked up by the compiler, a portable scalar path
@@ -16,7 +16,8 @@ import platform
 from functools import lru_cache
 from pathlib import Path
 
-SOURCE = Path(__file__).resolve().parent / "csrc" / "quant.cpp"
+CSRC = Path(__file__).resolve().parent / "csrc"
+SOURCE = CSRC / "quant.cpp"  # includes the headers beside it
 FLAGS = ["-O3", "-march=native", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fopenmp"]
 
 
@@ -35,7 +36,9 @@ def _cpu_flags() -> str:
 
 
 def build_key() -> str:
-    h = hashlib.sha256(SOURCE.read_bytes())
+    h = hashlib.sha256()
+    for path in sorted(CSRC.iterdir()):
+        h.update(path.name.encode() + path.read_bytes())
     h.update(" ".join(FLAGS).encode())
     h.update(_cpu_flags().encode())
     return h.hexdigest()[:16]

@@ -9,70 +9,12 @@
 //
 // The only code that knows a block format is its `Format` struct below (layout, scales, unpacking); the
 // GEMM, the fused decoder layer and the dequantizer are written once over it.
-#include <torch/extension.h>
-#include <ATen/Parallel.h>
-
-#include <algorithm>
-#include <atomic>
-#include <cmath>
-#include <cstdint>
-#include <cstring>
-#include <string>
-#include <vector>
-
-#if defined(__AVX2__) && defined(__FMA__) && defined(__F16C__)
-#include <immintrin.h>
-#define SPECDEC_AVX2 1
-// u8 x s8 dot products of 4 bytes into int32 lanes in one instruction (AVX512-VNNI with VL, or AVX-VNNI):
-// the same integers as maddubs + madd, so the results are bit for bit those of the AVX2 path.
-#if defined(__AVX512VNNI__) && defined(__AVX512VL__)
-#define SPECDEC_VNNI 1
-#define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-#elif defined(__AVXVNNI__)
-#define SPECDEC_VNNI 1
-#define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
-#endif
-#endif
+#include "simd.h"
+#include "attention.h"
 
 namespace {
 
 constexpr int QK = 32;  // activation block (and the unit every weight format is unpacked in)
-
-float half_to_float(uint16_t h) {
-#ifdef SPECDEC_AVX2
-  return _cvtsh_ss(h);
-#else
-  uint32_t sign = (h & 0x8000u) << 16, exp = (h >> 10) & 0x1f, mant = h & 0x3ff, bits;
-  if (exp == 0) {
-    if (mant == 0) {
-      bits = sign;
-    } else {  // subnormal: renormalize
-      exp = 127 - 15 + 1;
-      while (!(mant & 0x400)) { mant <<= 1; exp--; }
-      bits = sign | (exp << 23) | ((mant & 0x3ff) << 13);
-    }
-  } else if (exp == 31) {
-    bits = sign | 0x7f800000u | (mant << 13);
-  } else {
-    bits = sign | ((exp + 127 - 15) << 23) | (mant << 13);
-  }
-  float f;
-  std::memcpy(&f, &bits, 4);
-  return f;
-#endif
-}
-
-uint16_t float_to_half(float f) {
-#ifdef SPECDEC_AVX2
-  return _cvtss_sh(f, _MM_FROUND_TO_NEAREST_INT);
-#else
-  uint32_t x;
-  std::memcpy(&x, &f, 4);  // normal values only (the Q4_0 minimums this packs are -8 d of an f16 d)
-  uint32_t sign = (x >> 16) & 0x8000u, exp = (x >> 23) & 0xff, mant = x & 0x7fffffu;
-  if (exp == 0) return (uint16_t)sign;
-  return (uint16_t)(sign | ((exp - 127 + 15) << 10) | (mant >> 13));
-#endif
-}
 
 uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
 
@@ -213,26 +155,54 @@ struct QAct {
   const float* sr(int64_t m) const { return s.data() + m * (K / QK); }
 };
 
+// One block of 32: the scalar definition; the AVX2 path below computes the same values (the multiply by 1/d is
+// the same float multiply, and cvtps rounds to nearest even as nearbyint does in the default rounding mode).
+inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_out) {
+#ifdef SPECDEC_AVX2
+  const __m256 sign = _mm256_set1_ps(-0.f);
+  __m256 v[4], m = _mm256_setzero_ps();
+  for (int i = 0; i < 4; i++) { v[i] = _mm256_loadu_ps(xb + 8 * i); m = _mm256_max_ps(m, _mm256_andnot_ps(sign, v[i])); }
+  __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(m), _mm256_extractf128_ps(m, 1));
+  m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
+  m4 = _mm_max_ss(m4, _mm_movehdup_ps(m4));
+  const float amax = _mm_cvtss_f32(m4);
+  const float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  const __m256 idv = _mm256_set1_ps(id);
+  __m256i q[4];
+  for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
+  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
+  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  // int32 -> int16 -> int8 (no value leaves [-127, 127]); packs interleave 128-bit lanes, the permute undoes it
+  __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
+  __m256i p8 = _mm256_packs_epi16(p16a, p16b);
+  p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
+  _mm256_storeu_si256((__m256i*)qb, p8);
+  d_out = d;
+  s_out = d * (float)_mm_cvtsi128_si32(s4);
+#else
+  float amax = 0.f;
+  for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
+  float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
+  int sum = 0;
+  for (int i = 0; i < QK; i++) {
+    int v = (int)std::nearbyint(xb[i] * id);
+    qb[i] = (int8_t)v;
+    sum += v;
+  }
+  d_out = d;
+  s_out = d * (float)sum;
+#endif
+}
+
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out) {
   out.M = M; out.K = K;
   out.q.resize(M * K); out.d.resize(M * K / QK); out.s.resize(M * K / QK);
-  for (int64_t m = 0; m < M; m++) {
-    for (int64_t b = 0; b < K / QK; b++) {
-      const float* xb = x + m * ldx + b * QK;
-      float amax = 0.f;
-      for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
-      float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-      int8_t* qb = out.q.data() + m * K + b * QK;
-      int sum = 0;
-      for (int i = 0; i < QK; i++) {
-        int v = (int)std::nearbyint(xb[i] * id);
-        qb[i] = (int8_t)v;
-        sum += v;
-      }
-      out.d[m * (K / QK) + b] = d;
-      out.s[m * (K / QK) + b] = d * (float)sum;
-    }
-  }
+  for (int64_t m = 0; m < M; m++)
+    for (int64_t b = 0; b < K / QK; b++)
+      quantize_block(x + m * ldx + b * QK, out.q.data() + m * K + b * QK, out.d[m * (K / QK) + b],
+                     out.s[m * (K / QK) + b]);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -240,13 +210,6 @@ void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out)
 // ---------------------------------------------------------------------------------------------------------
 
 #ifdef SPECDEC_AVX2
-inline float hsum(__m256 v) {
-  __m128 s = _mm_add_ps(_mm256_castps256_ps128(v), _mm256_extractf128_ps(v, 1));
-  s = _mm_add_ps(s, _mm_movehl_ps(s, s));
-  s = _mm_add_ss(s, _mm_movehdup_ps(s));
-  return _mm_cvtss_f32(s);
-}
-
 // 8 int32 sums of 4 products each: lanes 0-3 cover weights 0-15, lanes 4-7 weights 16-31.
 template <bool SIGNED>
 inline __m256i dot32(__m256i w, __m256i x) {
@@ -610,19 +573,6 @@ torch::Tensor dequantize_rows(const QMatrix& W, const torch::Tensor& rows) {
 // The fused decoder layer for a few tokens (decode and verification), in place on x [T, H].
 // ---------------------------------------------------------------------------------------------------------
 
-// Fixed-order float dot product (8 lanes, then a fixed horizontal sum) over n floats.
-float dot_f32(const float* a, const float* b, int64_t n) {
-  int64_t i = 0;
-  float s = 0.f;
-#ifdef SPECDEC_AVX2
-  __m256 acc = _mm256_setzero_ps();
-  for (; i + 8 <= n; i += 8) acc = _mm256_fmadd_ps(_mm256_loadu_ps(a + i), _mm256_loadu_ps(b + i), acc);
-  s = hsum(acc);
-#endif
-  for (; i < n; i++) s += a[i] * b[i];
-  return s;
-}
-
 void rms_norm_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
   for (int64_t t = 0; t < T; t++) {
     const float* xr = x + t * H;
@@ -639,132 +589,18 @@ struct Layer {
   double eps;
 };
 
-// Attention of every query over its sequence's context slots.
-// A query's scores, softmax and weighted sum run over its visible keys in slot order, so the result does
-// not depend on how many other queries or masked keys share the call.
+// out[i] = silu(g[i]) * g[inter + i] (the gate and up halves of one row), the same lanes for every row.
+void silu_mul(const float* g, int64_t inter, float* out) {
+  int64_t i = 0;
 #ifdef SPECDEC_AVX2
-// exp(x) for x <= 0 in 8 lanes: 2^n e^r with |r| <= ln 2 / 2, e^r by the Cephes polynomial (~1e-7 relative).
-inline __m256 exp_ps(__m256 x) {
-  x = _mm256_max_ps(x, _mm256_set1_ps(-87.f));
-  __m256 n = _mm256_round_ps(_mm256_mul_ps(x, _mm256_set1_ps(1.44269504f)), _MM_FROUND_TO_NEAREST_INT | _MM_FROUND_NO_EXC);
-  __m256 r = _mm256_sub_ps(x, _mm256_mul_ps(n, _mm256_set1_ps(0.693359375f)));
-  r = _mm256_add_ps(r, _mm256_mul_ps(n, _mm256_set1_ps(2.12194440e-4f)));
-  __m256 p = _mm256_set1_ps(1.9875691500e-4f);
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.3981999507e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(8.3334519073e-3f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(4.1665795894e-2f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(1.6666665459e-1f));
-  p = _mm256_fmadd_ps(p, r, _mm256_set1_ps(5.0000001201e-1f));
-  p = _mm256_fmadd_ps(_mm256_mul_ps(p, r), r, _mm256_add_ps(r, _mm256_set1_ps(1.f)));
-  __m256i e = _mm256_slli_epi32(_mm256_add_epi32(_mm256_cvtps_epi32(n), _mm256_set1_epi32(127)), 23);
-  return _mm256_mul_ps(p, _mm256_castsi256_ps(e));
-}
-
-// Scores of q against 8 keys at once: 8 lane-wise partial sums, then one transpose-and-add tree.
-inline __m256 dot8_keys(const float* q, const float* const k[8], int64_t D) {
-  __m256 a[8];
-  for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-  for (int64_t d = 0; d < D; d += 8) {
-    __m256 qv = _mm256_loadu_ps(q + d);
-    for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(k[i] + d), a[i]);
+  const __m256 one = _mm256_set1_ps(1.f), lim = _mm256_set1_ps(88.f);
+  for (; i + 8 <= inter; i += 8) {
+    __m256 x = _mm256_loadu_ps(g + i);
+    __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), lim));  // exp(-x), finite
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(g + inter + i)));
   }
-  __m256 s01 = _mm256_hadd_ps(a[0], a[1]), s23 = _mm256_hadd_ps(a[2], a[3]);
-  __m256 s45 = _mm256_hadd_ps(a[4], a[5]), s67 = _mm256_hadd_ps(a[6], a[7]);
-  __m256 s0123 = _mm256_hadd_ps(s01, s23), s4567 = _mm256_hadd_ps(s45, s67);
-  // lanes: [k0 k1 k2 k3 | k0 k1 k2 k3] halves of keys 0-3, same for 4-7
-  __m256 lo = _mm256_permute2f128_ps(s0123, s4567, 0x20), hi = _mm256_permute2f128_ps(s0123, s4567, 0x31);
-  return _mm256_add_ps(lo, hi);
-}
 #endif
-
-// Attention of every query over its sequence's context slots.
-// A query's visible keys are listed in slot order, and its scores, softmax and weighted sum run over that
-// list alone (key i of the list always in lane i % 8), so the result does not depend on how many other
-// queries or masked keys share the call.
-void attention(const float* qkv, int64_t T, const Layer& L, torch::Tensor& k_pool, torch::Tensor& v_pool,
-               const int64_t* context_slots, int64_t Lk, const bool* mask, int64_t S,
-               const int64_t* query_starts, int64_t B, double scale, float* out) {
-  const int64_t Hq = L.n_heads, Hkv = L.n_kv, D = L.head_dim, G = Hq / Hkv, W = (Hq + 2 * Hkv) * D;
-  const float* kp = k_pool.data_ptr<float>();
-  const float* vp = v_pool.data_ptr<float>();
-  // Tasks: (sequence, query head, chunk of QCHUNK queries), so a long prefill splits evenly across threads.
-  constexpr int64_t QCHUNK = 16;
-  std::vector<int64_t> task_seq, task_first;
-  for (int64_t b = 0; b < B; b++)
-    for (int64_t t = query_starts[b]; t < query_starts[b + 1]; t += QCHUNK) { task_seq.push_back(b); task_first.push_back(t); }
-  const int64_t ntasks = (int64_t)task_seq.size() * Hq;
-  at::parallel_for(0, ntasks, 1, [&](int64_t t0, int64_t t1) {
-    std::vector<float> p(Lk + 8);
-    std::vector<const float*> keys(Lk + 8), values(Lk + 8);
-    std::vector<float> zero(D, 0.f);
-    for (int64_t task = t0; task < t1; task++) {
-      const int64_t b = task_seq[task / Hq], h = task % Hq, hk = h / G, first = task_first[task / Hq];
-      for (int64_t t = first; t < std::min(first + QCHUNK, query_starts[b + 1]); t++) {
-        const bool* mrow = mask + (b * S + (t - query_starts[b])) * Lk;
-        const float* q = qkv + t * W + h * D;
-        int64_t n = 0;
-        for (int64_t j = 0; j < Lk; j++) {
-          if (!mrow[j]) continue;
-          keys[n] = kp + (context_slots[b * Lk + j] * Hkv + hk) * D;
-          values[n++] = vp + (context_slots[b * Lk + j] * Hkv + hk) * D;
-        }
-        float top = -INFINITY, total = 0.f;
-        int64_t i = 0;
-#ifdef SPECDEC_AVX2
-        if (D % 8 == 0) {
-          for (int64_t c = n; c < (n + 7) / 8 * 8; c++) keys[c] = zero.data();  // padding keys, dropped below
-          __m256 sc = _mm256_set1_ps((float)scale);
-          for (; i < n; i += 8) _mm256_storeu_ps(p.data() + i, _mm256_mul_ps(dot8_keys(q, keys.data() + i, D), sc));
-          for (int64_t c = 0; c < n; c++) top = std::max(top, p[c]);
-          __m256 tv = _mm256_set1_ps(top), sum = _mm256_setzero_ps();
-          for (i = 0; i + 8 <= n; i += 8) {
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_loadu_ps(p.data() + i), tv));
-            _mm256_storeu_ps(p.data() + i, e);
-            sum = _mm256_add_ps(sum, e);
-          }
-          if (i < n) {  // the tail: the same lanes, masked keys contribute exact zeros
-            alignas(32) float tail[8] = {0, 0, 0, 0, 0, 0, 0, 0};
-            for (int64_t c = i; c < n; c++) tail[c - i] = p[c];
-            __m256 e = exp_ps(_mm256_sub_ps(_mm256_load_ps(tail), tv));
-            alignas(32) float et[8];
-            _mm256_store_ps(et, e);
-            for (int64_t c = i; c < n; c++) { p[c] = et[c - i]; }
-            for (int64_t c = n - i; c < 8; c++) et[c] = 0.f;
-            sum = _mm256_add_ps(sum, _mm256_load_ps(et));
-          }
-          total = hsum(sum);
-        } else
-#endif
-        {
-          for (int64_t c = 0; c < n; c++) { p[c] = dot_f32(q, keys[c], D) * (float)scale; top = std::max(top, p[c]); }
-          for (int64_t c = 0; c < n; c++) { p[c] = std::exp(p[c] - top); total += p[c]; }
-        }
-        const float inv = 1.f / total;
-        float* o = out + (t * Hq + h) * D;
-        int64_t d0 = 0;
-#ifdef SPECDEC_AVX2
-        for (; d0 + 32 <= D; d0 += 32) {  // 4 accumulators in registers across all keys
-          __m256 a0 = _mm256_setzero_ps(), a1 = a0, a2 = a0, a3 = a0;
-          for (int64_t c = 0; c < n; c++) {
-            const float* v = values[c] + d0;
-            __m256 w = _mm256_set1_ps(p[c] * inv);
-            a0 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v), a0);
-            a1 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 8), a1);
-            a2 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 16), a2);
-            a3 = _mm256_fmadd_ps(w, _mm256_loadu_ps(v + 24), a3);
-          }
-          _mm256_storeu_ps(o + d0, a0); _mm256_storeu_ps(o + d0 + 8, a1);
-          _mm256_storeu_ps(o + d0 + 16, a2); _mm256_storeu_ps(o + d0 + 24, a3);
-        }
-#endif
-        for (; d0 < D; d0++) {
-          float a = 0.f;
-          for (int64_t c = 0; c < n; c++) a += (p[c] * inv) * values[c][d0];
-          o[d0] = a;
-        }
-      }
-    }
-  });
+  for (; i < inter; i++) out[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
 }
 
 void rope_and_qk_norm(float* qkv, int64_t T, const Layer& L, const float* cos, const float* ssin) {
@@ -783,13 +619,41 @@ void rope_and_qk_norm(float* qkv, int64_t T, const Layer& L, const float* cos, c
   }
 }
 
-void decoder_layer(const Layer& L, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
-                   torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
-                   const torch::Tensor& context_slots, const torch::Tensor& mask, const torch::Tensor& query_starts,
-                   double scale) {
-  const int64_t T = x.size(0), H = x.size(1), D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
+// The pools' element type: float32, or f16 (half the bytes per key; the native target's own pools).
+template <class Fn>
+auto with_kv(const torch::Tensor& k_pool, const torch::Tensor& v_pool, Fn&& fn) {
+  TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "K and V pools must be contiguous and of one dtype");
+  if (k_pool.dtype() == torch::kFloat16)
+    return fn((uint16_t*)k_pool.data_ptr(), (uint16_t*)v_pool.data_ptr());
+  TORCH_CHECK(k_pool.dtype() == torch::kFloat32, "K/V pools must be float32 or float16, got ", k_pool.dtype());
+  return fn(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+}
+
+// Where the step's tokens go and what each query sees (one per forward: every layer shares it).
+struct StepLayout {
+  const int64_t* slot_mapping;
+  const int64_t* context_slots;
+  int64_t Lk;
+  Visible vis;
+};
+
+StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& context_slots, const torch::Tensor& mask,
+                       const torch::Tensor& query_starts) {
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && context_slots.dtype() == torch::kInt64 &&
+              query_starts.dtype() == torch::kInt64 && mask.dtype() == torch::kBool && slot_mapping.is_contiguous() &&
+              context_slots.is_contiguous() && mask.is_contiguous() && query_starts.is_contiguous(),
+              "attention metadata must be contiguous int64 slots / query starts and a bool mask");
+  const int64_t B = query_starts.size(0) - 1, Lk = context_slots.size(1);
+  return {slot_mapping.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(), Lk,
+          visible_lists(context_slots.data_ptr<int64_t>(), Lk, mask.data_ptr<bool>(), mask.size(1),
+                        query_starts.data_ptr<int64_t>(), B)};
+}
+
+void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
+                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale) {
+  const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
   const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
-  float* xp = x.data_ptr<float>();
   std::vector<float> h(T * std::max(H, inter)), qkv(T * W), attn(T * Hq * D), out(T * std::max(H, 2 * inter));
   QAct qx;
 
@@ -801,17 +665,15 @@ void decoder_layer(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = 0; i < W; i++) qkv[t * W + i] += bias[i];
   }
-  rope_and_qk_norm(qkv.data(), T, L, cos.data_ptr<float>(), ssin.data_ptr<float>());
-  float* kp = k_pool.data_ptr<float>();
-  float* vp = v_pool.data_ptr<float>();
-  const int64_t* slots = slot_mapping.data_ptr<int64_t>();
-  for (int64_t t = 0; t < T; t++) {  // the new keys and values go in first: queries see themselves
-    std::memcpy(kp + slots[t] * Hkv * D, qkv.data() + t * W + Hq * D, Hkv * D * sizeof(float));
-    std::memcpy(vp + slots[t] * Hkv * D, qkv.data() + t * W + (Hq + Hkv) * D, Hkv * D * sizeof(float));
-  }
-  attention(qkv.data(), T, L, k_pool, v_pool, context_slots.data_ptr<int64_t>(), context_slots.size(1),
-            mask.data_ptr<bool>(), mask.size(1), query_starts.data_ptr<int64_t>(), query_starts.size(0) - 1, scale,
-            attn.data());
+  rope_and_qk_norm(qkv.data(), T, L, cos, ssin);
+  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    for (int64_t t = 0; t < T; t++) {  // the new keys and values go in first: queries see themselves
+      narrow(qkv.data() + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+      narrow(qkv.data() + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+    }
+    attention(qkv.data(), W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn.data());
+    return 0;
+  });
 
   quantize_rows(attn.data(), T, Hq * D, Hq * D, qx);
   qgemm(L.o, qx, out.data(), H);
@@ -820,35 +682,116 @@ void decoder_layer(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
   rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h.data());
   quantize_rows(h.data(), T, H, H, qx);
   qgemm(L.gate_up, qx, out.data(), 2 * inter);
-  for (int64_t t = 0; t < T; t++) {
-    for (int64_t i = 0; i < inter; i++) {
-      float g = out[t * 2 * inter + i];
-      h[t * inter + i] = g / (1.f + std::exp(-g)) * out[t * 2 * inter + inter + i];
-    }
-  }
+  for (int64_t t = 0; t < T; t++) silu_mul(out.data() + t * 2 * inter, inter, h.data() + t * inter);
   quantize_rows(h.data(), T, inter, inter, qx);
   qgemm(L.down, qx, out.data(), H);
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 }
 
-// The first num_layers layers in order, in place on x; returns x after each layer listed in `capture`.
+void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t D) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, H]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && ssin.dtype() == torch::kFloat32 && cos.is_contiguous() &&
+              ssin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == D && ssin.sizes() == cos.sizes(),
+              "rotary tables must be contiguous float32 [T, head_dim]");
+}
+
+// The attention alone (queries q [T, Hq, D] over pools already holding every visible key): what the layers run
+// between their QKV and O projections, for the tests.
+torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& context_slots, const torch::Tensor& mask,
+                           const torch::Tensor& query_starts, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, Hq, D]");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2) &&
+              q.size(1) % k_pool.size(1) == 0, "pools must be [slots, Hkv, D] with Hq a multiple of Hkv");
+  StepLayout step = step_layout(context_slots.new_empty({0}), context_slots, mask, query_starts);
+  TORCH_CHECK(step.vis.T == q.size(0), "query_starts covers ", step.vis.T, " queries, q has ", q.size(0));
+  auto out = torch::empty_like(q);
+  const int64_t Hq = q.size(1), D = q.size(2);
+  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    attention(q.data_ptr<float>(), Hq * D, Hq, k_pool.size(1), D, kp, vp, step.context_slots, step.Lk, step.vis,
+              (float)scale, out.data_ptr<float>());
+    return 0;
+  });
+  return out;
+}
+
+// One layer in place on x [T, H] (a draft head's layer).
+void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+                   torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
+                   const torch::Tensor& context_slots, const torch::Tensor& mask, const torch::Tensor& query_starts,
+                   double scale) {
+  check_rows(x, cos, ssin, L.head_dim);
+  StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+  decoder_layer(L, x.data_ptr<float>(), x.size(0), x.size(1), cos.data_ptr<float>(), ssin.data_ptr<float>(), k_pool,
+                v_pool, step, scale);
+}
+
+// The first num_layers layers in order, in place on x; returns the final norm of the result, then x after each layer
+// listed in `capture`.
 struct Stack {
   std::vector<Layer> layers;
+  torch::Tensor norm;  // the final RMSNorm's weight [H]
+  double eps;
   std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
-                                     std::vector<torch::Tensor> k_pools, std::vector<torch::Tensor> v_pools,
+                                     const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
                                      const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
                                      const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
-                                     int64_t num_layers, std::vector<int64_t> capture) const {
-    TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers, "too few layers or pools");
-    std::vector<torch::Tensor> out;
+                                     int64_t num_layers, const std::vector<int64_t>& capture) const {
+    TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers &&
+                (int64_t)v_pools.size() >= num_layers, "too few layers or pools");
+    check_rows(x, cos, ssin, layers.empty() ? 0 : layers[0].head_dim);
+    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+    const int64_t T = x.size(0), H = x.size(1);
+    std::vector<torch::Tensor> out(1);
     for (int64_t i = 0; i < num_layers; i++) {
-      decoder_layer(layers[i], x, cos, ssin, k_pools[i], v_pools[i], slot_mapping, context_slots, mask, query_starts,
-                    scale);
+      decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
+                    const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), step, scale);
       if (std::find(capture.begin(), capture.end(), i) != capture.end()) out.push_back(x.clone());
     }
+    out[0] = torch::empty_like(x);
+    rms_norm_rows(x.data_ptr<float>(), norm.data_ptr<float>(), (float)eps, T, H, out[0].data_ptr<float>());
     return out;
   }
 };
+
+// The index of each row's largest value, the first one on ties (torch.argmax's rule). logits: float32 [N, V].
+torch::Tensor argmax_rows(const torch::Tensor& logits) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2, "logits must be float32 [N, V]");
+  auto x = logits.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0, "argmax of an empty row");
+  auto out = torch::empty({N}, torch::kInt64);
+  for (int64_t n = 0; n < N; n++) {
+    const float* r = x.data_ptr<float>() + n * V;
+    int64_t best = 0, i = 0;
+    float top = r[0];
+#ifdef SPECDEC_AVX2
+    if (V >= 8) {  // per lane: the largest value and its first index; then the lanes' best, lowest index on ties
+      __m256 vmax = _mm256_loadu_ps(r);
+      __m256i vidx = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), cur = vidx;
+      const __m256i step = _mm256_set1_epi32(8);
+      for (i = 8; i + 8 <= V; i += 8) {
+        cur = _mm256_add_epi32(cur, step);
+        const __m256 v = _mm256_loadu_ps(r + i);
+        const __m256 gt = _mm256_cmp_ps(v, vmax, _CMP_GT_OQ);
+        vmax = _mm256_blendv_ps(vmax, v, gt);
+        vidx = _mm256_castps_si256(_mm256_blendv_ps(_mm256_castsi256_ps(vidx), _mm256_castsi256_ps(cur), gt));
+      }
+      alignas(32) float lv[8];
+      alignas(32) int32_t li[8];
+      _mm256_store_ps(lv, vmax);
+      _mm256_store_si256((__m256i*)li, vidx);
+      top = lv[0]; best = li[0];
+      for (int l = 1; l < 8; l++)
+        if (lv[l] > top || (lv[l] == top && li[l] < best)) { top = lv[l]; best = li[l]; }
+    }
+#endif
+    for (; i < V; i++)
+      if (r[i] > top) { top = r[i]; best = i; }
+    out.data_ptr<int64_t>()[n] = best;
+  }
+  return out;
+}
 
 std::string isa() {
 #ifdef SPECDEC_VNNI
@@ -873,11 +816,16 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps) {
         return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps};
       }))
-      .def("forward", &decoder_layer);
+      .def("forward", &layer_forward);
   py::class_<Stack>(m, "Stack")
-      .def(py::init([](std::vector<Layer> layers) { return Stack{std::move(layers)}; }))
+      .def(py::init([](std::vector<Layer> layers, torch::Tensor norm, double eps) {
+        TORCH_CHECK(norm.dtype() == torch::kFloat32 && norm.is_contiguous(), "norm weight must be contiguous float32");
+        return Stack{std::move(layers), norm, eps};
+      }))
       .def("forward", &Stack::forward);
   m.def("linear", &linear, "y = x @ W.T with x float32 [M, K] quantized per row to int8 blocks");
   m.def("dequantize_rows", &dequantize_rows);
+  m.def("attention", &attention_op, "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel)");
+  m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
   m.def("isa", &isa);
 }

@@ -1,0 +1,103 @@
+"""The native runtime's attention (csrc/attention.h) and argmax: against float64 references, and bit for bit
+invariant to what a query is computed with (alone, before draft rows, in a tree, in a prefill, beside other
+sequences), for float32 and float16 K/V pools."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec.kv_cache import paged_inputs
+from specdec.models import kernels, native
+from specdec.tree import TreeFeed
+
+pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need g++ and ninja")
+
+HQ, HKV, D, BS = 9, 3, 64, 16
+
+
+def layout(starts: list[int], feeds: list[int], trees: list[TreeFeed | None] | None = None,
+           ids: list[int] | None = None):
+    """Sequences feeding feeds[i] rows after starts[i] cached tokens; sequence `ids[i]` (default i) keeps its
+    tokens in blocks 64 * (id + 1) on, the same slots in every call."""
+    ids = ids or list(range(len(starts)))
+    tables = [[64 * (ids[i] + 1) + b for b in range(-(-(s + 64) // BS))] for i, s in enumerate(starts)]
+    rows = [[7] * (n if trees is None or trees[i] is None else len(trees[i].index)) for i, n in enumerate(feeds)]
+    _, _, meta = paged_inputs(tables, starts, rows, trees, block_size=BS)
+    return meta
+
+
+def attend(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+    return native.ops().attention(q, *pools, meta.context_slots, meta.mask,
+                                  torch.from_numpy(kernels.query_starts(meta.query_lens)), D ** -0.5)
+
+
+def reference(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
+    """float64 softmax attention over each query's visible slots (the pools' stored values, widened)."""
+    k_pool, v_pool = (p.double() for p in pools)
+    out, row = torch.empty(q.shape, dtype=torch.float64), 0
+    for b, n in enumerate(meta.query_lens):
+        for s in range(n):
+            slots = meta.context_slots[b][meta.mask[b, s]]
+            keys, values = k_pool[slots].repeat_interleave(HQ // HKV, 1), v_pool[slots].repeat_interleave(HQ // HKV, 1)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * D ** -0.5
+            out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
+            row += 1
+    return out
+
+
+def random_pools(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(seed)
+    return tuple((torch.randn(256 * BS, HKV, D, generator=g) * 2).to(dtype) for _ in range(2))
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("starts, feeds", [([0], [1]), ([37], [1]), ([700], [1]), ([31, 95, 300], [1, 1, 1]),
+                                           ([64, 5], [9, 3]), ([200], [40]), ([0], [70])])
+def test_attention_matches_float64(dtype, starts, feeds):
+    """Decode, chains of drafts and prefills over 1 to 23 chunks of 32 keys: only float32 rounding differs."""
+    meta = layout(starts, feeds)
+    q = torch.randn(sum(meta.query_lens), HQ, D, generator=torch.Generator().manual_seed(1))
+    pools = random_pools(dtype)
+    out, ref = attend(q, pools, meta), reference(q, pools, meta)
+    assert (out.double() - ref).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_tree_rows_see_only_their_ancestors(dtype):
+    parents = [-1, -1, 0, 0, 1, 2]  # two roots, their children, a grandchild
+    meta = layout([130], [0], [TreeFeed.verification(parents)])
+    q = torch.randn(len(parents) + 1, HQ, D, generator=torch.Generator().manual_seed(2))
+    pools = random_pools(dtype, 3)
+    assert (attend(q, pools, meta).double() - reference(q, pools, meta)).abs().max().item() < 2e-5
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+@pytest.mark.parametrize("cached", [0, 31, 32, 100, 640])
+def test_a_query_has_the_same_bits_whatever_it_is_computed_with(dtype, cached):
+    """The query at position `cached` alone (a plain decode step) equals it followed by 8 and 15 draft rows, as
+    the root of a draft tree, beside two other sequences, and as row 20 of a 40-row prefill (which splits the
+    work by query blocks instead of by chunks): greedy speculative output then equals plain output by
+    construction."""
+    pools = random_pools(dtype, cached)
+    g = torch.Generator().manual_seed(cached + 1)
+    q = torch.randn(40, HQ, D, generator=g)
+    alone = attend(q[:1], pools, layout([cached], [1]))[0]
+    assert torch.equal(attend(q[:9], pools, layout([cached], [9]))[0], alone)
+    assert torch.equal(attend(q[:16], pools, layout([cached], [16]))[0], alone)
+    tree = TreeFeed.verification([-1, -1, 0, 1])
+    assert torch.equal(attend(q[:5], pools, layout([cached], [0], [tree]))[0], alone)
+    others = torch.cat([torch.randn(3, HQ, D, generator=g), q[:1], torch.randn(5, HQ, D, generator=g)])
+    assert torch.equal(attend(others, pools, layout([50, cached, 300], [3, 1, 5], ids=[1, 0, 2]))[3], alone)
+    if cached >= 20:
+        prefill = torch.cat([torch.randn(20, HQ, D, generator=g), q[:1], torch.randn(19, HQ, D, generator=g)])
+        assert torch.equal(attend(prefill, pools, layout([cached - 20], [40]))[20], alone)
+
+
+def test_argmax_is_the_first_maximum_like_torch():
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(7, 49157, generator=g)
+    logits[1, 40000] = logits[1, 3] = 50.0  # a tie: the first index wins
+    logits[2, -1] = 60.0  # in the scalar tail
+    logits[3] = 1.0  # all equal
+    for rows in (logits, logits[:, :5], logits[:, :8], logits[:, :13]):
+        assert torch.equal(native.ops().argmax_rows(rows.contiguous()), rows.argmax(-1))
