@@ -6,6 +6,7 @@ import torch
 
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
+from specdec.drafting.base import Draft
 from specdec.drafting.ngram import NgramIndex
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
@@ -293,3 +294,22 @@ def test_quantized_self_refuses_what_the_target_cannot_take(tiny_llama_dir):
         LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self"})
     with pytest.raises(SpecdecError, match=r"unknown quantization 'q2'; choose one of \['q4_0', 'q4_1', 'q8_0'\]"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self", "quantization": "q2"})
+
+
+@pytest.mark.parametrize("tokens, parents, message", [
+    ([[1, 2]], [[-1, 0]], None),
+    ([[1, 2, 0]], [[-1, -1, -2]], None),  # two branches, then padding
+    ([[1, 99]], [[-1, 0]], "token ids must be in"),
+    ([[1, -3]], [[-1, 0]], "token ids must be in"),
+    ([[1, 2]], [[-1, 1]], "earlier node"),  # a node is its own parent
+    ([[1, 2]], [[-1, 5]], "earlier node"),
+    ([[1, 2]], [[-3, 0]], "earlier node"),
+    ([[1, 2, 3]], [[-1, -2, 1]], "padding"),  # a node after padding
+])
+def test_a_malformed_draft_is_refused_with_what_is_wrong(tokens, parents, message):
+    draft = Draft(torch.tensor(tokens), torch.tensor(parents))
+    if message is None:
+        draft.validate(1, 10)
+    else:
+        with pytest.raises(SpecdecError, match=message):
+            draft.validate(1, 10)

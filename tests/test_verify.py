@@ -6,7 +6,7 @@ import math
 import pytest
 import torch
 
-from specdec.verify import residual_probs, verify, verify_greedy, verify_sampling
+from specdec.verify import residual_probs, verify, verify_greedy, verify_greedy_chains, verify_sampling
 
 CHAIN3 = [-1, 0, 1]
 V = 8
@@ -270,3 +270,27 @@ def test_mixed_batch_greedy_rows_follow_argmax():
     for i in range(0, 8, 2):
         assert mixed.emitted_tokens[i] == greedy.emitted_tokens[i]
     assert sum(map(len, greedy.accepted_nodes[::2])) > 0
+
+
+def test_greedy_chains_on_lists_match_the_tensor_verifier():
+    """The host-list path the engine takes for greedy chains keeps exactly what `verify_greedy` keeps, on
+    random chains of different lengths (none, all accepted, a miss at every position)."""
+    g = torch.Generator().manual_seed(0)
+    for _ in range(200):
+        lengths = torch.randint(0, 6, (4,), generator=g).tolist()
+        drafts = [torch.randint(0, 3, (n,), generator=g).tolist() for n in lengths]
+        targets = [torch.randint(0, 3, (n + 1,), generator=g).tolist() for n in lengths]
+        N = max(lengths)
+        tokens = torch.tensor([d + [0] * (N - len(d)) for d in drafts], dtype=torch.long).reshape(4, N)
+        parents = torch.tensor([list(range(-1, n - 1)) + [-2] * (N - n) for n in lengths], dtype=torch.long).reshape(4, N)
+        ids = torch.tensor([t + [0] * (N + 1 - len(t)) for t in targets], dtype=torch.long)
+        ref = verify_greedy(tokens, parents, ids)
+        got = verify_greedy_chains(drafts, [x for t in targets for x in t])
+        assert got.accepted_nodes == ref.accepted_nodes and got.emitted_tokens == ref.emitted_tokens
+        assert torch.equal(got.num_accepted, ref.num_accepted) and torch.equal(got.extra_tokens, ref.extra_tokens)
+
+
+def test_greedy_chains_table():
+    got = verify_greedy_chains([[5, 6, 7], [], [1, 2]], [5, 6, 9, 4, 3, 8, 1, 0])
+    assert got.accepted_nodes == [[0, 1], [], []]
+    assert got.emitted_tokens == [[5, 6, 9], [3], [8]]

@@ -128,11 +128,13 @@ class Draft:
                                f"[batch={batch_size}, N]")
         if t.dtype != torch.long or p.dtype != torch.long:
             raise SpecdecError("draft tokens and parents must be torch.long")
-        if t.numel() and (int(t.min()) < 0 or int(t.max()) >= vocab_size):
+        if t.numel() == 0:
+            return
+        lo, hi = torch.aminmax(t)
+        if int(lo) < 0 or int(hi) >= vocab_size:
             raise SpecdecError(f"draft token ids must be in [0, {vocab_size})")
         real = p != PAD
-        index = torch.arange(p.shape[1]).expand_as(p)
-        if (real[:, 1:] & ~real[:, :-1]).any() or ((p[real] < ROOT) | (p[real] >= index[real])).any():
+        if bool((real[:, 1:] > real[:, :-1]).any() | (real & ((p < ROOT) | (p >= torch.arange(p.shape[1])))).any()):
             raise SpecdecError("draft parents must be -1 (the last committed token) or the index of an earlier "
                                "node, with padding (-2) only after a row's last node")
         if self.probs is not None and tuple(self.probs.shape) != (*t.shape, vocab_size):

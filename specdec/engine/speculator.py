@@ -20,7 +20,7 @@ from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.sampling import SamplingTensors, greedy_tokens, logits_to_probs, sample
 from specdec.tree import PAD, SpecShape, TreeFeed
-from specdec.verify import VerifyResult, verify, verify_greedy
+from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
 
 
 # Per-request back-off, from the moving acceptance rate of the request's drafts (SpecStats.recent_acceptance):
@@ -104,7 +104,10 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
-        result = self._verify(seqs, draft, counts, logits)
+        if all(t is None for t in trees) and all(s.params.greedy for s in seqs):
+            result = verify_greedy_chains(drafted, greedy_tokens(logits).tolist())
+        else:
+            result = self._verify(seqs, draft, counts, logits)
         outputs = []
         row = 0
         for i, seq in enumerate(seqs):

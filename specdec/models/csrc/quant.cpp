@@ -146,6 +146,13 @@ auto with_format(int64_t fmt, Fn&& fn) {
 // Activations: rows of K floats -> int8 blocks of 32 with scale d and s = d * sum(q).
 // ---------------------------------------------------------------------------------------------------------
 
+// v's storage, grown to at least n elements (kept across calls; contents unspecified).
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
+
 struct QAct {
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d, s;  // [M, K / 32]
@@ -198,7 +205,7 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out) {
   out.M = M; out.K = K;
-  out.q.resize(M * K); out.d.resize(M * K / QK); out.s.resize(M * K / QK);
+  grow(out.q, M * K); grow(out.d, M * K / QK); grow(out.s, M * K / QK);
   for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b < K / QK; b++)
       quantize_block(x + m * ldx + b * QK, out.q.data() + m * K + b * QK, out.d[m * (K / QK) + b],
@@ -387,16 +394,23 @@ struct Interleaved {
           acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
           acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r][j]), acc[r]);
         }
-      } else {
-        for (int r = 0; r < NR; r++) {
-          const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
-          __m256i s = _mm256_setzero_si256();
-          for (int e = 0; e < 8; e++) {
-            __m256i u = _mm256_loadu_si256((const __m256i*)(rec + 16 + 32 * e));
-            s = _mm256_add_epi32(s, dot32<true>(u, _mm256_set1_epi32(xw[e])));
+      } else {  // signed weights: |w| once per vector for all rows, its signs moved onto each row's activations
+        __m256i s[NR];
+        for (int r = 0; r < NR; r++) s[r] = _mm256_setzero_si256();
+        for (int e = 0; e < 8; e++) {
+          const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 16 + 32 * e));
+          const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, as u8 (-128 -> 128)
+          for (int r = 0; r < NR; r++) {
+            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(((const int32_t*)(xq[r] + j * QK))[e]), w);
+#ifdef SPECDEC_VNNI
+            s[r] = SPECDEC_DPBUSD(s[r], aw, xv);
+#else
+            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
+#endif
           }
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s), _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
         }
+        for (int r = 0; r < NR; r++)
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
       }
     }
     for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (m0 + r) * ldy + n0, acc[r]);
@@ -614,7 +628,9 @@ void rope_and_qk_norm(float* qkv, int64_t T, const Layer& L, const float* cos, c
         rms_norm_rows(x, w, (float)L.eps, 1, D, x);
       }
       std::memcpy(tmp.data(), x, D * sizeof(float));
-      for (int64_t d = 0; d < D; d++) x[d] = tmp[d] * cos[t * D + d] + tmp[(d + half) % D] * ssin[t * D + d];
+      const float *c = cos + t * D, *sn = ssin + t * D;  // rotate_half: the partner of d is d + half (mod D)
+      for (int64_t d = 0; d < half; d++) x[d] = tmp[d] * c[d] + tmp[d + half] * sn[d];
+      for (int64_t d = half; d < D; d++) x[d] = tmp[d] * c[d] + tmp[d - half] * sn[d];
     }
   }
 }
@@ -654,37 +670,43 @@ void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float*
                    torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale) {
   const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
   const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
-  std::vector<float> h(T * std::max(H, inter)), qkv(T * W), attn(T * Hq * D), out(T * std::max(H, 2 * inter));
-  QAct qx;
+  // per calling thread, grown as needed and never cleared (every element is written before it is read): no
+  // allocation or zero fill per layer
+  static thread_local std::vector<float> h_buf, qkv_buf, attn_buf, out_buf;
+  static thread_local QAct qx;
+  float* h = grow(h_buf, T * std::max(H, inter));
+  float* qkv = grow(qkv_buf, T * W);
+  float* attn = grow(attn_buf, T * Hq * D);
+  float* out = grow(out_buf, T * std::max(H, 2 * inter));
 
-  rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h.data());
-  quantize_rows(h.data(), T, H, H, qx);
-  qgemm(L.qkv, qx, qkv.data(), W);
+  rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+  quantize_rows(h, T, H, H, qx);
+  qgemm(L.qkv, qx, qkv, W);
   if (L.qkv_b.numel() > 0) {
     const float* bias = L.qkv_b.data_ptr<float>();
     for (int64_t t = 0; t < T; t++)
       for (int64_t i = 0; i < W; i++) qkv[t * W + i] += bias[i];
   }
-  rope_and_qk_norm(qkv.data(), T, L, cos, ssin);
+  rope_and_qk_norm(qkv, T, L, cos, ssin);
   with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
     for (int64_t t = 0; t < T; t++) {  // the new keys and values go in first: queries see themselves
-      narrow(qkv.data() + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
-      narrow(qkv.data() + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+      narrow(qkv + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+      narrow(qkv + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
     }
-    attention(qkv.data(), W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn.data());
+    attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn);
     return 0;
   });
 
-  quantize_rows(attn.data(), T, Hq * D, Hq * D, qx);
-  qgemm(L.o, qx, out.data(), H);
+  quantize_rows(attn, T, Hq * D, Hq * D, qx);
+  qgemm(L.o, qx, out, H);
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 
-  rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h.data());
-  quantize_rows(h.data(), T, H, H, qx);
-  qgemm(L.gate_up, qx, out.data(), 2 * inter);
-  for (int64_t t = 0; t < T; t++) silu_mul(out.data() + t * 2 * inter, inter, h.data() + t * inter);
-  quantize_rows(h.data(), T, inter, inter, qx);
-  qgemm(L.down, qx, out.data(), H);
+  rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
+  quantize_rows(h, T, H, H, qx);
+  qgemm(L.gate_up, qx, out, 2 * inter);
+  for (int64_t t = 0; t < T; t++) silu_mul(out + t * 2 * inter, inter, h + t * inter);
+  quantize_rows(h, T, inter, inter, qx);
+  qgemm(L.down, qx, out, H);
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 }
 
