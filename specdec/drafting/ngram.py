@@ -16,7 +16,8 @@ sizes), never a scan of the whole history. The pool options TensorRT-LLM documen
 
 Draft length. How far a continuation holds depends on how long the match is: on Spec-Bench outputs of
 the default model, a draft after a 1-token match keeps 0.8 tokens on average, after a 4-token match 6.2
-(out of 15). Verifying a token is not free on a CPU (1 + k tokens cost about 1 + 0.09 k plain steps), so
+(out of 15). Verifying a token is not free on a CPU (1 + k tokens cost about 1 + 0.09 k plain steps in float32,
+1 + 0.2 k on the native Q4_1 runtime; tools/verify_cost.py), so
 by default ("adaptive") a match of n < prompt_lookup_max tokens drafts min(k, 2^(n-1)) tokens and a full
 prompt_lookup_max match drafts k; "fixed" always drafts k (vLLM's behaviour).
 """
