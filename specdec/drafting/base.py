@@ -128,10 +128,7 @@ class Draft:
                                f"[batch={batch_size}, N]")
         if t.dtype != torch.long or p.dtype != torch.long:
             raise SpecdecError("draft tokens and parents must be torch.long")
-        if t.numel() == 0:
-            return
-        lo, hi = torch.aminmax(t)
-        if int(lo) < 0 or int(hi) >= vocab_size:
+        if t.numel() and any(int(v) < 0 or int(v) >= vocab_size for v in torch.aminmax(t)):
             raise SpecdecError(f"draft token ids must be in [0, {vocab_size})")
         real = p != PAD
         if bool((real[:, 1:] > real[:, :-1]).any() | (real & ((p < ROOT) | (p >= torch.arange(p.shape[1])))).any()):
@@ -165,9 +162,10 @@ class HeadOptions:
             quantize_module(head, self.quantization)
 
 
-def check_quantization_name(name: str | None, method: str) -> None:
-    if name is not None and name not in QUANTIZE_ON_LOAD:
-        raise SpecdecError(f"method {method!r}: unknown quantization {name!r}; choose one of {QUANTIZE_ON_LOAD}")
+def check_quantization_name(name: str | None, method: str, choices: tuple[str, ...] | list[str] = QUANTIZE_ON_LOAD
+                            ) -> None:
+    if name is not None and name not in choices:
+        raise SpecdecError(f"method {method!r}: unknown quantization {name!r}; choose one of {list(choices)}")
 
 
 class Drafter(ABC):

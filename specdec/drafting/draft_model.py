@@ -9,7 +9,7 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import DraftEnv
+from specdec.drafting.base import DraftEnv, check_quantization_name
 from specdec.drafting.tree_draft import TreeDrafter
 from specdec.models.loader import QUANTIZATIONS
 
@@ -24,9 +24,7 @@ class DraftModelOptions:
     def __post_init__(self) -> None:
         if not self.model:
             raise SpecdecError("method 'draft_model' needs 'model': the draft LM (alias, HF directory or .gguf)")
-        if self.quantization is not None and self.quantization not in QUANTIZATIONS:
-            raise SpecdecError(f"method 'draft_model': unknown quantization {self.quantization!r}; choose one of "
-                               f"{list(QUANTIZATIONS)}")
+        check_quantization_name(self.quantization, "draft_model", QUANTIZATIONS)
 
 
 def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_size: int,

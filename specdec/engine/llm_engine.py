@@ -17,7 +17,7 @@ from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator, draft_request
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import SamplingTensors, greedy_tokens, sample
+from specdec.sampling import sample_requests
 from specdec.tree import SpecShape
 
 
@@ -184,11 +184,7 @@ class LLMEngine:
             rows = [ends[i] - 1 for i in ready]
             last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
             logits = self.model.compute_logits(last)
-            chosen = [seqs[i] for i in ready]
-            if all(s.params.greedy for s in chosen):  # most steps: no sampling tensors to build
-                next_tokens = greedy_tokens(logits).tolist()
-            else:
-                next_tokens = sample(logits, SamplingTensors.from_requests(chosen, self.model.device)).tolist()
+            next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()
             for i, token in zip(ready, next_tokens):
                 tokens[i] = [token]
         return [StepOutput(n, t, None if features is None else features[end - n:end])

@@ -104,10 +104,7 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
-        if all(t is None for t in trees) and all(s.params.greedy for s in seqs):
-            result = verify_greedy_chains(drafted, greedy_tokens(logits).tolist())
-        else:
-            result = self._verify(seqs, draft, counts, logits)
+        result = self._verify(seqs, draft, counts, drafted, trees, logits)
         outputs = []
         row = 0
         for i, seq in enumerate(seqs):
@@ -125,8 +122,13 @@ class Speculator:
                                       features[kept] if features is not None else None))
         return outputs
 
-    def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], logits: torch.Tensor):
-        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens."""
+    def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], drafted: list[list[int]],
+                trees: list[TreeFeed | None], logits: torch.Tensor) -> VerifyResult:
+        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens. A greedy batch of chains (most
+        steps) is verified on host lists; trees and sampled requests on tensors."""
+        greedy = all(s.params.greedy for s in seqs)
+        if greedy and all(t is None for t in trees):
+            return verify_greedy_chains(drafted, greedy_tokens(logits).tolist())
         B, N = len(seqs), max(counts)
         tokens = draft.tokens[:, :N]
         real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
@@ -136,12 +138,11 @@ class Speculator:
         for i, n in enumerate(counts):
             rows[i, : n + 1] = torch.arange(start, start + n + 1)
             start += n + 1
+        if greedy:
+            return verify_greedy(tokens, parents, greedy_tokens(logits)[rows.clamp(min=0)])  # target ids [B, N + 1]
         st = SamplingTensors.from_requests(seqs, logits.device)
         if N == 0:  # nobody drafted: a plain decode step
             return plain_result(sample(logits, st))
-        if st.all_greedy:
-            target_ids = greedy_tokens(logits)[rows.clamp(min=0)]  # [B, N + 1]
-            return verify_greedy(tokens, parents, target_ids)
         probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
         q = draft.probs[:, :N] if draft.probs is not None else None
         return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)
