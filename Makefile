@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 PROMPT ?= Explain in three sentences why the sky is blue.
 SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
 
-.PHONY: setup run test bench bench-peers
+.PHONY: setup run test bench bench-peers distill
 
 setup: $(VENV)/.installed
 
@@ -35,3 +35,9 @@ bench: setup
 # CPU (about 10 minutes on 2 cores; 30 when the cores are busy). Optional: nothing else needs it.
 bench-peers: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q llama-cpp-python==0.3.36 diskcache
+
+# Self-distillation data for draft heads: the training prompts answered by the default model itself, packed into
+# data/distill/ (resumable: finished answers are flushed to ~/.cache/specdec/distill; rerun to continue).
+PER_SOURCE ?= 1000
+distill: setup
+	$(VENV)/bin/specdec distill --per-source $(PER_SOURCE)

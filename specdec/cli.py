@@ -1,9 +1,10 @@
-"""`specdec` command line: generate, serve, bench, tune, train. Every command defaults to the built-in model."""
+"""`specdec` command line: generate, serve, bench, tune, distill, train. Every command defaults to the built-in model."""
 from __future__ import annotations
 
 import argparse
 import json
 import sys
+from pathlib import Path
 
 from specdec.config import SpecdecError, registered_methods
 from specdec.models.loader import DEFAULT_MODEL
@@ -84,7 +85,11 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--method", default="eagle3",
                     help=f"a draft-head method: {', '.join(registered_methods(head=True))} (default eagle3)")
     tr.add_argument("--target", default=DEFAULT_MODEL, help=f"the frozen target (default {DEFAULT_MODEL})")
-    tr.add_argument("--data", nargs="+", required=True, help="chat JSONL files ({'messages': [...]} per line)")
+    tr.add_argument("--data", nargs="+", required=True,
+                    help="chat JSONL files ({'messages': [...]} per line), or with --distilled their directory")
+    tr.add_argument("--distilled", default=None,
+                    help="train on the target's own answers packed by `specdec distill` (an .npz); --data is then "
+                         "the directory of the prompts it answered")
     tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")
     tr.add_argument("--steps", type=int, default=1000, help="conversations to train on (default 1000)")
     tr.add_argument("--max-len", type=int, default=512, help="tokens per conversation (default 512)")
@@ -100,6 +105,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--num-heads", type=int, default=3, help="medusa: heads, one per draft position (default 3)")
     tr.add_argument("--regenerate", action="store_true",
                     help="train on the target's own greedy answers to the data's prompts (cached in --out)")
+    tr.add_argument("--feature-cache", default=None,
+                    help="compute the target's features once per sample into this directory (bfloat16, resumable; "
+                         "e.g. ~/.cache/specdec/features) so epochs never rerun the target")
     tr.add_argument("--max-conversations", type=int, default=0,
                     help="use only the first N training conversations after shuffling (default: all)")
     tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the CE term of the loss (default 0.1)")
@@ -108,6 +116,20 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-prompts", type=int, default=8, help="held-out conversations for validation")
     tr.add_argument("--val-tokens", type=int, default=64, help="greedy tokens per validation prompt")
     tr.add_argument("--seed", type=int, default=0)
+
+    d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
+    d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
+    d.add_argument("--data-dir", default=None, help="training JSONL files (default: ../shared/data/train)")
+    d.add_argument("--out", default=None, help="the packed answers (default: data/distill/<model>.npz in the repo)")
+    d.add_argument("--per-source", type=int, default=1000, help="prompts per training file (default 1000)")
+    d.add_argument("--sampled-share", type=float, default=0.25,
+                   help="share of prompts answered by sampling at temperature 0.7, the rest greedy (default 0.25)")
+    d.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
+    d.add_argument("--max-prompt-tokens", type=int, default=1536, help="longer prompts are skipped (default 1536)")
+    d.add_argument("--limit", type=int, default=None, help="stop after this many new answers (resume later)")
+    d.add_argument("--cache-dir", default=None,
+                   help="chunks of finished answers, outside the repo (default ~/.cache/specdec/distill/<target>)")
+    d.add_argument("--seed", type=int, default=0)
     return parser
 
 
@@ -148,6 +170,21 @@ def cmd_generate(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def cmd_distill(args: argparse.Namespace) -> None:
+    from specdec import distill
+    from specdec.llm import LLM
+
+    root = Path(__file__).resolve().parents[1]
+    data_dir = args.data_dir or next((p for p in (Path("../shared/data/train"), root.parent / "shared/data/train")
+                                      if p.is_dir()), Path("../shared/data/train"))
+    out = args.out or root / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
+    llm = LLM(args.model, speculative_config="off")
+    summary = distill.regenerate(llm, data_dir, out, per_source=args.per_source, sampled_share=args.sampled_share,
+                                 max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
+                                 cache_dir=args.cache_dir, limit=args.limit)
+    print(json.dumps(summary))
+
+
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
     from specdec.server import serve
@@ -185,6 +222,8 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.train import run_train
 
             run_train(args)
+        elif args.command == "distill":
+            cmd_distill(args)
         elif args.command == "tune":
             from specdec.bench.tune import run_tune
 

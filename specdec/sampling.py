@@ -108,8 +108,14 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator | None],
                       device: torch.device) -> torch.Tensor:
-    """E ~ Exp(1) of `shape` [B, V]; row i drawn from generators[i] (or the global one when None)."""
-    noise = torch.empty(shape, device=device).exponential_()  # unseeded rows: the global generator
+    """E ~ Exp(1) of `shape` [B, V]; row i drawn from generators[i] (or the global one when None). Only the
+    rows without a generator draw from the global one (a 49k-wide row of draws costs about 0.3 ms)."""
+    unseeded = [i for i, g in enumerate(generators) if g is None]
+    noise = torch.empty(shape, device=device)
+    if len(unseeded) == len(generators):
+        noise.exponential_()
+    elif unseeded:
+        noise[unseeded] = torch.empty((len(unseeded), shape[1]), device=device).exponential_()
     for i, g in enumerate(generators):
         if g is not None:
             noise[i].exponential_(generator=g)
@@ -119,7 +125,7 @@ def exponential_noise(shape: tuple[int, int], generators: list[torch.Generator |
 def sample_from_probs(probs: torch.Tensor, generators: list[torch.Generator | None]) -> torch.Tensor:
     """One token per row, drawn exactly from `probs` [B, V]. Returns [B] long."""
     noise = exponential_noise(tuple(probs.shape), generators, probs.device)
-    return (probs / noise).argmax(dim=-1)
+    return greedy_tokens(probs / noise)
 
 
 def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
@@ -131,10 +137,18 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
 
 
 def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Next token per row from logits [B, V]. Returns [B] long, still on the device."""
+    """Next token per row from logits [B, V]. Returns [B] long, still on the device. In a mixed batch only
+    the sampled rows build distributions and draw noise (every step of a batch with one sampling request
+    would otherwise pay for all rows); each row's result depends on its own row alone."""
     if st.all_greedy:
         return greedy_tokens(logits)
-    return sample_from_probs(logits_to_probs(logits, st), st.generators)
+    rows = (st.temperature != 0).nonzero().flatten().tolist()
+    if len(rows) == logits.shape[0]:
+        return sample_from_probs(logits_to_probs(logits, st), st.generators)
+    tokens = greedy_tokens(logits)
+    sub = st.select(rows)
+    tokens[rows] = sample_from_probs(logits_to_probs(logits[rows], sub), sub.generators)
+    return tokens
 
 
 def sample_requests(logits: torch.Tensor, requests: Sequence[Any], device: torch.device | str = "cpu") -> torch.Tensor:

@@ -108,11 +108,11 @@ def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, voc
 
 # ---------------------------------------------------------------------------------------------- target
 @torch.inference_mode()
-def target_outputs(model, ids: list[int], layers: tuple[int, ...]
-                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+def target_outputs(model, ids: list[int], layers: tuple[int, ...], logits: bool = True
+                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One causal forward of the target over `ids` with a private cache: (the outputs of `layers` concatenated
     [T, len(layers) * H], or None without any; the last layer's output before the final norm [T, H];
-    logits [T, V])."""
+    logits [T, V], or None with logits=False)."""
     from specdec.kv_cache import KVPool
     from specdec.models.attention import AttentionMetadata
 
@@ -124,7 +124,60 @@ def target_outputs(model, ids: list[int], layers: tuple[int, ...]
     last = model.config.num_hidden_layers - 1
     normed, captured = model(torch.tensor(ids, device=model.device), pos, meta, kv, output_layers=(*layers, last))
     features = torch.cat([captured[i] for i in layers], -1) if layers else None
-    return features, captured[last], model.compute_logits(normed)
+    return features, captured[last], model.compute_logits(normed) if logits else None
+
+
+class FeatureCache:
+    """The target's outputs for every training sample, computed once so that epochs never rerun it: per sample
+    the head's input features and the last layer's output (before the final norm), in bfloat16 (half the
+    bytes; the rounding is far below what the head fits), in shards of `SHARD` samples under a directory
+    keyed by the target, the layers and the samples. Logits are recomputed from the stored hidden state
+    (the LM head is a small share of the target's work). Building resumes at the first missing shard."""
+
+    SHARD = 64
+
+    def __init__(self, root: Path, model, layers: tuple[int, ...], samples: list[tuple[list[int], list[bool]]]
+                 ) -> None:
+        import hashlib
+
+        h = hashlib.sha256(json.dumps([list(layers), model.config.num_hidden_layers, model.config.hidden_size,
+                                       [ids for ids, _ in samples]]).encode())
+        with torch.inference_mode():
+            h.update(model.embed(torch.arange(16, device=model.device)).float().cpu().numpy().tobytes())
+        self.dir = Path(root).expanduser() / h.hexdigest()[:16]
+        self.model, self.layers, self.samples = model, layers, samples
+        self._shard: tuple[int, dict] | None = None
+
+    def shard_path(self, k: int) -> Path:
+        return self.dir / f"shard-{k:05d}.pt"
+
+    def build(self) -> None:
+        self.dir.mkdir(parents=True, exist_ok=True)
+        n_shards = -(-len(self.samples) // self.SHARD)
+        todo = [k for k in range(n_shards) if not self.shard_path(k).is_file()]
+        for k in tqdm(todo, desc="target features", unit="shard", file=sys.stderr, disable=not todo):
+            feats, hiddens, offsets = [], [], [0]
+            for ids, _ in self.samples[k * self.SHARD:(k + 1) * self.SHARD]:
+                f, hidden, _ = target_outputs(self.model, ids, self.layers, logits=False)
+                feats.append(f.to(torch.bfloat16) if f is not None else torch.empty(len(ids), 0, dtype=torch.bfloat16))
+                hiddens.append(hidden.to(torch.bfloat16))
+                offsets.append(offsets[-1] + len(ids))
+            tmp = self.shard_path(k).with_suffix(".tmp")
+            torch.save({"features": torch.cat(feats), "hidden": torch.cat(hiddens),
+                        "offsets": torch.tensor(offsets)}, tmp)
+            tmp.replace(self.shard_path(k))
+
+    @torch.inference_mode()
+    def outputs(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+        """What `target_outputs` gives sample i (features and hidden read back as float32)."""
+        k = i // self.SHARD
+        if self._shard is None or self._shard[0] != k:
+            self._shard = (k, torch.load(self.shard_path(k), mmap=True))
+        z = self._shard[1]
+        a, b = int(z["offsets"][i % self.SHARD]), int(z["offsets"][i % self.SHARD + 1])
+        hidden = z["hidden"][a:b].float()
+        features = z["features"][a:b].float() if self.layers else None
+        return features, hidden, self.model.compute_logits(self.model.norm(hidden))
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -175,15 +228,22 @@ def run_train(args: argparse.Namespace) -> dict:
     llm = LLM(args.target)
     target, tok = llm.engine.model, llm.tokenizer
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
-    convs = load_conversations(args.data)
-    random.Random(args.seed).shuffle(convs)
-    held_out, train_convs = convs[:args.val_prompts], convs[args.val_prompts:]
-    if args.max_conversations:
-        train_convs = train_convs[:args.max_conversations]
-    if args.regenerate:
-        samples = regenerate(llm, train_convs, args.max_len, out_dir / "regenerated.json")
+    if getattr(args, "distilled", None):  # the target's own answers, made by `specdec distill`
+        from specdec import distill
+
+        samples = distill.samples(args.distilled, args.data[0], llm, args.max_len)
+        random.Random(args.seed).shuffle(samples)
+        held_out = []  # validation prompts come with conversations; acceptance is measured by `specdec bench`
+        if args.max_conversations:
+            samples = samples[:args.max_conversations]
     else:
-        samples = [tokenize(tok, c, args.max_len) for c in train_convs]
+        convs = load_conversations(args.data)
+        random.Random(args.seed).shuffle(convs)
+        held_out, train_convs = convs[:args.val_prompts], convs[args.val_prompts:]
+        if args.max_conversations:
+            train_convs = train_convs[:args.max_conversations]
+        samples = (regenerate(llm, train_convs, args.max_len, out_dir / "regenerated.json") if args.regenerate
+                   else [tokenize(tok, c, args.max_len) for c in train_convs])
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
     if not samples:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
@@ -194,6 +254,10 @@ def run_train(args: argparse.Namespace) -> dict:
     else:
         draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
         head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
+    cache = None
+    if getattr(args, "feature_cache", None):  # the target runs once per sample, before the first step
+        cache = FeatureCache(Path(args.feature_cache), target, head.aux_layers, samples)
+        cache.build()
     params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
@@ -207,7 +271,8 @@ def run_train(args: argparse.Namespace) -> dict:
     tokens_seen, start = 0, time.perf_counter()
     while step < args.steps:
         ids, mask = samples[step % len(samples)]
-        loss, stats = sequence_loss(head, target, ids, mask, args)
+        outputs = cache.outputs(step % len(samples)) if cache is not None else None
+        loss, stats = sequence_loss(head, target, ids, mask, args, outputs)
         opt.zero_grad()
         loss.backward()
         opt.step()
@@ -233,7 +298,8 @@ def trainable_parameters(head) -> list[torch.nn.Parameter]:
     return head.trainable_parameters() if hasattr(head, "trainable_parameters") else list(head.parameters())
 
 
-def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse.Namespace
+def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse.Namespace,
+                  outputs: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
                   ) -> tuple[torch.Tensor, dict]:
     """Equation 1 over one training sequence; the target runs once, under inference mode.
 
@@ -241,7 +307,7 @@ def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse
     target at t + 1 (token t + 2). The head says what it fits (`training_terms`): each term is (head output
     [n, H], ahead, first row): row t is trained against the target at t + ahead (predicting token
     t + ahead + 1), from `first row` on; later terms (unrolled steps, further heads) weigh less."""
-    features, hidden, logits = target_outputs(target, ids, head.aux_layers)
+    features, hidden, logits = outputs or target_outputs(target, ids, head.aux_layers)
     with torch.inference_mode():
         normed = target.norm(hidden)
     embeds = target.embed(torch.tensor(ids[1:])).float()

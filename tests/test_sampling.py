@@ -86,6 +86,19 @@ def test_seeded_rows_repeat_and_ignore_their_neighbours():
     assert runs[0][0, 0].item() == first
 
 
+def test_a_seeded_row_draws_the_same_beside_greedy_rows():
+    """In a mixed batch only sampled rows draw, each from its own row: a seeded row with top-k gives the same
+    tokens alone and among greedy rows and an unseeded one; greedy rows give their argmax."""
+    logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
+    seeded = SamplingParams(temperature=0.8, top_k=20, seed=3)
+    alone = sample(logits[1:2], tensors([seeded], [3])).item()
+    mixed = [SamplingParams(temperature=0), seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
+    for _ in range(3):  # fresh generators each time: the seeded row's first draw again
+        out = sample(logits, tensors(mixed, [None, 3, None, 5]))
+        assert out[1].item() == alone
+        assert out[0].item() == logits[0].argmax().item() and out[3].item() == logits[3].argmax().item()
+
+
 def test_invalid_values_are_refused_with_the_field_named():
     for kwargs, name in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
                          ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),

@@ -157,3 +157,48 @@ def test_data_lines_may_hold_unicode_line_separators(tmp_path):
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"},
                                              {"role": "assistant", "content": "c\u2029d"}]}, ensure_ascii=False) + "\n")
     assert load_conversations([str(data)])[0][0]["content"] == "a\u2028b"
+
+
+def test_feature_cache_gives_the_targets_outputs_in_bfloat16(target_dir, tmp_path):
+    """Cached outputs are the target's own, rounded to bfloat16 (features and hidden state: relative error
+    below 2^-8 per element; logits recomputed from the rounded hidden state stay within 0.05); a second
+    cache over the same samples reuses the shards instead of rerunning the target."""
+    from specdec.train import FeatureCache
+
+    model = LLM(str(target_dir)).engine.model
+    layers = default_aux_layers(model.config.num_hidden_layers)
+    rng = random.Random(0)
+    samples = [([rng.randrange(5, 300) for _ in range(rng.randrange(3, 40))], []) for _ in range(5)]
+    FeatureCache.SHARD = 2  # several shards, the last one partial
+    try:
+        cache = FeatureCache(tmp_path, model, layers, samples)
+        cache.build()
+        assert len(list(cache.dir.glob("shard-*.pt"))) == 3
+        for i in (4, 0, 3):  # out of order: shards are reopened
+            f, h, lg = cache.outputs(i)
+            rf, rh, rl = target_outputs(model, samples[i][0], layers)
+            assert torch.allclose(f, rf, rtol=2 ** -8, atol=1e-6) and torch.allclose(h, rh, rtol=2 ** -8, atol=1e-6)
+            assert (lg - rl).abs().max() < 0.05
+        stamps = [p.stat().st_mtime_ns for p in sorted(cache.dir.glob("shard-*.pt"))]
+        again = FeatureCache(tmp_path, model, layers, samples)
+        again.build()
+        assert again.dir == cache.dir and stamps == [p.stat().st_mtime_ns for p in sorted(cache.dir.glob("shard-*.pt"))]
+        assert FeatureCache(tmp_path, model, layers, samples[:4]).dir != cache.dir  # other samples, other key
+    finally:
+        FeatureCache.SHARD = 64
+
+
+def test_training_from_the_feature_cache_matches_training_without_it(target_dir, tmp_path):
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                       {"role": "assistant", "content": f"the answer is {i}"}]})
+                              for i in range(4)))
+    logs = []
+    for name, extra in (("plain", []), ("cached", ["--feature-cache", str(tmp_path / "features")])):
+        out = tmp_path / name
+        assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--steps", "6",
+                     "--draft-vocab", "64", "--val-prompts", "0", *extra]) == 0
+        logs.append(json.loads((out / "train_log.json").read_text())["history"])
+    assert [h["step"] for h in logs[0]] == [h["step"] for h in logs[1]]
+    for a, b in zip(*logs):  # the same run up to bfloat16 rounding of the target's outputs
+        assert abs(a["loss"] - b["loss"]) < 0.02 * max(1.0, abs(a["loss"]))

@@ -111,6 +111,11 @@ class Draft:
                     parents.append(ROOT if j == 0 else len(tokens) - 1)
                     tokens.append(t)
             rows.append((tokens, parents))
+        return cls.from_rows(rows)
+
+    @classmethod
+    def from_rows(cls, rows: list[tuple[list[int], list[int]]]) -> "Draft":
+        """Deterministic trees given as (tokens, parents) per sequence, padded to the largest."""
         B, N = len(rows), max((len(t) for t, _ in rows), default=0)
         draft = cls(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
         for i, (tokens, parents) in enumerate(rows):
@@ -172,6 +177,7 @@ class Drafter(ABC):
     """Proposes draft tokens; never decides what is emitted (verification does)."""
 
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs this drafter reads (EAGLE)
+    observe_topk: int = 0  # > 0: after each verification, `observe` gets the target's top-k next tokens
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:
@@ -179,6 +185,11 @@ class Drafter(ABC):
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: drop any state kept for it."""
+
+    def observe(self, seq_id: int, tokens: list[int], candidates: list[list[int]]) -> None:
+        """With `observe_topk` = k: after a verification, the target's k most likely next tokens (best first)
+        after each token it kept this step (`tokens`, in order: the last committed token, then the accepted
+        drafts). Free information from the verification forward (token recycling)."""
 
     def cached_prefix(self, request: DraftRequest) -> int | None:
         """How many leading tokens of the request's sequence have final K/V in this drafter's own pool over the

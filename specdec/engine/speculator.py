@@ -105,11 +105,15 @@ class Speculator:
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
         result = self._verify(seqs, draft, counts, drafted, trees, logits)
+        k_obs = self.drafter.observe_topk
         outputs = []
         row = 0
         for i, seq in enumerate(seqs):
             nodes = result.accepted_nodes[i]
             kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
+            if k_obs:  # the target's candidates after each kept token, for token recycling
+                fed = [seq.token_ids[seq.num_cached]] + [drafted[i][node] for node in nodes]
+                self.drafter.observe(seq.seq_id, fed, logits[kept].topk(k_obs, dim=-1).indices.tolist())
             row += 1 + counts[i]
             if trees[i] is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)

@@ -1,0 +1,132 @@
+"""Self-distillation data: a reproducible plan, answers equal to the engine's own, resumable runs, a compact
+file that round-trips, and clear errors when prompts or the target no longer match."""
+from __future__ import annotations
+
+import json
+
+import pytest
+
+from conftest import save_tiny_model
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec import distill
+
+
+@pytest.fixture(scope="module")
+def target_dir(tmp_path_factory):
+    return save_tiny_model(tmp_path_factory.mktemp("target"), "llama", num_hidden_layers=2)
+
+
+@pytest.fixture(scope="module")
+def llm(target_dir):
+    return LLM(str(target_dir), speculative_config="off")
+
+
+def write_data(root, rows_per_file: int = 6):
+    root.mkdir(parents=True, exist_ok=True)
+    for name in ("alpha", "beta"):
+        lines = []
+        for i in range(rows_per_file):
+            lines.append(json.dumps({"id": f"{name}-{i}", "messages": [
+                {"role": "user", "content": f"{name} question {i} \u2028 with a line separator"},
+                {"role": "assistant", "content": "a human answer"}]}))
+        lines.insert(2, json.dumps({"id": "no-user", "messages": [{"role": "assistant", "content": "x"}]}))
+        (root / f"{name}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+    (root / "spec_bench").mkdir(exist_ok=True)  # subdirectories are never read
+    return root
+
+
+def test_plan_is_seeded_balanced_and_extends_with_the_quota(tmp_path):
+    files = distill.source_files(write_data(tmp_path / "data"))
+    small, large = distill.plan(files, 2, 0.5, seed=3), distill.plan(files, 4, 0.5, seed=3)
+    assert [j.source for j in small] == ["alpha"] * 2 + ["beta"] * 2
+    assert set(small) <= set(large)  # a larger quota keeps the smaller one's jobs
+    assert all(j.row != 2 for j in large)  # the line without a user turn is never planned
+    assert distill.plan(files, 4, 0.5, seed=3) == large and distill.plan(files, 4, 0.5, seed=4) != large
+    assert {j.temperature for j in distill.plan(files, 7, 0.0, seed=0)} == {0.0}
+    assert {j.temperature for j in distill.plan(files, 7, 1.0, seed=0)} == {0.7}
+
+
+def test_answers_are_the_engines_own_and_round_trip(tmp_path, llm):
+    data = write_data(tmp_path / "data")
+    out, cache = tmp_path / "out.npz", tmp_path / "cache"
+    summary = distill.regenerate(llm, data, out, per_source=3, sampled_share=0.5, max_tokens=8, cache_dir=cache,
+                                 flush_every=2, in_flight=4)
+    assert summary["answers"] == 6 and summary["remaining"] == 0
+    meta, records = distill.load(out)
+    assert meta["max_tokens"] == 8 and len(records) == 6
+    prompts = {name: distill.read_prompts(path) for name, path in distill.source_files(data).items()}
+    for r in records:  # each answer is what the engine itself gives that prompt with that job's sampling
+        ids = llm.apply_chat_template(prompts[r.job.source][r.job.row])
+        params = SamplingParams(temperature=r.job.temperature, seed=r.job.seed if r.job.temperature else None,
+                                max_tokens=8)
+        assert llm.generate({"prompt_token_ids": ids}, params)[0].token_ids == r.tokens
+        assert r.prompt_len == len(ids) and r.finish in ("stop", "length")
+    samples = distill.samples(out, data, llm, max_len=10_000)
+    assert len(samples) == 6
+    ids, mask = samples[0]
+    assert len(ids) == records[0].prompt_len + len(records[0].tokens)
+    assert mask == [False] * records[0].prompt_len + [True] * len(records[0].tokens)
+
+
+def test_a_run_resumes_where_it_stopped(tmp_path, llm):
+    data = write_data(tmp_path / "data")
+    out, cache = tmp_path / "out.npz", tmp_path / "cache"
+    first = distill.regenerate(llm, data, out, per_source=4, max_tokens=6, cache_dir=cache, limit=3)
+    assert first["new_answers"] == 3 and first["remaining"] == 5
+    second = distill.regenerate(llm, data, out, per_source=4, max_tokens=6, cache_dir=cache)
+    assert second["new_answers"] == 5 and second["remaining"] == 0
+    fresh = tmp_path / "fresh.npz"
+    distill.regenerate(llm, data, fresh, per_source=4, max_tokens=6, cache_dir=tmp_path / "cache2")
+    key = lambda r: (r.job.source, r.job.row, r.job.temperature, r.job.seed, r.tokens)  # noqa: E731
+    assert sorted(map(key, distill.load(out)[1])) == sorted(map(key, distill.load(fresh)[1]))
+    # a new machine: no cache, only the packed file; nothing is redone
+    third = distill.regenerate(llm, data, out, per_source=4, max_tokens=6, cache_dir=tmp_path / "empty")
+    assert third["new_answers"] == 0 and third["answers"] == 8
+
+
+def test_long_prompts_are_skipped_once(tmp_path, llm):
+    data = write_data(tmp_path / "data")
+    out = tmp_path / "out.npz"
+    distill.regenerate(llm, data, out, per_source=2, max_tokens=4, max_prompt_tokens=3, cache_dir=tmp_path / "c")
+    _, records = distill.load(out)
+    assert {r.finish for r in records} == {"skipped"} and all(not r.tokens for r in records)
+    again = distill.regenerate(llm, data, out, per_source=2, max_tokens=4, max_prompt_tokens=3, cache_dir=tmp_path / "c")
+    assert again["new_answers"] == 0
+    assert distill.samples(out, data, llm, 100) == []
+
+
+def test_mismatches_are_refused_clearly(tmp_path, llm, target_dir):
+    data = write_data(tmp_path / "data")
+    out, cache = tmp_path / "out.npz", tmp_path / "cache"
+    distill.regenerate(llm, data, out, per_source=1, max_tokens=4, cache_dir=cache)
+    with pytest.raises(SpecdecError, match="other settings"):
+        distill.regenerate(llm, data, out, per_source=1, max_tokens=5, cache_dir=cache)
+    other = LLM(str(save_tiny_model(tmp_path / "other", "llama", seed=7, num_hidden_layers=2)))
+    with pytest.raises(SpecdecError, match="another target"):
+        distill.samples(out, data, other, 100)
+    path = data / "alpha.jsonl"  # an edited data file: its prompts no longer match the answers
+    path.write_text(path.read_text(encoding="utf-8").replace("question", "query"), encoding="utf-8")
+    with pytest.raises(SpecdecError, match="no longer renders"):
+        distill.samples(out, data, llm, 100)
+    with pytest.raises(SpecdecError, match="does not exist"):
+        distill.load(tmp_path / "missing.npz")
+    (tmp_path / "junk.npz").write_bytes(b"not a zip")
+    with pytest.raises(SpecdecError, match="not a self-distillation file"):
+        distill.load(tmp_path / "junk.npz")
+    with pytest.raises(SpecdecError, match="does not exist"):
+        distill.source_files(tmp_path / "nowhere")
+
+
+def test_cli_distills_and_a_head_trains_on_the_packed_answers(tmp_path, target_dir):
+    from specdec.cli import main
+
+    data, out = write_data(tmp_path / "data"), tmp_path / "answers.npz"
+    assert main(["distill", "--model", str(target_dir), "--data-dir", str(data), "--out", str(out),
+                 "--per-source", "3", "--max-tokens", "12", "--cache-dir", str(tmp_path / "cache")]) == 0
+    assert len(distill.load(out)[1]) == 6
+    head = tmp_path / "head"
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--distilled", str(out),
+                 "--out", str(head), "--steps", "4", "--save-every", "2"]) == 0
+    log = json.loads((head / "train_log.json").read_text())
+    assert log["steps"] == 4 and all(h["loss"] > 0 for h in log["history"])
+    assert (head / "model.safetensors").is_file()
