@@ -174,12 +174,9 @@ def cmd_distill(args: argparse.Namespace) -> None:
     from specdec import distill
     from specdec.llm import LLM
 
-    root = Path(__file__).resolve().parents[1]
-    data_dir = args.data_dir or next((p for p in (Path("../shared/data/train"), root.parent / "shared/data/train")
-                                      if p.is_dir()), Path("../shared/data/train"))
-    out = args.out or root / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
+    out = args.out or Path(__file__).resolve().parents[1] / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
     llm = LLM(args.model, speculative_config="off")
-    summary = distill.regenerate(llm, data_dir, out, per_source=args.per_source, sampled_share=args.sampled_share,
+    summary = distill.regenerate(llm, args.data_dir or distill.default_data_dir(), out, per_source=args.per_source, sampled_share=args.sampled_share,
                                  max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                                  cache_dir=args.cache_dir, limit=args.limit)
     print(json.dumps(summary))

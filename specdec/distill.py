@@ -54,15 +54,22 @@ class Record:
 
 
 # ---------------------------------------------------------------------------------------------- sources
-def source_files(data_dir: Path) -> dict[str, Path]:
-    """The training files (`*.jsonl` directly in `data_dir`, never `spec_bench/`), by stem."""
+def default_data_dir() -> Path:
+    """../shared/data/train from the working directory, else beside this checkout."""
+    here = Path("../shared/data/train")
+    beside = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
+    return here if here.is_dir() or not beside.is_dir() else beside
+
+
+def read_sources(data_dir: str | Path) -> dict[str, list[list[dict] | None]]:
+    """The prompts of every training file (`*.jsonl` directly in `data_dir`, never `spec_bench/`), by file stem."""
     data_dir = Path(data_dir).expanduser()
     if not data_dir.is_dir():
         raise SpecdecError(f"training data directory {data_dir} does not exist")
-    files = {p.stem: p for p in sorted(data_dir.glob("*.jsonl"))}
+    files = sorted(data_dir.glob("*.jsonl"))
     if not files:
         raise SpecdecError(f"{data_dir} holds no *.jsonl training file")
-    return files
+    return {p.stem: read_prompts(p) for p in files}
 
 
 def read_prompts(path: Path) -> list[list[dict] | None]:
@@ -84,28 +91,23 @@ def read_prompts(path: Path) -> list[list[dict] | None]:
     return prompts
 
 
-def plan(files: dict[str, Path], per_source: int, sampled_share: float, seed: int,
+def plan(sources: dict[str, list[list[dict] | None]], per_source: int, sampled_share: float, seed: int,
          temperature: float = 0.7) -> list[Job]:
-    """`per_source` jobs per file, rows drawn in a seeded order, so a larger quota extends a smaller one.
+    """`per_source` jobs per source, rows drawn in a seeded order, so a larger quota extends a smaller one.
     A job is sampled (at `temperature`, with its own seed) with probability `sampled_share`, drawn per row."""
     if per_source < 1:
         raise SpecdecError(f"invalid per-source quota {per_source}: must be >= 1")
     if not 0 <= sampled_share <= 1:
         raise SpecdecError(f"invalid sampled share {sampled_share}: must be in [0, 1]")
     jobs = []
-    for name, path in files.items():
-        rows = [i for i, p in enumerate(read_prompts(path)) if p is not None]
+    for name, prompts in sources.items():
+        rows = [i for i, p in enumerate(prompts) if p is not None]
         random.Random(f"{seed}:{name}").shuffle(rows)
         for row in rows[:per_source]:
             draw = random.Random(f"{seed}:{name}:{row}")
             sampled = draw.random() < sampled_share
             jobs.append(Job(name, row, temperature if sampled else 0.0, draw.randrange(2**31)))
     return jobs
-
-
-def prompt_ids(llm, messages: list[dict]) -> list[int]:
-    """The prompt as the target's chat template renders it, ready for the assistant's answer."""
-    return llm.apply_chat_template(messages)
 
 
 def crc(ids: list[int]) -> int:
@@ -160,15 +162,16 @@ def load(path: Path) -> tuple[dict, list[Record]]:
     return meta, records
 
 
-def model_fingerprint(llm) -> str:
-    """Names the target the answers came from (not its numerics): its config and its first 64 token
-    embeddings, which every runtime of one checkpoint holds alike."""
+def model_fingerprint(model, extra: object = None) -> str:
+    """Names a target (not its numerics): its config and its first 64 token embeddings, which every runtime of
+    one checkpoint holds alike; `extra` (JSON-able) is hashed in too."""
     import torch
 
-    model = llm.engine.model
     h = hashlib.sha256(json.dumps(vars(model.config), sort_keys=True, default=str).encode())
     with torch.inference_mode():
         h.update(model.embed(torch.arange(64, device=model.device)).float().cpu().numpy().tobytes())
+    if extra is not None:
+        h.update(json.dumps(extra).encode())
     return h.hexdigest()[:16]
 
 
@@ -178,9 +181,9 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
                flush_every: int = 200, in_flight: int = 96, limit: int | None = None) -> dict:
     """Answer every planned job not yet in `out` or the cache, flushing chunks as it goes; then pack all of
     them into `out`. `limit` stops after that many new answers (the rest waits for the next run)."""
-    files = source_files(Path(data_dir))
+    sources = read_sources(data_dir)
     out = Path(out)
-    meta = {"model": model_fingerprint(llm), "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
+    meta = {"model": model_fingerprint(llm.engine.model), "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
             "seed": seed}
     cache = Path(cache_dir or Path.home() / ".cache" / "specdec" / "distill" / meta["model"]).expanduser()
     cache.mkdir(parents=True, exist_ok=True)
@@ -192,10 +195,10 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
             raise SpecdecError(f"{path} was made with other settings ({mismatch}, as (there, here)); "
                                "use another --out and cache directory, or the same settings")
         done.update({(r.job.source, r.job.row): r for r in records})
-    jobs = [j for j in plan(files, per_source, sampled_share, seed) if (j.source, j.row) not in done]
+    planned = plan(sources, per_source, sampled_share, seed)
+    jobs = [j for j in planned if (j.source, j.row) not in done]
     if limit is not None:
         jobs = jobs[:limit]
-    prompts = {name: read_prompts(path) for name, path in files.items()}
     engine = llm.engine
     pending, fresh = list(reversed(jobs)), []
     running: list[tuple[Job, list[int], object]] = []
@@ -207,13 +210,14 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
         nonlocal chunk_id, fresh
         if fresh:
             save(cache / f"chunk-{chunk_id:05d}.npz", fresh, meta)
+            done.update({(r.job.source, r.job.row): r for r in fresh})
             chunk_id, fresh = chunk_id + 1, []
 
     try:
         while pending or running:
             while pending and len(running) < in_flight:
                 job = pending.pop()
-                ids = prompt_ids(llm, prompts[job.source][job.row])
+                ids = llm.apply_chat_template(sources[job.source][job.row])
                 if len(ids) > max_prompt_tokens:
                     fresh.append(Record(job, len(ids), crc(ids), "skipped", []))
                     bar.update()
@@ -242,37 +246,30 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
         for _, _, seq in running:
             engine.abort(seq)
         flush()
-    records = dict(done)
-    for path in sorted(cache.glob("chunk-*.npz")):
-        records.update({(r.job.source, r.job.row): r for r in load(path)[1]})
-    save(out, list(records.values()), meta)
+    save(out, list(done.values()), meta)
     elapsed = time.perf_counter() - start
-    summary = {"answers": len(records), "new_answers": len(jobs), "new_tokens": new_tokens,
-               "seconds": round(elapsed, 1), "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
-               "remaining": len(plan(files, per_source, sampled_share, seed)) - len(records), "out": str(out)}
-    return summary
+    return {"answers": len(done), "new_answers": len(jobs), "new_tokens": new_tokens, "seconds": round(elapsed, 1),
+            "tokens_per_s": round(new_tokens / max(elapsed, 1e-9), 1),
+            "remaining": sum((j.source, j.row) not in done for j in planned), "out": str(out)}
 
 
 def samples(path: str | Path, data_dir: str | Path, llm, max_len: int) -> list[tuple[list[int], list[bool]]]:
     """Training samples (prompt + the target's answer, the answer masked in) from a packed file; every
     prompt is re-rendered and checked against its recorded length and CRC32."""
     meta, records = load(Path(path))
-    if meta["model"] != model_fingerprint(llm):
+    if meta["model"] != model_fingerprint(llm.engine.model):
         raise SpecdecError(f"{path} holds answers of another target (fingerprint {meta['model']}, this target "
-                           f"{model_fingerprint(llm)}); regenerate it with `specdec distill`")
-    files = source_files(Path(data_dir))
-    prompts = {}
+                           f"{model_fingerprint(llm.engine.model)}); regenerate it with `specdec distill`")
+    sources = read_sources(data_dir)
     out = []
     for r in records:
         if r.finish == "skipped" or not r.tokens:
             continue
-        if r.job.source not in files:
+        if r.job.source not in sources:
             raise SpecdecError(f"{path} refers to source {r.job.source!r}, not in {data_dir}")
-        if r.job.source not in prompts:
-            prompts[r.job.source] = read_prompts(files[r.job.source])
-        rows = prompts[r.job.source]
+        rows = sources[r.job.source]
         messages = rows[r.job.row] if r.job.row < len(rows) else None
-        ids = prompt_ids(llm, messages) if messages is not None else []
+        ids = llm.apply_chat_template(messages) if messages is not None else []
         if len(ids) != r.prompt_len or crc(ids) != r.prompt_crc:
             raise SpecdecError(f"{r.job.source} row {r.job.row} no longer renders to the prompt its answer was "
                                "made for (the data file or the chat template changed); regenerate")

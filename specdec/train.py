@@ -138,13 +138,9 @@ class FeatureCache:
 
     def __init__(self, root: Path, model, layers: tuple[int, ...], samples: list[tuple[list[int], list[bool]]]
                  ) -> None:
-        import hashlib
+        from specdec.distill import model_fingerprint
 
-        h = hashlib.sha256(json.dumps([list(layers), model.config.num_hidden_layers, model.config.hidden_size,
-                                       [ids for ids, _ in samples]]).encode())
-        with torch.inference_mode():
-            h.update(model.embed(torch.arange(16, device=model.device)).float().cpu().numpy().tobytes())
-        self.dir = Path(root).expanduser() / h.hexdigest()[:16]
+        self.dir = Path(root).expanduser() / model_fingerprint(model, [list(layers), [ids for ids, _ in samples]])
         self.model, self.layers, self.samples = model, layers, samples
         self._shard: tuple[int, dict] | None = None
 
@@ -228,7 +224,7 @@ def run_train(args: argparse.Namespace) -> dict:
     llm = LLM(args.target)
     target, tok = llm.engine.model, llm.tokenizer
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
-    if getattr(args, "distilled", None):  # the target's own answers, made by `specdec distill`
+    if args.distilled:  # the target's own answers, made by `specdec distill`
         from specdec import distill
 
         samples = distill.samples(args.distilled, args.data[0], llm, args.max_len)
@@ -255,7 +251,7 @@ def run_train(args: argparse.Namespace) -> dict:
         draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
         head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
     cache = None
-    if getattr(args, "feature_cache", None):  # the target runs once per sample, before the first step
+    if args.feature_cache:  # the target runs once per sample, before the first step
         cache = FeatureCache(Path(args.feature_cache), target, head.aux_layers, samples)
         cache.build()
     params = trainable_parameters(head)

@@ -36,14 +36,14 @@ def write_data(root, rows_per_file: int = 6):
 
 
 def test_plan_is_seeded_balanced_and_extends_with_the_quota(tmp_path):
-    files = distill.source_files(write_data(tmp_path / "data"))
-    small, large = distill.plan(files, 2, 0.5, seed=3), distill.plan(files, 4, 0.5, seed=3)
+    sources = distill.read_sources(write_data(tmp_path / "data"))
+    small, large = distill.plan(sources, 2, 0.5, seed=3), distill.plan(sources, 4, 0.5, seed=3)
     assert [j.source for j in small] == ["alpha"] * 2 + ["beta"] * 2
     assert set(small) <= set(large)  # a larger quota keeps the smaller one's jobs
     assert all(j.row != 2 for j in large)  # the line without a user turn is never planned
-    assert distill.plan(files, 4, 0.5, seed=3) == large and distill.plan(files, 4, 0.5, seed=4) != large
-    assert {j.temperature for j in distill.plan(files, 7, 0.0, seed=0)} == {0.0}
-    assert {j.temperature for j in distill.plan(files, 7, 1.0, seed=0)} == {0.7}
+    assert distill.plan(sources, 4, 0.5, seed=3) == large and distill.plan(sources, 4, 0.5, seed=4) != large
+    assert {j.temperature for j in distill.plan(sources, 7, 0.0, seed=0)} == {0.0}
+    assert {j.temperature for j in distill.plan(sources, 7, 1.0, seed=0)} == {0.7}
 
 
 def test_answers_are_the_engines_own_and_round_trip(tmp_path, llm):
@@ -54,7 +54,7 @@ def test_answers_are_the_engines_own_and_round_trip(tmp_path, llm):
     assert summary["answers"] == 6 and summary["remaining"] == 0
     meta, records = distill.load(out)
     assert meta["max_tokens"] == 8 and len(records) == 6
-    prompts = {name: distill.read_prompts(path) for name, path in distill.source_files(data).items()}
+    prompts = distill.read_sources(data)
     for r in records:  # each answer is what the engine itself gives that prompt with that job's sampling
         ids = llm.apply_chat_template(prompts[r.job.source][r.job.row])
         params = SamplingParams(temperature=r.job.temperature, seed=r.job.seed if r.job.temperature else None,
@@ -114,7 +114,7 @@ def test_mismatches_are_refused_clearly(tmp_path, llm, target_dir):
     with pytest.raises(SpecdecError, match="not a self-distillation file"):
         distill.load(tmp_path / "junk.npz")
     with pytest.raises(SpecdecError, match="does not exist"):
-        distill.source_files(tmp_path / "nowhere")
+        distill.read_sources(tmp_path / "nowhere")
 
 
 def test_cli_distills_and_a_head_trains_on_the_packed_answers(tmp_path, target_dir):
