@@ -92,6 +92,17 @@ def build_parser() -> argparse.ArgumentParser:
                          "the directory of the prompts it answered")
     tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")
     tr.add_argument("--steps", type=int, default=1000, help="conversations to train on (default 1000)")
+    tr.add_argument("--epochs", type=float, default=None,
+                    help="passes over the training data (sets --steps; each epoch in a fresh seeded order)")
+    tr.add_argument("--batch", type=int, default=1, help="conversations per optimizer step (default 1)")
+    tr.add_argument("--schedule", choices=("cosine", "constant"), default="cosine",
+                    help="learning rate after warmup: cosine decay to a tenth of --lr (default) or constant")
+    tr.add_argument("--warmup", type=int, default=None,
+                    help="optimizer steps of linear warmup (default: 5%% of them, at most 100)")
+    tr.add_argument("--clip-grad", type=float, default=0.5, help="gradient norm clip, 0 for none (default 0.5)")
+    tr.add_argument("--init", default=None,
+                    help="start from this trained head's weights (same method and target; shared draft tokens keep "
+                         "their LM head rows)")
     tr.add_argument("--max-len", type=int, default=512, help="tokens per conversation (default 512)")
     tr.add_argument("--lr", type=float, default=2e-4)
     tr.add_argument("--weight-decay", type=float, default=0.1)

@@ -27,6 +27,7 @@ import numpy as np
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError
+from specdec.models.loader import model_fingerprint  # noqa: F401  (callers import it from here too)
 
 FORMAT = 1
 FINISH_CODES = {"stop": 0, "length": 1, "skipped": 2}  # skipped: the prompt is longer than max_prompt_tokens
@@ -160,19 +161,6 @@ def load(path: Path) -> tuple[dict, list[Record]]:
                       tokens[off[i]:off[i + 1]].tolist())
                for i in range(len(a["row"]))]
     return meta, records
-
-
-def model_fingerprint(model, extra: object = None) -> str:
-    """Names a target (not its numerics): its config and its first 64 token embeddings, which every runtime of
-    one checkpoint holds alike; `extra` (JSON-able) is hashed in too."""
-    import torch
-
-    h = hashlib.sha256(json.dumps(vars(model.config), sort_keys=True, default=str).encode())
-    with torch.inference_mode():
-        h.update(model.embed(torch.arange(64, device=model.device)).float().cpu().numpy().tobytes())
-    if extra is not None:
-        h.update(json.dumps(extra).encode())
-    return h.hexdigest()[:16]
 
 
 # ---------------------------------------------------------------------------------------------- running

@@ -12,7 +12,9 @@ trained against the target at t + 1 (the Meta report's equation 1, shifted by on
 
 averaged over the assistant tokens. With `--ttt-steps K` (EAGLE-3's training-time test) the head is also
 unrolled K - 1 more times on its own outputs, exactly as serving drafts tokens 2..K, each step's loss
-weighted 0.8^(s-1). The weights 0.1 / 1.0 are `--ce-weight` / `--regression-weight`. Adam (decoupled weight decay 0.1), lr 2e-4, constant schedule. The
+weighted 0.8^(s-1). The weights 0.1 / 1.0 are `--ce-weight` / `--regression-weight`. AdamW (weight decay 0.1),
+lr 2e-4 after a linear warmup, then a cosine decay to a tenth (`--schedule`); gradients clipped to norm 0.5;
+`--batch` conversations per optimizer step; `--epochs` passes, each in a fresh seeded order. The
 draft vocabulary is the most frequent assistant tokens of the training data. `--regenerate` replaces the
 assistant turns with the target's own greedy answers (self-distillation). Checkpoints (the head in the
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
@@ -22,6 +24,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import math
 import random
 import sys
 import time
@@ -33,6 +36,7 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError, method_info, registered_methods
+from specdec.models.kernels import linear
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
 TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
@@ -138,7 +142,7 @@ class FeatureCache:
 
     def __init__(self, root: Path, model, layers: tuple[int, ...], samples: list[tuple[list[int], list[bool]]]
                  ) -> None:
-        from specdec.distill import model_fingerprint
+        from specdec.models.loader import model_fingerprint
 
         self.dir = Path(root).expanduser() / model_fingerprint(model, [list(layers), [ids for ids, _ in samples]])
         self.model, self.layers, self.samples = model, layers, samples
@@ -164,7 +168,7 @@ class FeatureCache:
             tmp.replace(self.shard_path(k))
 
     @torch.inference_mode()
-    def outputs(self, i: int) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor]:
+    def outputs(self, i: int, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
         """What `target_outputs` gives sample i (features and hidden read back as float32)."""
         k = i // self.SHARD
         if self._shard is None or self._shard[0] != k:
@@ -173,7 +177,7 @@ class FeatureCache:
         a, b = int(z["offsets"][i % self.SHARD]), int(z["offsets"][i % self.SHARD + 1])
         hidden = z["hidden"][a:b].float()
         features = z["features"][a:b].float() if self.layers else None
-        return features, hidden, self.model.compute_logits(self.model.norm(hidden))
+        return features, hidden, self.model.compute_logits(self.model.norm(hidden)) if logits else None
 
 
 # ---------------------------------------------------------------------------------------------- loss
@@ -217,7 +221,9 @@ def run_train(args: argparse.Namespace) -> dict:
         args.ttt_steps = 3 if cls.unrolls else 1
     if args.ttt_steps != 1 and not cls.unrolls:
         raise SpecdecError(f"--ttt-steps is EAGLE-3's training-time test; {args.method} trains one step")
-    for name in ("steps", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
+    if args.epochs is not None and args.epochs <= 0:
+        raise SpecdecError(f"invalid --epochs {args.epochs}: must be > 0")
+    for name in ("steps", "batch", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     torch.manual_seed(args.seed)
@@ -243,6 +249,9 @@ def run_train(args: argparse.Namespace) -> dict:
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
     if not samples:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
+    n = len(samples)
+    if args.epochs:
+        args.steps = math.ceil(args.epochs * n)
     state = None
     if args.resume and ckpt.is_file():
         head = cls.load_for(args.method, out_dir, target)
@@ -250,6 +259,8 @@ def run_train(args: argparse.Namespace) -> dict:
     else:
         draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
         head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
+        if args.init:
+            warm_start(head, cls.load_for(args.method, args.init, target))
     cache = None
     if args.feature_cache:  # the target runs once per sample, before the first step
         cache = FeatureCache(Path(args.feature_cache), target, head.aux_layers, samples)
@@ -262,24 +273,39 @@ def run_train(args: argparse.Namespace) -> dict:
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         step = state["step"]
-    history = []
+    updates = -(-args.steps // args.batch)
+    warmup = args.warmup if args.warmup is not None else min(100, updates // 20)
+    lm_rows = target.lm_head[head.target_ids(torch.arange(head.draft_vocab_size))] if hasattr(head, "d2t") else None
+    history, order = [], None
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr)
-    tokens_seen, start = 0, time.perf_counter()
+    tokens_seen, start, last_save = 0, time.perf_counter(), step
     while step < args.steps:
-        ids, mask = samples[step % len(samples)]
-        outputs = cache.outputs(step % len(samples)) if cache is not None else None
-        loss, stats = sequence_loss(head, target, ids, mask, args, outputs)
-        opt.zero_grad()
-        loss.backward()
-        opt.step()
+        epoch, i = divmod(step, n)
+        if order is None or order[0] != epoch:  # a fresh seeded order every epoch (a resumed run sees the same)
+            order = (epoch, random.Random(args.seed * 1000 + epoch).sample(range(n), n))
+        k = order[1][i]
+        ids, mask = samples[k]
+        outputs = cache.outputs(k, logits=False) if cache is not None else None
+        loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
+        (loss / args.batch).backward()
         step += 1
         tokens_seen += len(ids)
-        history.append({"step": step, "loss": loss.item(), **stats})
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats['top1']:.2f}",
+        if step % args.batch == 0 or step == args.steps:  # one optimizer step per --batch sequences
+            lr = args.lr * lr_factor(step // args.batch if step % args.batch == 0 else updates, updates, warmup,
+                                     args.schedule)
+            for group in opt.param_groups:
+                group["lr"] = lr
+            if args.clip_grad:
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item()
+            opt.step()
+            opt.zero_grad()
+            if step - last_save >= args.save_every or step == args.steps:
+                save_checkpoint(head, opt, step, out_dir, ckpt)
+                last_save = step
+        history.append({"step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "loss": loss.item(), **stats})
+        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats.get('top1', 0):.2f}",
                         tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
         bar.update()
-        if step % args.save_every == 0 or step == args.steps:
-            save_checkpoint(head, opt, step, out_dir, ckpt)
     bar.close()
     result = {"steps": step, "history": history[-50:]}
     if held_out:
@@ -290,33 +316,65 @@ def run_train(args: argparse.Namespace) -> dict:
     return result
 
 
+def lr_factor(update: int, updates: int, warmup: int, schedule: str) -> float:
+    """The learning rate of optimizer step `update` (1-based) over the peak: linear warmup over `warmup` steps,
+    then constant or a cosine decay to a tenth of the peak at the last step."""
+    if update <= warmup:
+        return update / max(warmup, 1)
+    if schedule == "constant":
+        return 1.0
+    progress = (update - warmup) / max(updates - warmup, 1)
+    return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
+
+
+def warm_start(head, old) -> None:
+    """Start `head` from a trained head `old` of the same method and target: every weight it shares; LM head
+    rows of the draft tokens both vocabularies hold (the others keep their start from the target's rows)."""
+    new_sd, old_sd = head.state_dict(), old.state_dict()
+    for name, value in old_sd.items():
+        if name in ("lm_head", "d2t") or name not in new_sd or new_sd[name].shape != value.shape:
+            continue
+        new_sd[name].copy_(value.to(new_sd[name].dtype))
+    if hasattr(head, "d2t") and hasattr(old, "d2t"):
+        ar = lambda h: torch.arange(h.draft_vocab_size)  # noqa: E731
+        new_ids, old_ids = head.target_ids(ar(head)), old.target_ids(ar(old))
+        where = {t: j for j, t in enumerate(old_ids.tolist())}
+        pairs = [(j, where[t]) for j, t in enumerate(new_ids.tolist()) if t in where]
+        if pairs:
+            dst, src = torch.tensor(pairs).T
+            head.lm_head.data[dst] = old.lm_head.data[src].to(head.lm_head.dtype)
+
+
 def trainable_parameters(head) -> list[torch.nn.Parameter]:
     return head.trainable_parameters() if hasattr(head, "trainable_parameters") else list(head.parameters())
 
 
 def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse.Namespace,
-                  outputs: tuple[torch.Tensor | None, torch.Tensor, torch.Tensor] | None = None
-                  ) -> tuple[torch.Tensor, dict]:
+                  outputs: tuple[torch.Tensor | None, torch.Tensor, None] | None = None,
+                  lm_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Equation 1 over one training sequence; the target runs once, under inference mode.
 
     Row t pairs the target's feature of token t with the embedding of token t + 1 and is trained against the
-    target at t + 1 (token t + 2). The head says what it fits (`training_terms`): each term is (head output
+    target at t + 1 (token t + 2). lm_rows: the target's LM head rows of the head's vocabulary, when the caller
+    has them at hand. The head says what it fits (`training_terms`): each term is (head output
     [n, H], ahead, first row): row t is trained against the target at t + ahead (predicting token
     t + ahead + 1), from `first row` on; later terms (unrolled steps, further heads) weigh less."""
-    features, hidden, logits = outputs or target_outputs(target, ids, head.aux_layers)
+    features, hidden, _ = outputs or target_outputs(target, ids, head.aux_layers, logits=False)
     with torch.inference_mode():
         normed = target.norm(hidden)
     embeds = target.embed(torch.tensor(ids[1:])).float()
     terms, goal, draft_ids = head.training_terms(embeds, features, hidden, normed, args.ttt_steps)
+    with torch.inference_mode():  # the target's logits over the head's vocabulary only (a sixth of the rows)
+        goal_logits = (target.compute_logits(normed) if draft_ids is None
+                       else linear(normed, lm_rows if lm_rows is not None else target.lm_head[draft_ids]).float())
     loss, stats = 0.0, {}
-    goal_logits = logits.clone()
     for s, (out, ahead, first_row) in enumerate(terms):
         n = len(out)
         step_mask = torch.tensor(mask[ahead + 1:ahead + 1 + n]) & (torch.arange(n) >= first_row)
         if n <= 0 or not step_mask.any():
             continue
         step_loss, step_stats = head_loss(head, out, goal[ahead:ahead + n], goal_logits[ahead:ahead + n], step_mask,
-                                          draft_ids, (args.ce_weight, args.regression_weight))
+                                          None, (args.ce_weight, args.regression_weight))
         loss = loss + TTT_DECAY ** s * step_loss
         stats = stats or step_stats  # the progress bar reports the first step / head
     return loss, stats

@@ -202,3 +202,47 @@ def test_training_from_the_feature_cache_matches_training_without_it(target_dir,
     assert [h["step"] for h in logs[0]] == [h["step"] for h in logs[1]]
     for a, b in zip(*logs):  # the same run up to bfloat16 rounding of the target's outputs
         assert abs(a["loss"] - b["loss"]) < 0.02 * max(1.0, abs(a["loss"]))
+
+
+def test_learning_rate_schedule_table():
+    """Linear warmup to the peak, then a cosine to a tenth of it at the last step (or constant)."""
+    from specdec.train import lr_factor
+
+    table = {1: 0.1, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1}
+    assert {u: round(lr_factor(u, 110, 10, "cosine"), 6) for u in table} == table
+    assert [lr_factor(u, 110, 10, "constant") for u in (5, 10, 60, 110)] == [0.5, 1.0, 1.0, 1.0]
+    assert lr_factor(3, 3, 0, "cosine") == pytest.approx(0.1)
+
+
+def test_warm_start_keeps_shared_weights_and_the_rows_of_shared_draft_tokens(target_dir):
+    from specdec.train import warm_start
+
+    model = LLM(str(target_dir)).engine.model
+    old = Eagle3Head.create("eagle3", model, draft_ids=torch.tensor([5, 7, 9]))
+    for p in old.parameters():
+        p.data.normal_()
+    new = Eagle3Head.create("eagle3", model, draft_ids=torch.tensor([7, 9, 11, 12]))
+    warm_start(new, old)
+    assert torch.equal(new.fc.weight, old.fc.weight) and torch.equal(new.norm.weight, old.norm.weight)
+    assert torch.equal(new.lm_head[:2], old.lm_head[1:])  # tokens 7 and 9
+    assert torch.equal(new.lm_head[2:], model.lm_head[torch.tensor([11, 12])].float())  # new tokens: the target's rows
+    assert new.target_ids(torch.arange(4)).tolist() == [7, 9, 11, 12]
+
+
+def test_epochs_batches_and_schedule_in_the_log(target_dir, tmp_path):
+    """--epochs sets the steps (every conversation once per epoch), --batch accumulates before each optimizer
+    step, and the logged learning rate follows the warmup and cosine."""
+    from specdec.train import lr_factor
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                       {"role": "assistant", "content": f"the answer is {i}"}]})
+                              for i in range(5)))
+    out = tmp_path / "head"
+    assert main(["train", "--target", str(target_dir), "--data", str(data), "--out", str(out), "--epochs", "2",
+                 "--batch", "2", "--warmup", "1", "--lr", "1e-3", "--draft-vocab", "64", "--val-prompts", "1"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 8 and [h["epoch"] for h in log["history"]] == [0, 0, 0, 0, 1, 1, 1, 1]
+    lrs = [h["lr"] for h in log["history"][1::2]]  # after each of the 4 optimizer steps
+    assert lrs == pytest.approx([1e-3 * lr_factor(u, 4, 1, "cosine") for u in (1, 2, 3, 4)])
+    assert all("grad_norm" in h for h in log["history"][1::2])

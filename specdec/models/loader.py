@@ -195,3 +195,14 @@ def load_tokenizer(src: ModelSource):
     except OSError:
         pass  # a read-only home only costs the next load a few seconds
     return tok
+
+
+def model_fingerprint(model, extra: object = None) -> str:
+    """Names a target (not its numerics): its config and its first 64 token embeddings, which every runtime of
+    one checkpoint holds alike; `extra` (JSON-able) is hashed in too."""
+    h = hashlib.sha256(json.dumps(vars(model.config), sort_keys=True, default=str).encode())
+    with torch.inference_mode():
+        h.update(model.embed(torch.arange(64, device=model.device)).float().cpu().numpy().tobytes())
+    if extra is not None:
+        h.update(json.dumps(extra).encode())
+    return h.hexdigest()[:16]

@@ -1,0 +1,290 @@
+"""Retrieval drafting (REST, He et al. 2023): draft what followed the current suffix in a corpus, as a tree of
+its continuations weighted by how often each one followed.
+
+The datastore is the corpus as token ids (documents separated by -1) and a suffix array over them, sorted by
+their first `max_match + 32` tokens (prefix doubling in numpy; int32 both, 8 bytes per corpus token, built once
+and cached on disk by the corpus's content and the target). A step finds the longest suffix of the sequence,
+from `max_match` down to `min_match` tokens, that occurs in the corpus (binary search in the suffix array;
+presence of a suffix implies every shorter one's, so the length is found by bisection), reads the tokens that
+follow up to `max_candidates` of its occurrences (spread evenly over them), counts those continuations in a
+trie and drafts its most probable nodes the way suffix decoding does (a child's probability is its parent's
+times its share of the parent's count; nodes below `min_token_prob` are left out). Proposals are
+deterministic, so verification keeps greedy output identical and sampled output in the target's distribution.
+
+A corpus is a text file (documents separated by blank lines), a JSONL file (each line an object with a
+"text" string or a "messages" list whose assistant turns are taken: the training data's format), or the
+token ids of `specdec distill` (.npz, checked to be the target's own).
+"""
+from __future__ import annotations
+
+import hashlib
+import json
+from dataclasses import dataclass
+from pathlib import Path
+
+import numpy as np
+
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.suffix import Node, grow
+
+SORT_DEPTH_EXTRA = 32  # the suffix array orders suffixes by max_match + this many tokens
+CACHE_DIR = Path("~/.cache/specdec/retrieval")
+
+
+@dataclass
+class RetrievalOptions:
+    corpus: str | None = None  # the corpus file (text, JSONL or `specdec distill` .npz)
+    max_match: int = 16  # longest suffix of the sequence looked up
+    min_match: int = 2  # shortest suffix worth drafting from
+    max_candidates: int = 64  # occurrences whose continuations are counted
+    min_token_prob: float = 0.1  # nodes estimated less likely than this are not drafted
+    max_corpus_tokens: int = 64_000_000  # memory budget: 8 bytes per token (512 MB at the default)
+
+    def __post_init__(self) -> None:
+        if not self.corpus or not isinstance(self.corpus, str):
+            raise SpecdecError("method 'retrieval' needs 'corpus': a text, JSONL or `specdec distill` .npz file")
+        for name, low, high in (("max_match", 1, 256), ("min_match", 1, 256), ("max_candidates", 1, 1 << 20),
+                                ("max_corpus_tokens", 1, 1 << 31)):
+            v = getattr(self, name)
+            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
+                raise SpecdecError(f"invalid {name}={v!r}: must be an integer in [{low}, {high}]")
+        if self.min_match > self.max_match:
+            raise SpecdecError(f"min_match={self.min_match} exceeds max_match={self.max_match}")
+        p = self.min_token_prob
+        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
+            raise SpecdecError(f"invalid min_token_prob={p!r}: must be a number in [0, 1]")
+
+
+# ---------------------------------------------------------------------------------------------- corpus
+def read_corpus(path: str | Path, tokenizer, vocab_size: int, max_tokens: int, fingerprint: str | None = None
+                ) -> np.ndarray:
+    """The corpus as int32 token ids, each document followed by -1; refused whole (nothing kept) when it is
+    missing, not text, malformed, of another target, or over `max_tokens`."""
+    path = Path(path).expanduser()
+    if not path.is_file():
+        raise SpecdecError(f"retrieval corpus {path} does not exist")
+    if path.suffix == ".npz":
+        return _read_token_file(path, vocab_size, max_tokens, fingerprint)
+    if path.stat().st_size > 16 * max_tokens:  # text runs about 4 bytes per token; far over budget
+        raise SpecdecError(f"retrieval corpus {path} ({path.stat().st_size} bytes) is far larger than "
+                           f"max_corpus_tokens={max_tokens}; raise the budget or use a smaller corpus")
+    raw = path.read_bytes()
+    if b"\x00" in raw:
+        raise SpecdecError(f"retrieval corpus {path} is not a text file (it holds NUL bytes)")
+    try:
+        text = raw.decode("utf-8")
+    except UnicodeDecodeError as err:
+        raise SpecdecError(f"retrieval corpus {path} is not UTF-8 text (byte {err.start})") from None
+    docs = _jsonl_documents(path, text) if path.suffix == ".jsonl" else \
+        [d for d in (p.strip() for p in text.split("\n\n")) if d]
+    pieces, total = [], 0
+    for start in range(0, len(docs), 256):
+        for ids in tokenizer(docs[start:start + 256], add_special_tokens=False)["input_ids"]:
+            total += len(ids) + 1
+            if total > max_tokens:
+                raise SpecdecError(f"retrieval corpus {path} holds more than max_corpus_tokens={max_tokens} "
+                                   "tokens; raise the budget or use a smaller corpus")
+            pieces.append(np.asarray([*ids, -1], dtype=np.int32))
+    if not pieces:
+        raise SpecdecError(f"retrieval corpus {path} holds no text")
+    return np.concatenate(pieces)
+
+
+def _jsonl_documents(path: Path, text: str) -> list[str]:
+    docs = []
+    for lineno, line in enumerate(text.split("\n"), 1):
+        if not line.strip():
+            continue
+        try:
+            row = json.loads(line)
+            if isinstance(row.get("text"), str):
+                docs.append(row["text"])
+            else:
+                docs.extend(m["content"] for m in row["messages"] if m.get("role") == "assistant")
+        except (json.JSONDecodeError, KeyError, TypeError, AttributeError):
+            raise SpecdecError(f"{path}:{lineno}: expected a JSON object with a 'text' string or a 'messages' "
+                               "list") from None
+    return docs
+
+
+def _read_token_file(path: Path, vocab_size: int, max_tokens: int, fingerprint: str | None) -> np.ndarray:
+    try:
+        with np.load(path) as z:
+            meta = json.loads(z["meta"].tobytes().decode()) if "meta" in z else {}
+            tokens, offsets = z["tokens"].astype(np.int64), z["offsets"].astype(np.int64)
+    except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
+        raise SpecdecError(f"retrieval corpus {path} is not a token file with 'tokens' and 'offsets' "
+                           f"({type(err).__name__})") from None
+    if fingerprint is not None and meta.get("model") not in (None, fingerprint):
+        raise SpecdecError(f"retrieval corpus {path} holds token ids of another model (fingerprint "
+                           f"{meta['model']}, this target {fingerprint})")
+    if len(tokens) and (tokens.min() < 0 or tokens.max() >= vocab_size):
+        raise SpecdecError(f"retrieval corpus {path} holds token ids outside the target's vocabulary [0, {vocab_size})")
+    if len(offsets) < 1 or offsets[0] != 0 or offsets[-1] != len(tokens) or np.any(np.diff(offsets) < 0):
+        raise SpecdecError(f"retrieval corpus {path}: 'offsets' must rise from 0 to the number of tokens")
+    lengths = np.diff(offsets)
+    if len(tokens) + len(lengths) > max_tokens:
+        raise SpecdecError(f"retrieval corpus {path} holds more than max_corpus_tokens={max_tokens} tokens; "
+                           "raise the budget or use a smaller corpus")
+    out = np.full(len(tokens) + len(lengths), -1, dtype=np.int32)
+    keep = np.ones(len(out), dtype=bool)
+    keep[offsets[1:] + np.arange(len(lengths))] = False  # the separator after each document
+    out[keep] = tokens
+    return out
+
+
+def suffix_array(tokens: np.ndarray, depth: int) -> np.ndarray:
+    """Start positions of the suffixes of `tokens` ordered by their first `depth` tokens (ties by position), with
+    a separator (-1) before every token and the end before everything (prefix doubling: log2(depth) sorts)."""
+    n = len(tokens)
+    rank = tokens.astype(np.int64) + 2  # end of text 0, separator 1, token t: t + 2
+    sa = np.argsort(rank, kind="stable")
+    k = 1
+    while k < depth:
+        nxt = np.zeros(n, dtype=np.int64)
+        nxt[:n - k] = rank[k:]
+        sa = np.lexsort((nxt, rank))
+        r, x = rank[sa], nxt[sa]
+        new = np.cumsum(np.r_[True, (r[1:] != r[:-1]) | (x[1:] != x[:-1])])
+        rank = np.empty(n, dtype=np.int64)
+        rank[sa] = new
+        k *= 2
+        if new[-1] == n:  # every suffix told apart
+            break
+    return sa.astype(np.int32)
+
+
+class Datastore:
+    """A corpus and its suffix array: occurrences of a token sequence and what follows them."""
+
+    def __init__(self, tokens: np.ndarray, sa: np.ndarray, pad: int) -> None:
+        self.n = len(tokens)
+        self.tokens = np.concatenate([tokens, np.full(pad, -2, dtype=np.int32)])  # windows never run off the end
+        self.sa = sa
+
+    @classmethod
+    def build(cls, tokens: np.ndarray, max_match: int, depth: int) -> "Datastore":
+        return cls(tokens, suffix_array(tokens, max_match + SORT_DEPTH_EXTRA), max_match + depth)
+
+    def window(self, i: int, m: int) -> list[int]:
+        s = int(self.sa[i])
+        return self.tokens[s:s + m].tolist()
+
+    def find(self, query: list[int]) -> tuple[int, int]:
+        """The suffix-array range [lo, hi) of the suffixes that start with `query`."""
+        m = len(query)
+        lo, hi = 0, self.n
+        while lo < hi:  # first window >= query
+            mid = (lo + hi) // 2
+            if self.window(mid, m) < query:
+                lo = mid + 1
+            else:
+                hi = mid
+        first, hi = lo, self.n
+        while lo < hi:  # first window > query
+            mid = (lo + hi) // 2
+            if self.window(mid, m) <= query:
+                lo = mid + 1
+            else:
+                hi = mid
+        return first, lo
+
+    def longest_match(self, context: list[int], min_match: int, max_match: int) -> tuple[int, int, int]:
+        """(length, lo, hi) of the longest suffix of `context` (min_match..max_match tokens) found in the corpus;
+        length 0 when none is."""
+        lo_m, hi_m = min_match - 1, min(max_match, len(context))
+        best = (0, 0, 0)
+        while lo_m < hi_m:  # bisection on the length: a present suffix's shorter suffixes are present too
+            mid = (lo_m + hi_m + 1) // 2
+            a, b = self.find(context[len(context) - mid:])
+            if b > a:
+                lo_m, best = mid, (mid, a, b)
+            else:
+                hi_m = mid - 1
+        return best
+
+    def continuations(self, lo: int, hi: int, m: int, depth: int, max_candidates: int) -> np.ndarray:
+        """[n, depth] the tokens after up to `max_candidates` occurrences (evenly spread over [lo, hi)); a
+        document's end shows as a negative id."""
+        idx = np.unique(np.linspace(lo, hi - 1, min(hi - lo, max_candidates)).round().astype(np.int64))
+        starts = self.sa[idx].astype(np.int64) + m
+        return self.tokens[starts[:, None] + np.arange(depth)]
+
+
+def count_trie(rows: np.ndarray) -> Node:
+    """A trie of the continuations, each node counting the rows through it (a row stops at its first negative id)."""
+    root = Node()
+    for row in rows.tolist():
+        node = root
+        for t in row:
+            if t < 0:
+                break
+            child = node.get(t) or node.add(t)
+            child.count += 1
+            node = child
+    return root
+
+
+def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> Datastore:
+    """The corpus's datastore, from the disk cache when this corpus (by content) was indexed for this target."""
+    from specdec.models.loader import model_fingerprint
+
+    path = Path(opts.corpus).expanduser()
+    if not path.is_file():
+        raise SpecdecError(f"retrieval corpus {path} does not exist")
+    target = env.target if env is not None else None
+    fingerprint = model_fingerprint(target) if target is not None else None
+    digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
+    key = f"{digest}-{fingerprint}-{opts.max_match + SORT_DEPTH_EXTRA}"
+    cached = CACHE_DIR.expanduser() / f"{key}.npz"
+    if cached.is_file():
+        try:
+            with np.load(cached) as z:
+                tokens, sa = z["tokens"], z["sa"]
+            if len(tokens) <= opts.max_corpus_tokens:
+                return Datastore(tokens, sa, opts.max_match + depth)
+        except (OSError, ValueError, KeyError):
+            pass  # a damaged cache entry is rebuilt
+    if env is None or env.tokenizer is None:
+        raise SpecdecError("method 'retrieval' needs the target's tokenizer to read a text corpus")
+    tokens = read_corpus(path, env.tokenizer, target.config.vocab_size, opts.max_corpus_tokens, fingerprint)
+    store = Datastore.build(tokens, opts.max_match, depth)
+    try:
+        cached.parent.mkdir(parents=True, exist_ok=True)
+        tmp = cached.with_suffix(".tmp.npz")
+        np.savez(tmp, tokens=tokens, sa=store.sa)
+        tmp.replace(cached)
+    except OSError:
+        pass  # a read-only home only costs the next load the build
+    return store
+
+
+@register_method("retrieval", RetrievalOptions)
+class RetrievalDrafter(Drafter):
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "RetrievalDrafter":
+        o = cfg.options
+        store = load_datastore(o, env, cfg.num_speculative_tokens)
+        return cls(store, cfg.num_speculative_tokens, o.max_match, o.min_match, o.max_candidates, o.min_token_prob)
+
+    def __init__(self, store: Datastore, num_speculative_tokens: int, max_match: int = 16, min_match: int = 2,
+                 max_candidates: int = 64, min_token_prob: float = 0.1) -> None:
+        self.store, self.k = store, num_speculative_tokens
+        self.max_match, self.min_match = max_match, min_match
+        self.max_candidates, self.min_prob = max_candidates, min_token_prob
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        return Draft.from_rows([self.draft_one(r) for r in requests])
+
+    def draft_one(self, r: DraftRequest) -> tuple[list[int], list[int]]:
+        budget = min(self.k, r.max_tokens)
+        depth = budget if r.max_depth is None else min(budget, r.max_depth)
+        if depth <= 0:
+            return [], []
+        m, lo, hi = self.store.longest_match(r.token_ids, self.min_match, self.max_match)
+        if m == 0:
+            return [], []
+        rows = self.store.continuations(lo, hi, m, depth, self.max_candidates)
+        tokens, parents, _ = grow(count_trie(rows), budget, depth, self.min_prob)
+        return tokens, parents

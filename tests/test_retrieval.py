@@ -1,0 +1,147 @@
+"""Retrieval drafting (REST): the suffix array against a brute-force sort, hand-worked lookups and trees, that
+the engine's output never depends on the corpus (greedy identity, sampled distribution), and bad corpora."""
+from __future__ import annotations
+
+import json
+import random
+
+import numpy as np
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec.drafting import retrieval
+from specdec.drafting.base import DraftRequest
+from specdec.drafting.retrieval import Datastore, RetrievalDrafter, count_trie, suffix_array
+from specdec.drafting.suffix import grow
+from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
+from test_speculative import chi_square_two_sample
+
+
+@pytest.fixture(autouse=True)
+def private_cache(tmp_path, monkeypatch):
+    monkeypatch.setattr(retrieval, "CACHE_DIR", tmp_path / "cache")
+    return tmp_path / "cache"
+
+
+def token_file(path, docs: list[list[int]], meta: dict | None = None):
+    lengths = [len(d) for d in docs]
+    np.savez(path, tokens=np.array([t for d in docs for t in d], dtype=np.int64),
+             offsets=np.array([0, *np.cumsum(lengths)], dtype=np.int64),
+             **({"meta": np.frombuffer(json.dumps(meta).encode(), dtype=np.uint8)} if meta else {}))
+    return path
+
+
+@pytest.mark.parametrize("seed", range(5))
+def test_suffix_array_orders_suffixes_like_a_sort_of_their_windows(seed):
+    rng = random.Random(seed)
+    tokens = np.array([rng.choice([-1, 0, 1, 2, 3]) if rng.random() < 0.2 else rng.randrange(4)
+                       for _ in range(rng.randrange(1, 300))], dtype=np.int32)
+    depth = rng.choice([1, 3, 8, 40])
+    sa = suffix_array(tokens, depth)
+    key = lambda s: [t + 2 for t in tokens[s:s + depth].tolist()] + [0] * max(0, s + depth - len(tokens))  # noqa: E731
+    assert sorted(sa.tolist()) == list(range(len(tokens)))
+    assert [key(s) for s in sa] == sorted(key(s) for s in range(len(tokens)))
+
+
+def test_lookups_continuations_and_tree_on_a_hand_worked_corpus():
+    tokens = np.array([5, 6, 7, 5, 6, 8, -1, 5, 6, 7, 9, -1], dtype=np.int32)
+    store = Datastore.build(tokens, max_match=4, depth=3)
+    assert store.find([5, 6]) == (2, 5) and store.find([5, 6, 7]) == (2, 4) and store.find([4]) == (2, 2)
+    assert store.longest_match([1, 2, 5, 6, 7], 1, 4) == (3, 2, 4)  # [5, 6, 7]: twice
+    assert store.longest_match([1, 2, 3], 1, 4)[0] == 0
+    m, lo, hi = store.longest_match([1, 5, 6], 1, 4)
+    rows = store.continuations(lo, hi, m, 3, 64)
+    assert m == 2 and sorted(rows.tolist()) == [[7, 5, 6], [7, 9, -1], [8, -1, 5]]
+    # 7 followed twice, 8 once; after 7: 5 and 9 once each (the document ends after 9 and after 8)
+    assert grow(count_trie(rows), 4, 3, 0.1) == ([7, 8, 5, 9], [-1, -1, 0, 0], pytest.approx(2 / 3 + 1 / 3 * 3))
+    assert store.continuations(lo, hi, m, 3, 1).tolist() == [[7, 5, 6]]  # fewer candidates: spread, the first
+
+
+def test_the_drafter_takes_the_longest_match_and_respects_the_budget():
+    docs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8], [2, 3, 7, 1]]
+    tokens = np.array([t for d in docs for t in [*d, -1]], dtype=np.int32)
+    drafter = RetrievalDrafter(Datastore.build(tokens, 4, 4), num_speculative_tokens=4, max_match=4, min_match=1,
+                               min_token_prob=0.0)
+    draft = drafter.propose([DraftRequest(0, [0, 1, 2, 3], 4, 4), DraftRequest(1, [0, 2, 3], 3, 1),
+                             DraftRequest(2, [0, 0], 2, 4)])
+    assert draft.num_nodes() == [3, 1, 0]  # [1, 2, 3] once, then the document ends; [2, 3] thrice; 0 never
+    assert draft.tokens[0, :3].tolist() == [4, 5, 6] and draft.parents[0, :3].tolist() == [-1, 0, 1]
+    assert draft.tokens[1, 0].item() == 7  # 7 follows [2, 3] twice, 4 once
+
+
+def test_retrieval_is_lossless_and_drafts_from_the_corpus(target_dir, reference, tmp_path):
+    """A corpus holding the target's own answers: drafts are accepted, and the output is plain greedy's."""
+    corpus = token_file(tmp_path / "answers.npz", [list(r) for r in reference])
+    llm = LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus),
+                                                   "num_speculative_tokens": 6})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["acceptance_length"] for o in outs) / len(outs) >= 3
+
+
+@pytest.mark.parametrize("kind", ["text", "jsonl"])
+def test_text_corpora_are_tokenized_once_and_cached(target_dir, reference, tmp_path, private_cache, kind):
+    llm = LLM(str(target_dir))
+    texts = [llm.tokenizer.decode(r) for r in reference]
+    path = tmp_path / f"corpus.{'txt' if kind == 'text' else 'jsonl'}"
+    path.write_text("\n\n".join(t.replace("\n\n", "\n") for t in texts) if kind == "text" else "\n".join(
+        json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]})
+        for t in texts))
+    config = {"method": "retrieval", "corpus": str(path), "num_speculative_tokens": 4}
+    outs = LLM(str(target_dir), speculative_config=config).generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert len(list(private_cache.glob("*.npz"))) == 1
+    again = LLM(str(target_dir), speculative_config=config)  # reads the cached datastore
+    assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == reference
+
+
+def test_sampled_output_with_retrieval_follows_the_target(target_dir, tmp_path):
+    """A corpus whose continuations of the prompt's likely first tokens branch over the target's 1st, 2nd and 4th
+    next choices: the first
+    speculative step's tokens keep the plain distribution (two-sample chi-square, threshold about the 0.9999
+    quantile)."""
+    prompt = [5, 6, 7]
+    from specdec.train import target_outputs
+
+    plain = LLM(str(target_dir), max_num_seqs=256)
+    model = plain.engine.model
+    docs = []
+    for first in target_outputs(model, prompt, ())[2][-1].topk(3).indices.tolist():  # likely first tokens
+        likely = target_outputs(model, prompt + [first], ())[2][-1].topk(4).indices.tolist()  # and what follows
+        docs += [[6, 7, first, likely[0], 11], [6, 7, first, likely[1], 12], [6, 7, first, likely[3], 13],
+                 [6, 7, first, likely[0], 14]]
+    corpus = token_file(tmp_path / "c.npz", docs)
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+        "method": "retrieval", "corpus": str(corpus), "num_speculative_tokens": 4, "min_token_prob": 0.0})
+    n = 2000
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    a = torch.tensor([o.token_ids[1:3] for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)])
+    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params)
+    b = torch.tensor([o.token_ids[1:3] for o in outs])
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100
+    for pos in range(2):
+        chi2, dof = chi_square_two_sample(a[:, pos], b[:, pos])
+        assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+
+
+def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, private_cache):
+    def refused(path, message, **extra):
+        with pytest.raises(SpecdecError, match=message):
+            LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(path), **extra})
+
+    refused(tmp_path / "missing.txt", "does not exist")
+    (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)
+    refused(tmp_path / "blob.bin", "not a text file")
+    (tmp_path / "latin.txt").write_bytes("caf\xe9".encode("latin-1"))
+    refused(tmp_path / "latin.txt", "not UTF-8 text")
+    (tmp_path / "bad.jsonl").write_text('{"text": "fine"}\n[1, 2]\n')
+    refused(tmp_path / "bad.jsonl", r"bad.jsonl:2: expected a JSON object")
+    refused(token_file(tmp_path / "other.npz", [[1, 2, 3]], {"model": "0123456789abcdef"}), "another model")
+    refused(token_file(tmp_path / "big.npz", [[5] * 50]), "more than max_corpus_tokens=40", max_corpus_tokens=40)
+    (tmp_path / "long.txt").write_text("the cat sat on the mat. " * 40)
+    refused(tmp_path / "long.txt", "more than max_corpus_tokens=30", max_corpus_tokens=30)
+    refused(token_file(tmp_path / "ids.npz", [[1, 99999]]), "outside the target's vocabulary")
+    refused(tmp_path / "x.txt", "needs 'corpus'", corpus="")
+    refused(tmp_path / "x.txt", "min_match=5 exceeds max_match=3", min_match=5, max_match=3)
+    assert not private_cache.exists() or not list(private_cache.glob("*"))
