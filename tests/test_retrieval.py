@@ -54,7 +54,7 @@ def test_lookups_continuations_and_tree_on_a_hand_worked_corpus():
     rows = store.continuations(lo, hi, m, 3, 64)
     assert m == 2 and sorted(rows.tolist()) == [[7, 5, 6], [7, 9, -1], [8, -1, 5]]
     # 7 followed twice, 8 once; after 7: 5 and 9 once each (the document ends after 9 and after 8)
-    assert grow(count_trie(rows), 4, 3, 0.1) == ([7, 8, 5, 9], [-1, -1, 0, 0], pytest.approx(2 / 3 + 1 / 3 * 3))
+    assert grow(count_trie(rows), 4, 3, 0.1) == ([7, 8, 5, 9], [-1, -1, 0, 0], pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3]))
     assert store.continuations(lo, hi, m, 3, 1).tolist() == [[7, 5, 6]]  # fewer candidates: spread, the first
 
 
@@ -140,7 +140,8 @@ def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, pri
     refused(token_file(tmp_path / "other.npz", [[1, 2, 3]], {"model": "0123456789abcdef"}), "another model")
     refused(token_file(tmp_path / "big.npz", [[5] * 50]), "more than max_corpus_tokens=40", max_corpus_tokens=40)
     (tmp_path / "long.txt").write_text("the cat sat on the mat. " * 40)
-    refused(tmp_path / "long.txt", "more than max_corpus_tokens=30", max_corpus_tokens=30)
+    refused(tmp_path / "long.txt", "more than max_corpus_tokens=100", max_corpus_tokens=100)  # found tokenizing
+    refused(tmp_path / "long.txt", "far larger than max_corpus_tokens=30", max_corpus_tokens=30)  # by its size
     refused(token_file(tmp_path / "ids.npz", [[1, 99999]]), "outside the target's vocabulary")
     refused(tmp_path / "x.txt", "needs 'corpus'", corpus="")
     refused(tmp_path / "x.txt", "min_match=5 exceeds max_match=3", min_match=5, max_match=3)

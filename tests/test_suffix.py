@@ -80,11 +80,11 @@ def test_grow_takes_the_most_probable_continuations_above_the_threshold():
     trie.add([0, 1, 2, 5, 0, 1, 2, 5, 0, 1, 2, 6, 0, 1, 3, 0])
     node, n = trie.match([0, 1])
     assert n == 2
-    tokens, parents, score = grow(node, max_nodes=8, max_depth=2, min_prob=0.2)
+    tokens, parents, probs = grow(node, max_nodes=8, max_depth=2, min_prob=0.2)
     # 2: 3/4; 5: 3/4 * 2/3 = 1/2; then 1/4 each (equal ones in the order they were reached): 3, 6, and 0
     # under 3 ([0, 1, 3, 0]); the depth cap keeps the third level out
     assert tokens == [2, 5, 3, 6, 0] and parents == [-1, 0, -1, 0, 2]
-    assert score == pytest.approx(0.75 + 0.5 + 3 * 0.25)
+    assert probs == pytest.approx([0.75, 0.5, 0.25, 0.25, 0.25])
     tokens, parents, _ = grow(node, max_nodes=8, max_depth=2, min_prob=0.3)
     assert tokens == [2, 5] and parents == [-1, 0]  # the 1/4 ones fall below 0.3
     tokens, _, _ = grow(node, max_nodes=1, max_depth=2, min_prob=0.0)

@@ -93,6 +93,9 @@ class Draft:
     tokens: torch.Tensor  # [B, N] long
     parents: torch.Tensor  # [B, N] long
     probs: torch.Tensor | None = None  # [B, N, V]
+    # optional: the drafter's own estimate that each node is accepted [B, N] (suffix and retrieval give the
+    # share of the continuations that went that way); the hybrid tree weighs sources by it
+    scores: torch.Tensor | None = None
 
     @classmethod
     def chains(cls, proposals: list[list[int]]) -> "Draft":
@@ -114,13 +117,20 @@ class Draft:
         return cls.from_rows(rows)
 
     @classmethod
-    def from_rows(cls, rows: list[tuple[list[int], list[int]]]) -> "Draft":
-        """Deterministic trees given as (tokens, parents) per sequence, padded to the largest."""
-        B, N = len(rows), max((len(t) for t, _ in rows), default=0)
+    def from_rows(cls, rows: list[tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]]
+                  ) -> "Draft":
+        """Deterministic trees given as (tokens, parents) or (tokens, parents, scores) per sequence, padded to
+        the largest (scores are kept when every row has them)."""
+        B, N = len(rows), max((len(r[0]) for r in rows), default=0)
         draft = cls(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
-        for i, (tokens, parents) in enumerate(rows):
+        if rows and all(len(r) == 3 for r in rows):
+            draft.scores = torch.zeros(B, N)
+        for i, row in enumerate(rows):
+            tokens, parents = row[0], row[1]
             draft.tokens[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
             draft.parents[i, : len(parents)] = torch.tensor(parents, dtype=torch.long)
+            if draft.scores is not None:
+                draft.scores[i, : len(tokens)] = torch.tensor(row[2], dtype=torch.float32)
         return draft
 
     def validate(self, batch_size: int, vocab_size: int) -> None:
@@ -139,6 +149,8 @@ class Draft:
         if bool((real[:, 1:] > real[:, :-1]).any() | (real & ((p < ROOT) | (p >= torch.arange(p.shape[1])))).any()):
             raise SpecdecError("draft parents must be -1 (the last committed token) or the index of an earlier "
                                "node, with padding (-2) only after a row's last node")
+        if self.scores is not None and tuple(self.scores.shape) != tuple(t.shape):
+            raise SpecdecError(f"draft scores {tuple(self.scores.shape)} must be [batch, N] = {tuple(t.shape)}")
         if self.probs is not None and tuple(self.probs.shape) != (*t.shape, vocab_size):
             raise SpecdecError(f"draft probs {tuple(self.probs.shape)} must be [batch, N, vocab] = "
                                f"{(*t.shape, vocab_size)}")

@@ -277,14 +277,13 @@ class RetrievalDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> Draft:
         return Draft.from_rows([self.draft_one(r) for r in requests])
 
-    def draft_one(self, r: DraftRequest) -> tuple[list[int], list[int]]:
+    def draft_one(self, r: DraftRequest) -> tuple[list[int], list[int], list[float]]:
         budget = min(self.k, r.max_tokens)
         depth = budget if r.max_depth is None else min(budget, r.max_depth)
         if depth <= 0:
-            return [], []
+            return [], [], []
         m, lo, hi = self.store.longest_match(r.token_ids, self.min_match, self.max_match)
         if m == 0:
-            return [], []
+            return [], [], []
         rows = self.store.continuations(lo, hi, m, depth, self.max_candidates)
-        tokens, parents, _ = grow(count_trie(rows), budget, depth, self.min_prob)
-        return tokens, parents
+        return grow(count_trie(rows), budget, depth, self.min_prob)

@@ -161,12 +161,13 @@ def _subtree_size(node: Node) -> int:
     return size
 
 
-def grow(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], float]:
-    """The most probable continuations of `node` as a tree: tokens, parents (ROOT for its children) and the
-    expected number of accepted tokens (the sum of the nodes' estimated probabilities), best first."""
+def grow(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+    """The most probable continuations of `node` as a tree, best first: tokens, parents (ROOT for its children)
+    and each node's estimated probability (their sum is the expected number of accepted tokens)."""
     tokens: list[int] = []
     parents: list[int] = []
-    score, tie = 0.0, 0
+    probs: list[float] = []
+    tie = 0
     heap: list[tuple[float, int, int, int, Node, int]] = []  # (-prob, tie, token, parent index, node, depth)
 
     def push(parent: Node, index: int, prob: float, depth: int) -> None:
@@ -186,9 +187,9 @@ def grow(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[l
         neg, _, t, parent, child, depth = heapq.heappop(heap)
         tokens.append(t)
         parents.append(parent)
-        score -= neg
+        probs.append(-neg)
         push(child, len(tokens) - 1, -neg, depth + 1)
-    return tokens, parents, score
+    return tokens, parents, probs
 
 
 @dataclass
@@ -232,18 +233,18 @@ class SuffixDrafter(Drafter):
             rows.append(self.draft_one(text.trie, r))
         return Draft.from_rows(rows)
 
-    def draft_one(self, trie: SuffixTrie, r: DraftRequest) -> tuple[list[int], list[int]]:
+    def draft_one(self, trie: SuffixTrie, r: DraftRequest) -> tuple[list[int], list[int], list[float]]:
         """The better of the two tries' trees (by expected accepted tokens) for one request."""
         budget = min(self.k, r.max_tokens)
         depth = budget if r.max_depth is None else min(budget, r.max_depth)
-        best: tuple[list[int], list[int], float] = ([], [], 0.0)
+        best: tuple[list[int], list[int], list[float]] = ([], [], [])
         for source in (trie, self.global_trie):
             node, n = source.match(r.token_ids)
             if node is not None and depth > 0:
                 found = grow(node, min(budget, math.ceil(self.factor * n)), depth, self.min_prob)
-                if found[2] > best[2]:
+                if sum(found[2]) > sum(best[2]):
                     best = found
-        return best[0], best[1]
+        return best
 
     def release(self, seq_id: int) -> None:
         text = self.texts.pop(seq_id, None)

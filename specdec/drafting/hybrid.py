@@ -1,0 +1,199 @@
+"""Hybrid drafting: one verification tree merged from several drafting methods (a head, suffix, retrieval,
+n-gram, recycled candidates...), each node kept by its estimated chance of being accepted.
+
+Every source drafts its own chain or tree each step. Their paths are merged by token (a path two sources both
+propose is one node). Each source's node gets an estimate of its acceptance probability:
+
+    score = b * g_source(depth)
+
+b is the source's own belief (its `Draft.scores`, e.g. suffix decoding's share of continuations; or the
+product of its q along the path when it drafts from a distribution; else 1), and g calibrates it online: per
+source and depth, (accepted nodes + 1) / (sum of b over its verified nodes + 2), learnt from what the target
+kept at the next step. A merged node scores the best of its sources, capped by its parent's score (a node is
+never likelier than its parent). The tree grows best first from the root while its next node's score is at
+least `min_score` (the cost of verifying one more token, in plain steps: `tools/verify_cost.py` measures it)
+and it has fewer than `num_speculative_tokens` nodes; its best node is always taken (a probe: without it a
+source whose estimate fell under `min_score` would never be verified again to raise it).
+
+Proposals are deterministic (q = one-hot), whatever the sources drew them from: a token proposed independently
+of the target's randomness and verified as one-hot is accepted with probability p(x) and otherwise resampled
+from p without x, so greedy output is identical to plain decoding and sampled output keeps the target's
+distribution.
+"""
+from __future__ import annotations
+
+import dataclasses
+import heapq
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.tree import PAD, ROOT
+
+
+@dataclass
+class HybridOptions:
+    sources: list = field(default_factory=list)  # speculative configs (dicts) of the methods to merge
+    min_score: float = 0.15  # a node is verified only if its estimated acceptance is at least this
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.sources, list) or not self.sources:
+            raise SpecdecError("method 'hybrid' needs 'sources': a list of speculative configs to merge, e.g. "
+                               '[{"method": "ngram", "num_speculative_tokens": 4}, {"method": "suffix"}]')
+        for src in self.sources:
+            if not isinstance(src, dict) or "method" not in src:
+                raise SpecdecError(f"hybrid source {src!r} must be a speculative config with a 'method'")
+            if src["method"] == "hybrid":
+                raise SpecdecError("a hybrid source cannot itself be 'hybrid'")
+        s = self.min_score
+        if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= 1:
+            raise SpecdecError(f"invalid min_score={s!r}: must be a number in [0, 1]")
+
+
+@dataclass
+class _Source:
+    drafter: Drafter
+    cfg: SpeculativeConfig
+    accepted: list[float]  # per depth (1-based index - 1): accepted nodes
+    believed: list[float]  # per depth: sum of b over verified nodes
+
+    def calibration(self, depth: int) -> float:
+        d = min(depth, len(self.accepted)) - 1
+        return (self.accepted[d] + 1.0) / (self.believed[d] + 2.0)
+
+
+@dataclass
+class _Pending:
+    """A request's last merged tree, to learn from what the target kept of it."""
+
+    length: int  # the sequence length when it was drafted
+    epoch: int
+    paths: list[tuple[int, ...]]  # per node, its token path from the root
+    beliefs: list[dict[int, float]]  # per node: source index -> b
+
+
+@register_method("hybrid", HybridOptions)
+class HybridDrafter(Drafter):
+    MAX_DEPTH = 16
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "HybridDrafter":
+        sources = []
+        for src in cfg.options.sources:
+            sub = SpeculativeConfig.parse(src)
+            if sub.shape.dynamic:
+                raise SpecdecError(f"hybrid source {sub.method!r}: dynamic trees are not merged; give a chain or "
+                                   "a static tree")
+            if sub.num_draft_tokens > cfg.num_speculative_tokens:
+                raise SpecdecError(f"hybrid source {sub.method!r} drafts up to {sub.num_draft_tokens} tokens, more "
+                                   f"than the hybrid's num_speculative_tokens={cfg.num_speculative_tokens}")
+            sources.append((sub.info.build(sub, env), sub))
+        return cls(sources, cfg.num_speculative_tokens, cfg.options.min_score)
+
+    def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], num_speculative_tokens: int,
+                 min_score: float = 0.15) -> None:
+        self.sources = [_Source(d, c, [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH) for d, c in sources]
+        featured = [s for s in self.sources if s.drafter.feature_layers]
+        if len(featured) > 1:
+            raise SpecdecError("a hybrid tree merges at most one source that reads the target's features")
+        self.featured = featured[0] if featured else None
+        self.feature_layers = tuple(self.featured.drafter.feature_layers) if featured else ()
+        self.observe_topk = max(s.drafter.observe_topk for s in self.sources)
+        self.k, self.min_score = num_speculative_tokens, min_score
+        self.pending: dict[int, _Pending] = {}
+
+    # ---- learning from the last verification ---------------------------------------------------------
+    def learn(self, r: DraftRequest) -> None:
+        last = self.pending.pop(r.seq_id, None)
+        if last is None or last.epoch != r.epoch or len(r.token_ids) <= last.length:
+            return
+        kept = tuple(r.token_ids[last.length:len(r.token_ids) - 1])  # the accepted drafts (then one more token)
+        for path, beliefs in zip(last.paths, last.beliefs):
+            hit = len(path) <= len(kept) and kept[:len(path)] == path
+            d = min(len(path), self.MAX_DEPTH) - 1
+            for i, b in beliefs.items():
+                self.sources[i].believed[d] += b
+                self.sources[i].accepted[d] += hit
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        for r in requests:
+            self.learn(r)
+        drafts = []
+        for src in self.sources:
+            shape = src.cfg.shape
+            subs = [dataclasses.replace(r, max_tokens=min(shape.num_tokens, r.max_tokens), tree=shape.tree,
+                                        dynamic=None, features=r.features if src is self.featured else None)
+                    for r in requests]
+            drafts.append(src.drafter.propose(subs))
+        return Draft.from_rows([self.merge(i, r, drafts) for i, r in enumerate(requests)])
+
+    def merge(self, i: int, r: DraftRequest, drafts: list[Draft]) -> tuple[list[int], list[int]]:
+        budget = min(self.k, r.max_tokens)
+        depth_cap = budget if r.max_depth is None else min(budget, r.max_depth)
+        nodes: dict[tuple[int, ...], dict[int, float]] = {}  # path -> source -> b
+        for s, draft in enumerate(drafts):
+            if draft.tokens.numel() == 0:
+                continue
+            parents, tokens = draft.parents[i].tolist(), draft.tokens[i].tolist()
+            paths: list[tuple[int, ...]] = []
+            beliefs: list[float] = []
+            for j, (p, t) in enumerate(zip(parents, tokens)):
+                if p == PAD or j >= min(self.sources[s].cfg.shape.num_tokens, r.max_tokens):
+                    break
+                paths.append((t,) if p == ROOT else paths[p] + (t,))
+                b = float(draft.scores[i, j]) if draft.scores is not None else 1.0
+                if draft.probs is not None:
+                    b = float(draft.probs[i, j, t]) * (beliefs[p] if p != ROOT else 1.0)
+                beliefs.append(b)
+                nodes.setdefault(paths[-1], {})[s] = max(b, nodes.get(paths[-1], {}).get(s, 0.0))
+        children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
+        for path in nodes:
+            children.setdefault(path[:-1], []).append(path)
+
+        def score(path: tuple[int, ...]) -> float:
+            return max(b * self.sources[s].calibration(len(path)) for s, b in nodes[path].items())
+
+        tokens: list[int] = []
+        parents: list[int] = []
+        index: dict[tuple[int, ...], int] = {}
+        heap = [(-score(c), n, c) for n, c in enumerate(children.get((), []))]
+        heapq.heapify(heap)
+        tie = len(heap)
+        while heap and len(tokens) < budget:
+            neg, _, path = heapq.heappop(heap)
+            if -neg < self.min_score and tokens:  # the best node is always verified: a probe, so that
+                break  # a source whose estimate fell low can earn it back (the engine backs off failing requests)
+            index[path] = len(tokens)
+            tokens.append(path[-1])
+            parents.append(ROOT if len(path) == 1 else index[path[:-1]])
+            if len(path) < depth_cap:
+                for c in children.get(path, []):
+                    heapq.heappush(heap, (-min(score(c), -neg), tie, c))
+                    tie += 1
+        if tokens:
+            paths = sorted(index, key=index.get)
+            self.pending[r.seq_id] = _Pending(len(r.token_ids), r.epoch, paths, [nodes[p] for p in paths])
+        return tokens, parents
+
+    # ---- forwarded hooks -----------------------------------------------------------------------------
+    def release(self, seq_id: int) -> None:
+        self.pending.pop(seq_id, None)
+        for s in self.sources:
+            s.drafter.release(seq_id)
+
+    def observe(self, seq_id: int, tokens: list[int], candidates: list[list[int]]) -> None:
+        for s in self.sources:
+            if s.drafter.observe_topk:
+                s.drafter.observe(seq_id, tokens, [c[:s.drafter.observe_topk] for c in candidates])
+
+    def cached_prefix(self, request: DraftRequest) -> int | None:
+        found = [n for n in (s.drafter.cached_prefix(request) for s in self.sources) if n is not None]
+        return min(found) if found else None
+
+    def acceptance_estimates(self) -> dict[str, list[float]]:
+        """Per source (method name), the calibration g by depth so far (for reports and tests)."""
+        return {f"{s.cfg.method}#{n}": [round(s.calibration(d), 4) for d in range(1, self.k + 1)]
+                for n, s in enumerate(self.sources)}

@@ -1,0 +1,123 @@
+"""Hybrid drafting: the merged tree (hand-worked table), its online calibration, and that the engine's output
+never depends on it (greedy identity, sampled distribution with mixed sources)."""
+from __future__ import annotations
+
+import pytest
+import torch
+
+from specdec import LLM, SamplingParams, SpecdecError
+from specdec.config import SpeculativeConfig
+from specdec.drafting.base import Draft, DraftRequest, Drafter
+from specdec.drafting.hybrid import HybridDrafter
+from test_drafters import GREEDY, PROMPTS, other_draft_dir, reference, target_dir  # noqa: F401 (module fixtures)
+from test_retrieval import private_cache, token_file  # noqa: F401
+from test_speculative import chi_square_two_sample
+
+
+class Fixed(Drafter):
+    """Proposes the same (tokens, parents[, scores]) for every request."""
+
+    def __init__(self, row):
+        self.row = row
+
+    def propose(self, requests):
+        return Draft.from_rows([self.row for _ in requests])
+
+
+def hybrid(rows, k=6, min_score=0.0, ks=None) -> HybridDrafter:
+    sources = [(Fixed(row), SpeculativeConfig.parse({"method": "ngram", "num_speculative_tokens": n}))
+               for row, n in zip(rows, ks or [4] * len(rows))]
+    return HybridDrafter(sources, k, min_score)
+
+
+def test_merged_tree_takes_nodes_by_calibrated_score():
+    """A: chain 1 2 3 (no scores: b = 1). B: 1 5 and 4, with its own probabilities 0.9, 0.6, 0.3. Before any
+    feedback g = 1/2, so A's nodes score 0.5; B's 0.45, 0.3, 0.15. The shared node [1] scores 0.5."""
+    drafter = hybrid([([1, 2, 3], [-1, 0, 1]), ([1, 5, 4], [-1, 0, -1], [0.9, 0.6, 0.3])])
+    draft = drafter.propose([DraftRequest(0, [9, 9], 2, 6)])
+    # best first: [1] 0.5, [1 2] 0.5, [1 2 3] 0.5, [1 5] 0.3, [4] 0.15
+    assert draft.tokens[0].tolist() == [1, 2, 3, 5, 4] and draft.parents[0].tolist() == [-1, 0, 1, 0, -1]
+    assert draft.probs is None  # deterministic proposals, whatever the sources drew
+    small = hybrid([([1, 2, 3], [-1, 0, 1]), ([1, 5, 4], [-1, 0, -1], [0.9, 0.6, 0.3])], min_score=0.2)
+    assert small.propose([DraftRequest(0, [9, 9], 2, 6)]).tokens[0].tolist() == [1, 2, 3, 5]  # 0.15 < 0.2
+    probe = hybrid([([1, 2, 3], [-1, 0, 1])], min_score=0.9)  # below the threshold: only the best node, a probe
+    assert probe.propose([DraftRequest(0, [9, 9], 2, 6)]).tokens[0].tolist() == [1]
+    budget = drafter.propose([DraftRequest(1, [9, 9], 2, 2)])
+    assert budget.num_nodes() == [2]  # the request's own budget
+
+
+def test_calibration_learns_from_what_the_target_kept():
+    drafter = hybrid([([1, 2, 3], [-1, 0, 1]), ([1, 5, 4], [-1, 0, -1], [0.9, 0.6, 0.3])])
+    drafter.propose([DraftRequest(0, [9, 9], 2, 6)])
+    drafter.propose([DraftRequest(0, [9, 9, 1, 2, 7], 3, 6)])  # kept 1, 2 then the target's own 7
+    g = drafter.acceptance_estimates()
+    # A: depth 1 and 2 accepted (b = 1 each): (1 + 1) / (1 + 2); depth 3 rejected: 1 / 3
+    assert g["ngram#0"][:3] == [round(2 / 3, 4), round(2 / 3, 4), round(1 / 3, 4)]
+    # B: [1] accepted with b 0.9 and [4] not (b 0.3) at depth 1: (1 + 1) / (1.2 + 2); [1 5] not: 1 / (0.6 + 2)
+    assert g["ngram#1"][:2] == [round(2 / 3.2, 4), round(1 / 2.6, 4)]
+    preempted = DraftRequest(0, [9, 9, 1, 2, 7, 8], 1, 6, epoch=1)
+    drafter.propose([preempted])  # another epoch: nothing is learnt from a tree whose K/V was dropped
+    assert drafter.acceptance_estimates()["ngram#0"][:3] == g["ngram#0"][:3]
+
+
+HYBRID = {"method": "hybrid", "num_speculative_tokens": 8, "sources": [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "suffix", "num_speculative_tokens": 6},
+    {"method": "recycle", "num_speculative_tokens": 3}]}
+
+
+@pytest.mark.parametrize("min_score", [0.0, 0.15])
+def test_hybrid_is_lossless(target_dir, other_draft_dir, reference, min_score):
+    config = {**HYBRID, "min_score": min_score,
+              "sources": HYBRID["sources"] + [{"method": "draft_model", "model": str(other_draft_dir),
+                                                "num_speculative_tokens": 3}]}
+    llm = LLM(str(target_dir), speculative_config=config)
+    for _ in range(2):
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    assert llm.engine.allocator.num_used == 0
+
+
+def test_sampled_output_with_a_mixed_tree_follows_the_target(target_dir, other_draft_dir, tmp_path):
+    """A tree merging a random draft model's sampled chain with retrieval's branches over the target's likely
+    tokens: the first speculative step's tokens keep the plain distribution (chi-square, about the 0.9999
+    quantile)."""
+    from specdec.train import target_outputs
+
+    prompt = [5, 6, 7]
+    plain = LLM(str(target_dir), max_num_seqs=256)
+    model = plain.engine.model
+    docs = []
+    for first in target_outputs(model, prompt, ())[2][-1].topk(3).indices.tolist():
+        likely = target_outputs(model, prompt + [first], ())[2][-1].topk(4).indices.tolist()
+        docs += [[6, 7, first, likely[0]], [6, 7, first, likely[1]], [6, 7, first, likely[3]]]
+    corpus = token_file(tmp_path / "c.npz", docs)
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+        "method": "hybrid", "num_speculative_tokens": 6, "min_score": 0.0, "sources": [
+            {"method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 2},
+            {"method": "retrieval", "corpus": str(corpus), "num_speculative_tokens": 4, "min_token_prob": 0.0}]})
+    n = 2000
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
+    a = torch.tensor([o.token_ids[1:3] for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)])
+    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params)
+    b = torch.tensor([o.token_ids[1:3] for o in outs])
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100
+    for pos in range(2):
+        chi2, dof = chi_square_two_sample(a[:, pos], b[:, pos])
+        assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+
+
+@pytest.mark.parametrize("config, message", [
+    ({"sources": []}, "needs 'sources'"),
+    ({"sources": [{"num_speculative_tokens": 3}]}, "must be a speculative config with a 'method'"),
+    ({"sources": [{"method": "hybrid", "sources": []}]}, "cannot itself be 'hybrid'"),
+    ({"sources": [{"method": "ngram", "num_speculative_tokens": 9}]}, "more than the hybrid's"),
+    ({"sources": [{"method": "layer_skip", "num_layers": 2,
+                   "tree": {"topk": 2, "num_steps": 2, "num_draft_tokens": 3}}]}, "dynamic trees are not merged"),
+    ({"sources": [{"method": "ngram"}], "min_score": 2}, "min_score"),
+    ({"sources": [{"method": "magic"}]}, "unknown speculative method"),
+])
+def test_bad_hybrid_configs_are_refused(target_dir, config, message):
+    with pytest.raises(SpecdecError, match=message):
+        LLM(str(target_dir), speculative_config={"method": "hybrid", "num_speculative_tokens": 8, **config})
