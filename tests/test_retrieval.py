@@ -96,33 +96,42 @@ def test_text_corpora_are_tokenized_once_and_cached(target_dir, reference, tmp_p
     assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == reference
 
 
-def test_sampled_output_with_retrieval_follows_the_target(target_dir, tmp_path):
-    """A corpus whose continuations of the prompt's likely first tokens branch over the target's 1st, 2nd and 4th
-    next choices: the first
-    speculative step's tokens keep the plain distribution (two-sample chi-square, threshold about the 0.9999
-    quantile)."""
-    prompt = [5, 6, 7]
+SAMPLED_PROMPT = [5, 6, 7]
+
+
+def likely_corpus(path, model) -> str:
+    """Token documents continuing the prompt's end ([6, 7]) with each of the target's 3 likeliest first tokens,
+    then its 1st, 2nd and 4th choices after that token: drafts that are often, not always, accepted."""
     from specdec.train import target_outputs
 
-    plain = LLM(str(target_dir), max_num_seqs=256)
-    model = plain.engine.model
     docs = []
-    for first in target_outputs(model, prompt, ())[2][-1].topk(3).indices.tolist():  # likely first tokens
-        likely = target_outputs(model, prompt + [first], ())[2][-1].topk(4).indices.tolist()  # and what follows
+    for first in target_outputs(model, SAMPLED_PROMPT, ())[2][-1].topk(3).indices.tolist():
+        likely = target_outputs(model, SAMPLED_PROMPT + [first], ())[2][-1].topk(4).indices.tolist()
         docs += [[6, 7, first, likely[0], 11], [6, 7, first, likely[1], 12], [6, 7, first, likely[3], 13],
                  [6, 7, first, likely[0], 14]]
-    corpus = token_file(tmp_path / "c.npz", docs)
-    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
-        "method": "retrieval", "corpus": str(corpus), "num_speculative_tokens": 4, "min_token_prob": 0.0})
-    n = 2000
+    return str(token_file(path, docs))
+
+
+def assert_first_step_follows_plain(plain: LLM, spec: LLM, n: int = 2000) -> None:
+    """Tokens 1 and 2 (the first speculative step) at temperature 1, top-k 8, seeded, with and without the
+    drafter: two-sample chi-square per position, threshold about the 0.9999 quantile."""
+    prompts = [{"prompt_token_ids": SAMPLED_PROMPT}] * n
     params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
-    a = torch.tensor([o.token_ids[1:3] for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)])
-    outs = spec.generate([{"prompt_token_ids": prompt}] * n, params)
+    a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
+    outs = spec.generate(prompts, params)
     b = torch.tensor([o.token_ids[1:3] for o in outs])
-    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100  # drafts were accepted and rejected
     for pos in range(2):
         chi2, dof = chi_square_two_sample(a[:, pos], b[:, pos])
         assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+
+
+def test_sampled_output_with_retrieval_follows_the_target(target_dir, tmp_path):
+    plain = LLM(str(target_dir), max_num_seqs=256)
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+        "method": "retrieval", "corpus": likely_corpus(tmp_path / "c.npz", plain.engine.model),
+        "num_speculative_tokens": 4, "min_token_prob": 0.0})
+    assert_first_step_follows_plain(plain, spec)
 
 
 def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, private_cache):
