@@ -100,6 +100,29 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
     assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never paused
 
 
+def test_a_well_predicted_tree_is_not_throttled_by_its_siblings(tiny_llama_dir, plain, reference):
+    """A tree of the right token and three wrong siblings: a quarter of its nodes are kept but every level is,
+    so the request keeps drafting the whole tree (the throttle reads acceptance per level, not per node)."""
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    chain = ScriptedDrafter(truth, 1)
+
+    class Siblings(Drafter):
+        def propose(self, requests):
+            rows = []
+            for r, guess in zip(requests, chain.propose(requests).tokens.tolist()):
+                right = guess[0] if guess else 0
+                rows.append(([right] + [(right + j) % 300 for j in (1, 2, 3)], [-1] * 4) if r.max_tokens >= 4
+                            else ([right], [-1]))
+            return Draft.from_rows(rows)
+
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": Siblings()})
+    out = llm.generate(PROMPTS[0], GREEDY)[0]
+    assert out.token_ids == reference[0]
+    m = out.metrics
+    assert m["num_accepted_tokens"] == m["num_drafts"] and m["num_draft_tokens"] >= 4 * m["num_drafts"] - 3, m
+
+
 def wrong_first(draft: Draft) -> Draft:
     if draft.tokens.shape[1]:
         draft.tokens[:, 0] = (draft.tokens[:, 0] + 1) % 300

@@ -19,14 +19,17 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
-    recent_acceptance: float = 1.0  # moving average of accepted / drafted, optimistic at the start
+    recent_acceptance: float = 1.0  # moving average of accepted / draft depth, optimistic at the start
     paused: int = 0  # steps left without drafting (the speculator's back-off)
     backoff: int = 0  # length of the latest pause
 
-    def record(self, num_draft: int, num_accepted: int) -> None:
+    def record(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
+        """One verified draft of `num_draft` nodes, `depth` levels deep (a chain: its length), of which
+        `num_accepted` were kept. The recent acceptance is over the depth: a tree can keep one node per level,
+        so counting its siblings would call a well-predicted tree a failing one."""
         if num_draft == 0:
             return
-        self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * num_accepted / num_draft
+        self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * num_accepted / (depth or num_draft)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted

@@ -117,7 +117,7 @@ class Speculator:
             row += 1 + counts[i]
             if trees[i] is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)
-            seq.spec.record(counts[i], len(nodes))
+            seq.spec.record(counts[i], len(nodes), counts[i] if trees[i] is None else max(trees[i].rope))
             self.back_off(seq.spec, counts[i], len(nodes))
             self.totals.record(counts[i], len(nodes))
             if self.trace is not None:
