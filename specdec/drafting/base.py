@@ -179,6 +179,20 @@ class HeadOptions:
             quantize_module(head, self.quantization)
 
 
+def check_int(name: str, value: object, low: int, high: int) -> None:
+    """An integer option (not a bool) in [low, high], or a SpecdecError naming it."""
+    if not isinstance(value, int) or isinstance(value, bool) or not low <= value <= high:
+        raise SpecdecError(f"invalid {name}={value!r}: must be an integer in [{low}, {high}]")
+
+
+def check_number(name: str, value: object, low: float, high: float, open_low: bool = False) -> None:
+    """A number option (not a bool) in [low, high] (or (low, high] with open_low), or a SpecdecError naming it."""
+    ok = isinstance(value, (int, float)) and not isinstance(value, bool) and value <= high \
+        and (value > low if open_low else value >= low)
+    if not ok:
+        raise SpecdecError(f"invalid {name}={value!r}: must be a number in {'(' if open_low else '['}{low}, {high}]")
+
+
 def check_quantization_name(name: str | None, method: str, choices: tuple[str, ...] | list[str] = QUANTIZE_ON_LOAD
                             ) -> None:
     if name is not None and name not in choices:

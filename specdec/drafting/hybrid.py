@@ -26,10 +26,8 @@ import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
-import torch
-
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_number
 from specdec.tree import PAD, ROOT
 
 
@@ -47,9 +45,7 @@ class HybridOptions:
                 raise SpecdecError(f"hybrid source {src!r} must be a speculative config with a 'method'")
             if src["method"] == "hybrid":
                 raise SpecdecError("a hybrid source cannot itself be 'hybrid'")
-        s = self.min_score
-        if not isinstance(s, (int, float)) or isinstance(s, bool) or not 0 <= s <= 1:
-            raise SpecdecError(f"invalid min_score={s!r}: must be a number in [0, 1]")
+        check_number("min_score", self.min_score, 0, 1)
 
 
 @dataclass
@@ -148,7 +144,8 @@ class HybridDrafter(Drafter):
                 if draft.probs is not None:
                     b = float(draft.probs[i, j, t]) * (beliefs[p] if p != ROOT else 1.0)
                 beliefs.append(b)
-                nodes.setdefault(paths[-1], {})[s] = max(b, nodes.get(paths[-1], {}).get(s, 0.0))
+                by_source = nodes.setdefault(paths[-1], {})
+                by_source[s] = max(b, by_source.get(s, 0.0))
         children: dict[tuple[int, ...], list[tuple[int, ...]]] = {}
         for path in nodes:
             children.setdefault(path[:-1], []).append(path)

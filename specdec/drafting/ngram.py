@@ -27,7 +27,7 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
 MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
@@ -51,9 +51,7 @@ class NgramOptions:
             raise SpecdecError(f"invalid ngram_match={self.ngram_match!r}: choose 'latest', 'oldest' or 'frequent'")
         if self.ngram_pool not in ("request", "shared"):
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
-        b = self.ngram_branches
-        if not isinstance(b, int) or isinstance(b, bool) or not 1 <= b <= 8:
-            raise SpecdecError(f"invalid ngram_branches={b!r}: must be an integer in [1, 8]")
+        check_int("ngram_branches", self.ngram_branches, 1, 8)
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
 

@@ -17,7 +17,7 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.tree import ROOT
 
 
@@ -28,8 +28,7 @@ class RecycleOptions:
 
     def __post_init__(self) -> None:
         k, w = self.recycle_topk, self.recycle_widths
-        if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 64:
-            raise SpecdecError(f"invalid recycle_topk={k!r}: must be an integer in [1, 64]")
+        check_int("recycle_topk", k, 1, 64)
         if (not isinstance(w, (list, tuple)) or not w
                 or not all(isinstance(x, int) and not isinstance(x, bool) and 1 <= x <= k for x in w)):
             raise SpecdecError(f"invalid recycle_widths={w!r}: a non-empty list of integers in [1, recycle_topk]")

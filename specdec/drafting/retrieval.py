@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.drafting.suffix import Node, grow
 
 SORT_DEPTH_EXTRA = 32  # the suffix array orders suffixes by max_match + this many tokens
@@ -46,14 +46,10 @@ class RetrievalOptions:
             raise SpecdecError("method 'retrieval' needs 'corpus': a text, JSONL or `specdec distill` .npz file")
         for name, low, high in (("max_match", 1, 256), ("min_match", 1, 256), ("max_candidates", 1, 1 << 20),
                                 ("max_corpus_tokens", 1, 1 << 31)):
-            v = getattr(self, name)
-            if not isinstance(v, int) or isinstance(v, bool) or not low <= v <= high:
-                raise SpecdecError(f"invalid {name}={v!r}: must be an integer in [{low}, {high}]")
+            check_int(name, getattr(self, name), low, high)
         if self.min_match > self.max_match:
             raise SpecdecError(f"min_match={self.min_match} exceeds max_match={self.max_match}")
-        p = self.min_token_prob
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
-            raise SpecdecError(f"invalid min_token_prob={p!r}: must be a number in [0, 1]")
+        check_number("min_token_prob", self.min_token_prob, 0, 1)
 
 
 # ---------------------------------------------------------------------------------------------- corpus

@@ -24,8 +24,8 @@ import math
 from collections import OrderedDict
 from dataclasses import dataclass
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.config import SpeculativeConfig, register_method
+from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.tree import ROOT
 
 
@@ -39,16 +39,10 @@ class SuffixOptions:
     suffix_decoding_min_token_prob: float = 0.1  # nodes estimated less likely than this are not drafted
 
     def __post_init__(self) -> None:
-        d, c = self.suffix_decoding_max_tree_depth, self.suffix_decoding_max_cached_requests
-        if not isinstance(d, int) or isinstance(d, bool) or not 1 <= d <= 256:
-            raise SpecdecError(f"invalid suffix_decoding_max_tree_depth={d!r}: must be an integer in [1, 256]")
-        if not isinstance(c, int) or isinstance(c, bool) or c < 0:
-            raise SpecdecError(f"invalid suffix_decoding_max_cached_requests={c!r}: must be an integer >= 0")
-        f, p = self.suffix_decoding_max_spec_factor, self.suffix_decoding_min_token_prob
-        if not isinstance(f, (int, float)) or isinstance(f, bool) or not 0 < f <= 64:
-            raise SpecdecError(f"invalid suffix_decoding_max_spec_factor={f!r}: must be a number in (0, 64]")
-        if not isinstance(p, (int, float)) or isinstance(p, bool) or not 0 <= p <= 1:
-            raise SpecdecError(f"invalid suffix_decoding_min_token_prob={p!r}: must be a number in [0, 1]")
+        check_int("suffix_decoding_max_tree_depth", self.suffix_decoding_max_tree_depth, 1, 256)
+        check_int("suffix_decoding_max_cached_requests", self.suffix_decoding_max_cached_requests, 0, 1 << 20)
+        check_number("suffix_decoding_max_spec_factor", self.suffix_decoding_max_spec_factor, 0, 64, open_low=True)
+        check_number("suffix_decoding_min_token_prob", self.suffix_decoding_min_token_prob, 0, 1)
 
 
 class Node:
