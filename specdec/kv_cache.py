@@ -69,15 +69,21 @@ def block_key(parent: bytes, tokens: list[int]) -> bytes:
 class BlockAllocator:
     """Hands out KV blocks and takes them back; sequences grow, rewind and free through it."""
 
-    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False) -> None:
+    def __init__(self, num_blocks: int, block_size: int, enable_prefix_caching: bool = False,
+                 match_next_token: bool = False) -> None:
         if num_blocks < 2:
             raise ValueError(f"need at least 2 KV blocks (one is the null block), got {num_blocks}")
         self.num_blocks, self.block_size = num_blocks, block_size
         self.enable_prefix_caching = enable_prefix_caching
+        # A drafter whose K/V at slot t also encode token t + 1 (EAGLE pairs the feature of token t with token
+        # t + 1) writes a block's last slot from the token after the block: a cached block is then reused only
+        # by a prefix that goes on with that same token.
+        self.match_next_token = match_next_token
         self.free_blocks: list[int] = list(range(num_blocks - 1, NULL_BLOCK, -1))  # pop() gives low ids first
         self.ref_count = [0] * num_blocks
         self.block_of: dict[bytes, int] = {}  # prefix key -> block holding it
         self.key_of: dict[int, bytes] = {}
+        self.next_token: dict[int, int] = {}  # cached block -> the token that followed it when it was registered
         self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, oldest first
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens whose K/V were reused
@@ -114,6 +120,7 @@ class BlockAllocator:
             else:  # evict the least recently used cached block
                 block, _ = self.evictable.popitem(last=False)
                 del self.block_of[self.key_of.pop(block)]
+                self.next_token.pop(block, None)
             self.ref_count[block] = 1
             table.blocks.append(block)
 
@@ -138,7 +145,8 @@ class BlockAllocator:
     # -- prefix caching ---------------------------------------------------------------------------
     def admit(self, table: BlockTable, token_ids: list[int], max_new: int) -> int | None:
         """Give an empty `table` the cached blocks of the longest cached prefix of `token_ids` (never the
-        last token: it must be fed to get logits), then grow it by up to `max_new` of the remaining tokens.
+        last token: it must be fed to get logits; with `match_next_token`, only blocks followed by the same
+        token as here), then grow it by up to `max_new` of the remaining tokens.
         Returns how many tokens came from the cache, or None (nothing changed) when blocks are short."""
         assert not table.blocks, "admit() starts a sequence's table"
         hits: list[tuple[int, bytes]] = []
@@ -147,7 +155,7 @@ class BlockAllocator:
             for b in range((len(token_ids) - 1) // bs):
                 key = block_key(key, token_ids[b * bs:(b + 1) * bs])
                 block = self.block_of.get(key)
-                if block is None:
+                if block is None or self.match_next_token and self.next_token.get(block) != token_ids[(b + 1) * bs]:
                     break
                 hits.append((block, key))
         num_hit = len(hits) * self.block_size
@@ -168,7 +176,7 @@ class BlockAllocator:
 
     def register(self, table: BlockTable, token_ids: list[int], num_tokens: int) -> None:
         """Key the full blocks among the first `num_tokens` tokens (whose K/V, target's and drafts', are final)
-        so that later requests can reuse them."""
+        so that later requests can reuse them; each remembers the token that followed it (`match_next_token`)."""
         if not self.enable_prefix_caching:
             return
         bs = self.block_size
@@ -178,6 +186,8 @@ class BlockAllocator:
             block = table.blocks[b]
             if key not in self.block_of and block not in self.key_of:  # else an identical block is cached
                 self.block_of[key], self.key_of[block] = block, key
+                if (b + 1) * bs < len(token_ids):
+                    self.next_token[block] = token_ids[(b + 1) * bs]
 
     def slots(self, table: BlockTable, start: int, end: int) -> list[int]:
         """Flat slot indices of positions [start, end)."""

@@ -5,6 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import LLM, SamplingParams
+from specdec.drafting import Draft, Drafter
 from specdec.kv_cache import BlockAllocator, BlockTable
 
 SYSTEM = list(range(20, 60))  # a 40-token shared "system prompt": 10 full blocks of 4
@@ -26,6 +27,31 @@ def test_freed_full_blocks_are_found_again_by_prefix():
     other = BlockTable()  # same second block, different first block: the chained key does not match
     assert alloc.admit(other, [0, 0, 0, 0] + tokens[4:], max_new=100) == 0
     assert alloc.prefix_hit_tokens == 8
+
+
+def test_blocks_for_a_head_that_reads_the_next_token_match_one_token_further():
+    """EAGLE's K/V at a block's last slot encode the token after the block: with match_next_token a cached
+    block is reused only by a prefix that goes on with the token that followed it when it was registered."""
+    alloc = BlockAllocator(num_blocks=12, block_size=4, enable_prefix_caching=True, match_next_token=True)
+    tokens = list(range(10, 20))  # blocks [10..13] (followed by 14) and [14..17] (followed by 18)
+    t = BlockTable()
+    alloc.admit(t, tokens, 100)
+    alloc.register(t, tokens, 8)
+    alloc.free(t)
+    hits = []
+    for prompt in (tokens, tokens[:8] + [99, 5], tokens[:4] + [99, 15, 16, 17, 18], tokens[:8]):
+        t = BlockTable()
+        hits.append(alloc.admit(t, prompt, 100))
+        alloc.free(t)
+    # the same prompt: both; another token after block 2: block 1 only; another token after block 1: none;
+    # 8 tokens: the last one is fed, so block 1 only
+    assert hits == [8, 4, 0, 4]
+    plain = BlockAllocator(num_blocks=12, block_size=4, enable_prefix_caching=True)
+    t = BlockTable()
+    plain.admit(t, tokens, 100)
+    plain.register(t, tokens, 8)
+    plain.free(t)
+    assert plain.admit(BlockTable(), tokens[:8] + [99, 5], 100) == 8  # without the rule, both blocks
 
 
 def test_a_prompt_that_is_all_cached_still_feeds_its_last_token():
@@ -116,15 +142,64 @@ def test_preempted_sequences_resume_from_their_cached_blocks(tiny_llama_dir):
     assert tight.engine.allocator.num_used == 0
 
 
-def test_eagle_style_drafters_turn_prefix_caching_off(tiny_llama_dir):
-    """A feature drafter needs the target's hidden states of every token, which a cache hit would skip."""
-    from specdec.drafting import Draft, Drafter
+def eagle3_head_dir(target_dir, path):
+    import dataclasses
 
+    import torch
+
+    from specdec.models.eagle3 import Eagle3Head
+
+    config = LLM(str(target_dir)).engine.model.config
+    g = torch.Generator().manual_seed(0)
+    head = Eagle3Head(dataclasses.replace(config, num_hidden_layers=1), config.vocab_size, (0, 1, 1))
+    for p in head.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    head.save(path)
+    return path
+
+
+def test_feature_heads_reuse_cached_prefixes_with_identical_drafts(tiny_llama_dir, tmp_path):
+    """EAGLE-3 with prefix caching: a shared system prompt is a cache hit for target and head alike (neither
+    recomputes it), and every draft token equals the one a cold engine drafts."""
+    spec = {"method": "eagle3", "model": str(eagle3_head_dir(tiny_llama_dir, tmp_path)), "num_speculative_tokens": 3}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": SYSTEM + [100 + i, 101 + i, 102]} for i in range(3)]
+    plain = [o.token_ids for o in LLM(str(tiny_llama_dir), block_size=4).generate(prompts, params)]
+
+    def run(**kw):
+        llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec, **kw)
+        drafter, drafts = llm.engine.speculator.drafter, []
+        propose = drafter.propose
+
+        def recorded(requests):
+            draft = propose(requests)
+            drafts.append((draft.tokens.tolist(), draft.parents.tolist()))
+            return draft
+
+        drafter.propose = recorded
+        return llm, [llm.generate(p, params)[0] for p in prompts], drafts
+
+    cold_llm, cold, cold_drafts = run(enable_prefix_caching=False)
+    warm_llm, warm, warm_drafts = run()
+    assert [o.token_ids for o in cold] == [o.token_ids for o in warm] == plain
+    # the head's row at the system prompt's last slot holds the token after it, which differs per prompt: the
+    # hit stops one block short
+    assert [o.metrics["num_cached_tokens"] for o in warm] == [0, len(SYSTEM) - 4, len(SYSTEM) - 4]
+    assert warm_drafts == cold_drafts and len(warm_drafts) > 10
+    assert warm_llm.engine.allocator.num_used == 0
+
+
+def test_a_block_is_not_reused_before_another_next_token_by_a_feature_head(tiny_llama_dir):
     class FeatureDrafter(Drafter):
         feature_layers = (0,)
+        cache_reads_next_token = True
 
         def propose(self, requests):
             return Draft.chains([[] for _ in requests])
 
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "drafter": FeatureDrafter()})
-    assert not llm.engine.allocator.enable_prefix_caching
+    llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config={"method": "custom", "drafter": FeatureDrafter()})
+    params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
+    llm.generate({"prompt_token_ids": SYSTEM + [7, 8]}, params)
+    assert llm.engine.allocator.match_next_token
+    out = llm.generate({"prompt_token_ids": SYSTEM[:36] + [9, 9, 9, 9, 9]}, params)[0]
+    assert out.metrics["num_cached_tokens"] == 32  # block 9 ends the shared part, and another token follows it

@@ -83,7 +83,9 @@ class DraftRequest:
     max_depth: int | None = None  # the deepest draft worth verifying (tokens the request may still emit - 1)
     # For drafters with `feature_layers`: the target's features (those layers' outputs, concatenated) of the
     # tokens committed since the last call, one row per token from token index `features_start` on. The
-    # last committed token has none yet (the target computes it when it feeds that token next step).
+    # last committed token has none yet (the target computes it when it feeds that token next step). After a
+    # prefix-cache hit the first call starts at the hit (`num_prefix_hit`): the cached blocks' features are
+    # not recomputed, and the drafter's K/V over them (see `cached_prefix`) came from the cache.
     features: "torch.Tensor | None" = None
     features_start: int = 0
 
@@ -204,6 +206,9 @@ class Drafter(ABC):
 
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs this drafter reads (EAGLE)
     observe_topk: int = 0  # > 0: after each verification, `observe` gets the target's top-k next tokens
+    # True when its K/V at slot t also encode token t + 1 (EAGLE pairs the target's feature of token t with the
+    # embedding of token t + 1): the prefix cache then reuses a block only before the same next token.
+    cache_reads_next_token: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:

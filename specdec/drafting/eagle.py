@@ -12,7 +12,9 @@ Each step (Meta's alignment: the head is re-aligned from target features only):
 
 The head's K/V live in a pool of its own over the target's block tables, at the same slots as the
 tokens they belong to. Rows written while drafting are overwritten by the next catch-up, which restarts at
-the first token whose target feature the head has not consumed, so no rewind is needed. Drafts are the
+the first token whose target feature the head has not consumed, so no rewind is needed. The row at slot t
+holds token t + 1, so a cached prefix block is reused (K/V of target and head both) only by a prompt that
+goes on with the same token after it (`cache_reads_next_token`); the head then catches up from the hit. Drafts are the
 head's argmax (q = one-hot), which verification handles losslessly at any temperature.
 """
 from __future__ import annotations
@@ -50,11 +52,14 @@ class MtpOptions(HeadOptions):
 @register_method("eagle", EagleOptions, trees=True, head=EagleHead)
 @register_method("eagle3", Eagle3Options, trees=True, head=Eagle3Head)
 class EagleDrafter(Drafter):
+    cache_reads_next_token = True
+
     def __init__(self, head, env: DraftEnv, num_speculative_tokens: int) -> None:
         self.head, self.k, self.env = head, num_speculative_tokens, env
         self.embed = env.target.embed
         self.kv = env.kv_pool(head.config, torch.float32)
         self.feature_layers = head.aux_layers
+        self.consumed: dict[int, tuple[int, int]] = {}  # seq_id -> (epoch, rows of final head K/V)
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "EagleDrafter":
@@ -67,9 +72,21 @@ class EagleDrafter(Drafter):
         if not active:
             return Draft.chains([[] for _ in requests])
         root = self._catch_up([requests[i] for i in active])  # [len(active), H]
+        for i in active:
+            r = requests[i]
+            self.consumed[r.seq_id] = (r.epoch, r.features_start + len(r.features))
         if requests[0].tree is not None:
             return self._tree(requests, active, root)
         return self._chain(requests, active, root)
+
+    def cached_prefix(self, request: DraftRequest) -> int | None:
+        """Rows whose head K/V pair a consumed target feature with the committed token after it (blocks that
+        came from the prefix cache included)."""
+        epoch, rows = self.consumed.get(request.seq_id, (-1, 0))
+        return max(rows if epoch == request.epoch else 0, request.num_prefix_hit)
+
+    def release(self, seq_id: int) -> None:
+        self.consumed.pop(seq_id, None)
 
     def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:
         """Feed each request's new target features (paired with the next tokens); the head's output at its

@@ -97,6 +97,7 @@ class HybridDrafter(Drafter):
         self.featured = featured[0] if featured else None
         self.feature_layers = tuple(self.featured.drafter.feature_layers) if featured else ()
         self.observe_topk = max(s.drafter.observe_topk for s in self.sources)
+        self.cache_reads_next_token = any(s.drafter.cache_reads_next_token for s in self.sources)
         self.k, self.min_score = num_speculative_tokens, min_score
         self.pending: dict[int, _Pending] = {}
 

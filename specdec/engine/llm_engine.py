@@ -89,10 +89,8 @@ class LLMEngine:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs)
             self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative)
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
-        if self.feature_layers:
-            # A feature drafter (EAGLE) reads the target's hidden states of every token it is re-aligned from;
-            # a prefix-cache hit skips computing them, so such engines do not cache prefixes.
-            self.allocator.enable_prefix_caching = False
+        if self.speculator is not None:
+            self.allocator.match_next_token = self.speculator.drafter.cache_reads_next_token
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}

@@ -83,7 +83,7 @@ class Scheduler:
                 hit = self.allocator.admit(seq.block_table, seq.token_ids, room)
                 if hit is None:
                     break
-                seq.num_cached = seq.num_prefix_hit = hit
+                seq.num_cached = seq.num_prefix_hit = seq.features_start = hit  # features start after the hit
             n = min(seq.num_uncached, room)  # a prompt over the budget is chunked
             if not is_new:
                 if not self.allocator.can_allocate(seq.block_table, seq.num_cached + n):
