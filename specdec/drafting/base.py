@@ -206,6 +206,7 @@ class Drafter(ABC):
 
     feature_layers: tuple[int, ...] = ()  # target decoder layers whose outputs this drafter reads (EAGLE)
     observe_topk: int = 0  # > 0: after each verification, `observe` gets the target's top-k next tokens
+    observe_drafts: bool = False  # True: after each verification, `observe_draft` gets its guess after every node
     # True when its K/V at slot t also encode token t + 1 (EAGLE pairs the target's feature of token t with the
     # embedding of token t + 1): the prefix cache then reuses a block only before the same next token.
     cache_reads_next_token: bool = False
@@ -221,6 +222,11 @@ class Drafter(ABC):
         """With `observe_topk` = k: after a verification, the target's k most likely next tokens (best first)
         after each token it kept this step (`tokens`, in order: the last committed token, then the accepted
         drafts). Free information from the verification forward (token recycling)."""
+
+    def observe_draft(self, seq_id: int, tokens: list[int], predictions: list[int]) -> None:
+        """With `observe_drafts`: after a verification, the draft tokens it scored (node order) and the target's
+        most likely next token after the last committed token (predictions[0]) and after each node
+        (predictions[1 + j]), accepted or not (Jacobi iterations learn from every row)."""
 
     def cached_prefix(self, request: DraftRequest) -> int | None:
         """How many leading tokens of the request's sequence have final K/V in this drafter's own pool over the

@@ -91,6 +91,9 @@ class HybridDrafter(Drafter):
     def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], num_speculative_tokens: int,
                  min_score: float = 0.15) -> None:
         self.sources = [_Source(d, c, [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH) for d, c in sources]
+        if any(s.drafter.observe_drafts for s in self.sources):
+            raise SpecdecError("a hybrid tree does not merge 'lookahead': its Jacobi window needs the target's "
+                               "guess after each of its own nodes, which the merged tree may drop")
         featured = [s for s in self.sources if s.drafter.feature_layers]
         if len(featured) > 1:
             raise SpecdecError("a hybrid tree merges at most one source that reads the target's features")

@@ -106,6 +106,7 @@ class Speculator:
         logits = self.runner.model.compute_logits(hidden)
         result = self._verify(seqs, draft, counts, drafted, trees, logits)
         k_obs = self.drafter.observe_topk
+        top1 = greedy_tokens(logits).tolist() if self.drafter.observe_drafts else None
         outputs = []
         row = 0
         for i, seq in enumerate(seqs):
@@ -114,6 +115,8 @@ class Speculator:
             if k_obs:  # the target's candidates after each kept token, for token recycling
                 fed = [seq.token_ids[seq.num_cached]] + [drafted[i][node] for node in nodes]
                 self.drafter.observe(seq.seq_id, fed, logits[kept].topk(k_obs, dim=-1).indices.tolist())
+            if top1 is not None and counts[i]:  # the target's guess after every node (Jacobi iterations)
+                self.drafter.observe_draft(seq.seq_id, drafted[i], top1[row:row + 1 + counts[i]])
             row += 1 + counts[i]
             if trees[i] is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)
