@@ -2,13 +2,12 @@
 from __future__ import annotations
 
 import pytest
-import torch
 
-from specdec import LLM, SamplingParams, SpecdecError
+from specdec import LLM, SpecdecError
 from specdec.drafting.base import DraftRequest
 from specdec.drafting.lookahead import LookaheadDrafter, NgramPool
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
-from test_speculative import chi_square_two_sample
+from test_retrieval import assert_first_step_follows_plain
 
 
 def test_pool_keeps_the_most_recent_distinct_continuations_per_first_token():
@@ -107,21 +106,11 @@ def test_lookahead_is_lossless(target_dir, reference):  # noqa: F811
 
 
 def test_sampled_output_with_lookahead_follows_the_target(target_dir):  # noqa: F811
-    """Tokens 1..5 at temperature 1, top-k 8, seeded: two-sample chi-square per position against plain
-    decoding, threshold about the 0.9999 quantile."""
-    n = 1500
-    prompts = [{"prompt_token_ids": [5, 6, 7, 5, 6, 7]}] * n
-    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=6, ignore_eos=True, seed=i) for i in range(n)]
+    """Tokens 1 .. 5: lookahead drafts little in its first steps, so later ones are compared too."""
     plain = LLM(str(target_dir), max_num_seqs=256)
     spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
         "method": "lookahead", "num_speculative_tokens": 6, "lookahead_window": 3, "lookahead_guesses": 1})
-    a = torch.tensor([o.token_ids[1:6] for o in plain.generate(prompts, params)])
-    outs = spec.generate(prompts, params)
-    b = torch.tensor([o.token_ids[1:6] for o in outs])
-    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100  # drafts were accepted and rejected
-    for pos in range(5):
-        chi2, dof = chi_square_two_sample(a[:, pos], b[:, pos])
-        assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+    assert_first_step_follows_plain(plain, spec, n=1500, prompt=[5, 6, 7, 5, 6, 7], last=5)
 
 
 @pytest.mark.parametrize("key, value", [("lookahead_window", 0), ("lookahead_ngram", 1), ("lookahead_guesses", -1),

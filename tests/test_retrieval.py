@@ -112,16 +112,17 @@ def likely_corpus(path, model) -> str:
     return str(token_file(path, docs))
 
 
-def assert_first_step_follows_plain(plain: LLM, spec: LLM, n: int = 2000) -> None:
-    """Tokens 1 and 2 (the first speculative step) at temperature 1, top-k 8, seeded, with and without the
-    drafter: two-sample chi-square per position, threshold about the 0.9999 quantile."""
-    prompts = [{"prompt_token_ids": SAMPLED_PROMPT}] * n
-    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
-    a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
+def assert_first_step_follows_plain(plain: LLM, spec: LLM, n: int = 2000, prompt: list[int] = SAMPLED_PROMPT,
+                                    last: int = 2) -> None:
+    """Tokens 1 .. last (by default 1 and 2, the first speculative step) at temperature 1, top-k 8, seeded,
+    with and without the drafter: two-sample chi-square per position, threshold about the 0.9999 quantile."""
+    prompts = [{"prompt_token_ids": prompt}] * n
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=last + 2, ignore_eos=True, seed=i) for i in range(n)]
+    a = torch.tensor([o.token_ids[1:last + 1] for o in plain.generate(prompts, params)])
     outs = spec.generate(prompts, params)
-    b = torch.tensor([o.token_ids[1:3] for o in outs])
+    b = torch.tensor([o.token_ids[1:last + 1] for o in outs])
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 100  # drafts were accepted and rejected
-    for pos in range(2):
+    for pos in range(last):
         chi2, dof = chi_square_two_sample(a[:, pos], b[:, pos])
         assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
 
