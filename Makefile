@@ -3,7 +3,8 @@ PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
 PROMPT ?= Explain in three sentences why the sky is blue.
-SPEC ?= {"method": "ngram", "num_speculative_tokens": 8}
+SPEC ?=
+SPEC_ARG := $(if $(SPEC),--speculative-config '$(SPEC)',)
 
 .PHONY: setup run test bench bench-peers distill
 
@@ -22,8 +23,8 @@ $(VENV)/.installed: pyproject.toml requirements.txt
 # The main job: generate on the default model with speculation, then measure the speedup over plain
 # decoding (same engine, same weights, interleaved prompt by prompt) on Spec-Bench prompts.
 run: setup
-	$(VENV)/bin/specdec generate "$(PROMPT)" --speculative-config '$(SPEC)'
-	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 64 --speculative-config '$(SPEC)'
+	$(VENV)/bin/specdec generate "$(PROMPT)" $(SPEC_ARG)
+	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 64 $(SPEC_ARG)
 
 test: setup
 	$(PY) -m pytest -q

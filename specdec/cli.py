@@ -81,6 +81,9 @@ def build_parser() -> argparse.ArgumentParser:
     t = sub.add_parser("tune", help="measure draft shapes per batch size and write the tree dispatcher's table")
     add_model_args(t)
     add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
+    t.add_argument("--write-default", action="store_true",
+                   help="write the fastest config (of a JSON list given to --speculative-config) as the built-in "
+                        "model's default, specdec/heads/<model>.json")
     tr = sub.add_parser("train", help="train a draft head (eagle3, eagle, mtp, medusa) by online distillation")
     tr.add_argument("--method", default="eagle3",
                     help=f"a draft-head method: {', '.join(registered_methods(head=True))} (default eagle3)")

@@ -75,3 +75,24 @@ def test_unknown_dtype(tiny_model: Path, tmp_path: Path, capsys) -> None:
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     assert main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--dtypes", "float32,int3"]) == 2
     assert "unknown dtype 'int3'" in capsys.readouterr().err
+
+
+def test_bench_alternates_speculative_and_plain_groups_at_each_batch_size(tiny_model: Path, tmp_path: Path,
+                                                                          capsys, monkeypatch) -> None:
+    from specdec.engine.llm_engine import LLMEngine
+
+    forgets = []
+    forget = LLMEngine.forget_finished
+    monkeypatch.setattr(LLMEngine, "forget_finished", lambda self: forgets.append(self) or forget(self))
+    prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
+    out = tmp_path / "b.json"
+    assert main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "3",
+                 "--max-tokens", "8", "--batch-sizes", "1,2", "--speculative-config",
+                 '{"method": "suffix", "num_speculative_tokens": 4}', "--out", str(out)]) == 0
+    runs = {(r["config"]["method"], r["config"]["batch_size"]): r for r in json.loads(out.read_text())["runs"]}
+    assert set(runs) == {("plain", 1), ("suffix", 1), ("plain", 2), ("suffix", 2)}
+    assert [g["prompt_indices"] for g in runs["plain", 2]["per_group"]] == \
+        [g["prompt_indices"] for g in runs["suffix", 2]["per_group"]] == [[0, 1], [2, 0]]
+    assert runs["suffix", 2]["summary"]["identical_to_batch1"] == 4
+    assert len(forgets) == 4  # both engines, after the warm-up and before the batch-2 pass
+    assert "specdec/suffix vs specdec/plain (float32, batch 2, groups alternated): decode" in capsys.readouterr().out

@@ -42,3 +42,33 @@ def test_candidates_for_a_head_are_chains_and_static_trees():
         assert shapes and all(s.dynamic is None for s in shapes) and any(s.tree for s in shapes)
     layer_skip = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 2})
     assert any(s.dynamic for s in candidates(layer_skip, rates))
+
+
+def test_tune_picks_the_default_among_methods_by_their_speed_against_plain(tiny_llama_dir, tmp_path, capsys):
+    import math
+
+    from specdec.bench.tune import shippable
+    from specdec.models.loader import HEADS_DIR
+
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "a", "turns": ["1 2 3 4 5 6 1 2 3 4 5 6 1 2"]}))
+    out = tmp_path / "tune.json"
+    configs = [{"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2},
+               {"method": "ngram", "num_speculative_tokens": 2}]
+    args = ["tune", "--model", str(tiny_llama_dir), "--speculative-config", json.dumps(configs), "--prompts",
+            str(prompts), "--num-prompts", "1", "--max-tokens", "8", "--batch-sizes", "1,2", "--out", str(out)]
+    assert main(args) == 0
+    result = json.loads(out.read_text())
+    assert [r["method"] for r in result["methods"]] == ["draft_model", "ngram"]
+
+    def score(r):
+        ratios = [s[r["chosen"][b]] / s["off"] for b, s in r["decode_tokens_per_s"].items()]
+        return math.prod(ratios) ** 0.5
+
+    best = max(result["methods"], key=score)
+    assert result["default"] == {**best["config"], "dispatch": best["dispatch"]}
+    assert SpeculativeConfig.parse(result["default"]).shape_for(2) is not None
+    capsys.readouterr()
+    assert main(args + ["--write-default"]) != 0 and "not a built-in model" in capsys.readouterr().err
+    head = {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"), "num_speculative_tokens": 3}
+    assert shippable(head)["model"] == "smollm2-135m-eagle3" and shippable(configs[0]) == configs[0]

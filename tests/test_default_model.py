@@ -1,6 +1,7 @@
 """The built-in SmolLM2-135M GGUF, loaded by our runtime, behaves exactly like transformers' reading of it."""
 from __future__ import annotations
 
+import json
 from pathlib import Path
 
 import pytest
@@ -134,11 +135,16 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
     assert spec.engine.allocator.num_used == 0
 
 
-def test_the_default_model_drafts_with_the_shipped_head_unless_off():
-    from specdec.models.loader import HEADS_DIR
+def test_the_default_model_speculates_with_the_tuned_default_unless_off():
+    from specdec.models.loader import HEADS_DIR, default_config_path
 
     spec = LLM("smollm2-135m").engine.speculative
-    assert spec.method == "eagle3" and spec.options.model == str(HEADS_DIR / "smollm2-135m-eagle3")
+    shipped = json.loads(default_config_path("smollm2-135m").read_text())
+    assert spec.method == shipped["method"] and spec.num_speculative_tokens == shipped["num_speculative_tokens"]
+    assert {str(b): str(spec.shape_for(int(b))) for b in shipped["dispatch"]} == {
+        str(b): str(spec.parse_shape(v, "dispatch")) for b, v in shipped["dispatch"].items()}
+    if "model" in shipped:  # a shipped head, named relative to the heads directory
+        assert spec.options.model == str(HEADS_DIR / shipped["model"])
     assert LLM("smollm2-135m", speculative_config="off").engine.speculative is None
 
 
@@ -174,9 +180,9 @@ def random_heads(llm, tmp_path_factory) -> dict[str, str]:
 def test_head_greedy_is_token_identical(llm, plain_reference, random_heads, method, tree, quantization):
     """Each head on the real model (eagle3: the shipped one), chain and tree, float or quantized on load, batch 1
     and a ragged batch."""
-    from specdec.models.loader import default_speculative_config
+    from specdec.models.loader import shipped_head
 
-    model = default_speculative_config("smollm2-135m")["model"] if method == "eagle3" else random_heads[method]
+    model = str(shipped_head("smollm2-135m")) if method == "eagle3" else random_heads[method]
     spec = llm.with_speculative_config({"method": method, "model": model, "num_speculative_tokens": 3, "tree": tree,
                                         "quantization": quantization})
     if quantization:
@@ -216,11 +222,11 @@ ACCEPTANCE_FLOORS = {
 @pytest.mark.parametrize("name", list(ACCEPTANCE_FLOORS))
 def test_acceptance_length_does_not_regress(llm, name):
     """Acceptance length of the shipped head and the lookup drafters on a fixed prompt set, against a floor."""
-    from specdec.models.loader import default_speculative_config
+    from specdec.models.loader import shipped_head
 
     config, floor = ACCEPTANCE_FLOORS[name]
     if name == "eagle3":
-        config = {**config, "model": default_speculative_config("smollm2-135m")["model"]}
+        config = {**config, "model": str(shipped_head("smollm2-135m"))}
     spec = llm.with_speculative_config(config)
     params = SamplingParams(temperature=0, max_tokens=96)
     outs = [spec.chat([{"role": "user", "content": p}], params)[0] for p in FLOOR_PROMPTS]

@@ -103,6 +103,10 @@ def test_shared_ngram_pool_drafts_from_other_requests():
         drafter.release(0)  # request 0 finished; a shared pool keeps its text
         draft = drafter.propose([DraftRequest(1, fresh, len(fresh), 2)])
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == expected
+        drafter.release(1)
+        drafter.forget()  # between benchmark passes: finished texts are gone
+        draft = drafter.propose([DraftRequest(2, fresh, len(fresh), 2)])
+        assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == []
 
 
 def test_ngram_branches_are_distinct_continuations_of_the_best_matches():

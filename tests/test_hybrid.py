@@ -56,6 +56,9 @@ def test_calibration_learns_from_what_the_target_kept():
     preempted = DraftRequest(0, [9, 9, 1, 2, 7, 8], 1, 6, epoch=1)
     drafter.propose([preempted])  # another epoch: nothing is learnt from a tree whose K/V was dropped
     assert drafter.acceptance_estimates()["ngram#0"][:3] == g["ngram#0"][:3]
+    drafter.release(0)
+    drafter.forget()  # between benchmark passes: back to the prior, (0 + 1) / (0 + 2)
+    assert set(drafter.acceptance_estimates()["ngram#0"]) == {0.5}
 
 
 HYBRID = {"method": "hybrid", "num_speculative_tokens": 8, "sources": [

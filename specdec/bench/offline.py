@@ -18,7 +18,7 @@ from tqdm import tqdm
 from specdec.bench.engines import load_hf, load_llamacpp, time_group, time_hf, time_llamacpp, time_specdec
 from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
 from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, pick_round_robin, prompts_path
-from specdec.bench.report import format_report, output_path
+from specdec.bench.report import format_report, output_path, ratio
 from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.models.loader import default_speculative_config, resolve
 
@@ -84,10 +84,12 @@ def summarize(records: list[dict]) -> dict:
 
 
 def batch1_runs(timers: dict[tuple[str, str], Callable[[BenchPrompt], dict]], prompts: list[BenchPrompt],
-                dtype: str, probe: Callable[[], float]) -> list[dict]:
-    """Every engine on every prompt, one request at a time, alternating which engine goes first."""
+                dtype: str, probe: Callable[[], float], forget: Callable[[], None] = lambda: None) -> list[dict]:
+    """Every engine on every prompt, one request at a time, alternating which engine goes first. `forget`
+    runs after the warm-up: no drafter may draft a timed prompt from its own warm-up answer."""
     for timer in timers.values():
         timer(prompts[0])  # untimed warm-up
+    forget()
     per_prompt: dict[tuple[str, str], list[dict]] = {name: [] for name in timers}
     names = list(timers)
     for i, p in enumerate(tqdm(prompts, desc=f"{dtype} batch 1", file=sys.stderr)):
@@ -106,29 +108,40 @@ def run_config(engine: str, dtype: str, batch_size: int, method: str = "plain") 
     return {"engine": engine, "method": method, "dtype": dtype, "batch_size": batch_size}
 
 
-def batched_run(llm, prompts: list[BenchPrompt], batch_size: int, params: SamplingParams, dtype: str,
-                batch1: dict, method: str = "plain") -> dict:
-    """Groups of batch_size prompts (cycling through the list), one generate() call per group."""
-    if batch_size > llm.engine.cfg.max_num_seqs:
-        raise SpecdecError(f"batch size {batch_size} exceeds the engine's max_num_seqs={llm.engine.cfg.max_num_seqs}")
+def batched_runs(engines: dict[tuple[str, str], object], prompts: list[BenchPrompt], batch_size: int,
+                 params: SamplingParams, dtype: str, batch1: dict[tuple[str, str], dict]) -> list[dict]:
+    """Groups of batch_size prompts (cycling through the list), one generate() call per group and engine,
+    the engines alternating group by group (which goes first too) so machine drift hits them alike."""
+    for llm in engines.values():
+        if batch_size > llm.engine.cfg.max_num_seqs:
+            raise SpecdecError(f"batch size {batch_size} exceeds the engine's max_num_seqs="
+                               f"{llm.engine.cfg.max_num_seqs}")
     order = [i % len(prompts) for i in range(math.ceil(len(prompts) / batch_size) * batch_size)]
-    reference = [r["token_ids"] for r in batch1["per_prompt"]]
-    per_group, identical = [], 0
-    for g in tqdm(range(0, len(order), batch_size), desc=f"{method} {dtype} batch {batch_size}", file=sys.stderr):
+    names = list(engines)
+    per_group: dict[tuple[str, str], list[dict]] = {name: [] for name in names}
+    identical = dict.fromkeys(names, 0)
+    starts = range(0, len(order), batch_size)
+    for n, g in enumerate(tqdm(starts, desc=f"{dtype} batch {batch_size}", file=sys.stderr)):
         group = order[g:g + batch_size]
-        record, token_ids = time_group(llm, [prompts[i] for i in group], params)
-        identical += sum(ids == reference[i] for ids, i in zip(token_ids, group))
-        per_group.append({"prompt_indices": group, **record})
-    total = {k: sum(g[k] for g in per_group) for k in ("generated_tokens", "wall_s", "ttft_s_sum", "decode_tokens",
-                                                         "decode_s")}
-    base = batch1["summary"]["e2e_tokens_per_s"]
-    e2e_tps = total["generated_tokens"] / total["wall_s"]
-    summary = {"num_prompts": len(order), "generated_tokens": total["generated_tokens"], "e2e_s": total["wall_s"],
-               "ttft_s_mean": total["ttft_s_sum"] / len(order),
-               "decode_tokens_per_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None,
-               "e2e_tokens_per_s": e2e_tps, "speedup_vs_batch1": e2e_tps / base if base else None,
-               "identical_to_batch1": identical}
-    return {"config": run_config("specdec", dtype, batch_size, method), "summary": summary, "per_group": per_group}
+        for name in names if n % 2 == 0 else names[::-1]:
+            record, token_ids = time_group(engines[name], [prompts[i] for i in group], params)
+            reference = batch1[name]["per_prompt"]
+            identical[name] += sum(ids == reference[i]["token_ids"] for ids, i in zip(token_ids, group))
+            per_group[name].append({"prompt_indices": group, **record})
+    runs = []
+    for (_, method), groups in per_group.items():
+        total = {k: sum(g[k] for g in groups) for k in ("generated_tokens", "wall_s", "ttft_s_sum", "decode_tokens",
+                                                       "decode_s")}
+        base = batch1[("specdec", method)]["summary"]["e2e_tokens_per_s"]
+        e2e_tps = total["generated_tokens"] / total["wall_s"]
+        summary = {"num_prompts": len(order), "generated_tokens": total["generated_tokens"], "e2e_s": total["wall_s"],
+                   "ttft_s_mean": total["ttft_s_sum"] / len(order),
+                   "decode_tokens_per_s": total["decode_tokens"] / total["decode_s"] if total["decode_s"] > 0 else None,
+                   "e2e_tokens_per_s": e2e_tps, "speedup_vs_batch1": e2e_tps / base if base else None,
+                   "identical_to_batch1": identical[("specdec", method)]}
+        runs.append({"config": run_config("specdec", dtype, batch_size, method), "summary": summary,
+                     "per_group": groups})
+    return runs
 
 
 def first_divergence(a: list[int], b: list[int]) -> int | None:
@@ -136,10 +149,6 @@ def first_divergence(a: list[int], b: list[int]) -> int | None:
     if a == b:
         return None
     return next((i for i, (x, y) in enumerate(zip(a, b)) if x != y), min(len(a), len(b)))
-
-
-def _ratio(x: float | None, y: float | None) -> float | None:
-    return x / y if x and y else None
 
 
 def compare(candidate: dict, baseline: dict) -> dict:
@@ -154,12 +163,12 @@ def compare(candidate: dict, baseline: dict) -> dict:
     for cat in dict.fromkeys(r["category"] for r in candidate["per_prompt"]):
         c_sum = summarize([r for r in candidate["per_prompt"] if r["category"] == cat])
         b_sum = summarize([r for r in baseline["per_prompt"] if r["category"] == cat])
-        by_category[cat] = {"e2e_speedup": _ratio(c_sum["e2e_tokens_per_s"], b_sum["e2e_tokens_per_s"]),
-                            "decode_speedup": _ratio(c_sum["decode_tokens_per_s"], b_sum["decode_tokens_per_s"])}
+        by_category[cat] = {"e2e_speedup": ratio(c_sum["e2e_tokens_per_s"], b_sum["e2e_tokens_per_s"]),
+                            "decode_speedup": ratio(c_sum["decode_tokens_per_s"], b_sum["decode_tokens_per_s"])}
     return {"candidate": candidate["config"], "baseline": baseline["config"],
-            "e2e_speedup": _ratio(cs["e2e_tokens_per_s"], bs["e2e_tokens_per_s"]),
-            "decode_speedup": _ratio(cs["decode_tokens_per_s"], bs["decode_tokens_per_s"]),
-            "ttft_speedup": _ratio(bs["ttft_s_mean"], cs["ttft_s_mean"]),
+            "e2e_speedup": ratio(cs["e2e_tokens_per_s"], bs["e2e_tokens_per_s"]),
+            "decode_speedup": ratio(cs["decode_tokens_per_s"], bs["decode_tokens_per_s"]),
+            "ttft_speedup": ratio(bs["ttft_s_mean"], cs["ttft_s_mean"]),
             "by_category": by_category, "num_prompts": len(candidate["per_prompt"]),
             "identical_prompts": len(candidate["per_prompt"]) - len(divergences), "divergences": divergences}
 
@@ -207,7 +216,11 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
         timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
-    runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device))
+    def forget() -> None:
+        for engine in engines.values():
+            engine.engine.forget_finished()
+
+    runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device), forget)
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
                                  plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
@@ -216,9 +229,11 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     # Against peers: our plain decoding, and every speculative configuration, over each peer's plain decoding.
     peers = [other for other in runs[1:] if other["config"]["engine"] != "specdec"]
     comparisons += [compare(ours, peer) for peer in peers for ours in runs if ours["config"]["engine"] == "specdec"]
-    for (_, method), engine in engines.items():
-        batch1 = next(r for r in runs if r["config"]["method"] == method and r["config"]["engine"] == "specdec")
-        runs += [batched_run(engine, prompts, b, params, dtype, batch1, method) for b in batch_sizes if b > 1]
+    batch1 = {key: next(r for r in runs if (r["config"]["engine"], r["config"]["method"]) == key) for key in engines}
+    for b in batch_sizes:
+        if b > 1:
+            forget()  # each pass drafts as a first pass over these prompts would
+            runs += batched_runs(engines, prompts, b, params, dtype, batch1)
     return runs, comparisons
 
 

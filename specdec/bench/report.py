@@ -18,6 +18,10 @@ def output_path(out: str) -> Path:
     return path
 
 
+def ratio(x: float | None, y: float | None) -> float | None:
+    return x / y if x and y else None
+
+
 def _num(x: float | None, spec: str = ".1f", scale: float = 1.0) -> str:
     return "-" if x is None else format(x * scale, spec)
 
@@ -88,6 +92,24 @@ def comparison_line(c: dict) -> str:
     return text
 
 
+def batched_comparison_lines(runs: list[dict]) -> list[str]:
+    """Speculative over plain decoding at each batch size > 1 (their groups were timed alternately)."""
+    lines = []
+    for run in runs:
+        c = run["config"]
+        if c["batch_size"] == 1 or c["method"] == "plain":
+            continue
+        plain = next((r for r in runs if r["config"] == {**c, "method": "plain"}), None)
+        if plain is None:
+            continue
+        s, p = run["summary"], plain["summary"]
+        lines.append(f"{c['engine']}/{c['method']} vs {c['engine']}/plain ({c['dtype']}, batch {c['batch_size']}, "
+                     f"groups alternated): decode {_num(ratio(s['decode_tokens_per_s'], p['decode_tokens_per_s']), '.2f')}x, "
+                     f"e2e {_num(ratio(s['e2e_tokens_per_s'], p['e2e_tokens_per_s']), '.2f')}x; greedy token ids "
+                     f"identical to batch 1 on {s['identical_to_batch1']}/{s['num_prompts']}")
+    return lines
+
+
 def acceptance_line(run: dict) -> str:
     a, c = run["acceptance"], run["config"]
     per_cat = ", ".join(f"{cat} {_num(x['acceptance_length'], '.2f') if x else '-'}"
@@ -125,6 +147,7 @@ def format_report(result: dict) -> str:
               "and decode starts once every request in the group has its first token)",
               summary_table(result["runs"]), ""]
     parts += [comparison_line(c) for c in result["comparisons"]]
+    parts += batched_comparison_lines(result["runs"])
     parts += [acceptance_line(r) for r in result["runs"] if r.get("acceptance")]
     parts += [roofline_line(r) for r in result["runs"] if "roofline" in r]
     return "\n".join(parts)

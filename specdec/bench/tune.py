@@ -8,13 +8,17 @@
    decode phase. The fastest candidate wins: small trees or chains for big batches, or no speculation.
 3. The winners form a dispatch table, written as JSON that `speculative_config` loads with
    {"dispatch": "tune.json"}.
+4. Given several methods (a JSON list), each is tuned so, and the default is the one fastest against plain
+   decoding over the batch sizes; `--write-default` ships it as the built-in model's default config.
 """
 from __future__ import annotations
 
 import argparse
 import json
+import math
 import sys
 from collections import defaultdict
+from pathlib import Path
 
 from tqdm import tqdm
 
@@ -23,6 +27,7 @@ from specdec.bench.offline import parse_batch_sizes
 from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
@@ -63,17 +68,70 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
     return list(unique)
 
 
+def parse_candidates(value: str | dict | list) -> list[dict]:
+    """--speculative-config: one method's config, or a JSON list of them to choose the default from."""
+    configs = json.loads(value) if isinstance(value, str) else value
+    configs = configs if isinstance(configs, list) else [configs]
+    if not configs or not all(isinstance(c, dict) for c in configs):
+        raise SpecdecError("specdec tune: --speculative-config must be a config or a non-empty JSON list of configs")
+    for c in configs:
+        SpeculativeConfig.parse(c)  # validates before any model loads
+    return configs
+
+
 def run_tune(args: argparse.Namespace) -> dict:
+    if not args.speculative_config:
+        raise SpecdecError("specdec tune needs --speculative-config: the drafting method(s) to tune")
+    configs = parse_candidates(args.speculative_config)
+    if getattr(args, "write_default", False) and default_config_path(args.model) is None:
+        raise SpecdecError(f"--write-default: {args.model!r} is not a built-in model")
+    out = output_path(args.out)
+    results = [tune_method(args, user) for user in configs]
+    result = {**results[0]} if len(results) == 1 else {"methods": results}
+    result["default"] = pick_default(configs, results)
+    result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    out.write_text(json.dumps(result, indent=1))
+    print("\n\n".join(format_tune(r) for r in results))
+    print(f"\ndefault: {json.dumps(result['default'])}")
+    print(f"\ndispatch tables written to {out}; use one with "
+          f"--speculative-config '{{\"method\": \"...\", ..., \"dispatch\": \"{out}\"}}'")
+    if getattr(args, "write_default", False):
+        path = default_config_path(args.model)
+        path.write_text(json.dumps(shippable(result["default"]), indent=1) + "\n")
+        print(f"default speculative config of {args.model} written to {path}")
+    return result
+
+
+def pick_default(configs: list[dict], results: list[dict]) -> dict:
+    """The config to use when none is asked for: the method whose chosen shapes are fastest against plain
+    decoding measured beside them (geometric mean of the ratios over the batch sizes; ratios are never
+    under 1, since speculation off is a candidate), with its dispatch table."""
+    def score(result: dict) -> float:
+        ratios = [speeds[result["chosen"][b]] / speeds["off"] for b, speeds in result["decode_tokens_per_s"].items()]
+        return math.prod(ratios) ** (1 / len(ratios))
+
+    best = max(range(len(results)), key=lambda i: score(results[i]))
+    config = {k: v for k, v in configs[best].items() if k not in ("dispatch", "tree")}
+    return {**config, "dispatch": results[best]["dispatch"]}
+
+
+def shippable(config: dict) -> dict:
+    """A default config as shipped: a head inside the shipped heads directory is named relative to it."""
+    model = config.get("model")
+    if model and Path(model).resolve().parent == HEADS_DIR:
+        config = {**config, "model": Path(model).resolve().name}
+    return config
+
+
+def tune_method(args: argparse.Namespace, user: dict) -> dict:
+    """One method's dispatch table: acceptance statistics (trees), then every candidate shape timed per
+    batch size."""
     from specdec.llm import LLM
 
-    if not args.speculative_config:
-        raise SpecdecError("specdec tune needs --speculative-config: the drafting method to tune")
-    cfg = SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
-    user = json.loads(args.speculative_config) if isinstance(args.speculative_config, str) else args.speculative_config
+    cfg = SpeculativeConfig.parse(user)
     batch_sizes = parse_batch_sizes(args.batch_sizes)
     params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
     rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
-    out = output_path(args.out)
     tree_method = cfg.info.trees
     measure = {**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})}
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=measure,
@@ -85,26 +143,21 @@ def run_tune(args: argparse.Namespace) -> dict:
     for b in batch_sizes:
         totals = defaultdict(lambda: [0, 0.0])
         groups = [[prompts[(g + i) % len(prompts)] for i in range(b)] for g in range(0, max(len(prompts), b), b)]
-        for g, group in enumerate(tqdm(groups, desc=f"batch {b}", file=sys.stderr)):
+        for g, group in enumerate(tqdm(groups, desc=f"{cfg.method}, batch {b}", file=sys.stderr)):
             for j in range(len(shapes)):  # rotate the order every group: drift hits every candidate alike
                 shape = shapes[(g + j) % len(shapes)]
                 llm.engine.pin_draft_shape(shape)
+                llm.engine.forget_finished()  # no shape drafts from another shape's answers to these prompts
                 record, _ = time_group(llm, group, params)
                 totals[shape][0] += record["decode_tokens"]
                 totals[shape][1] += record["decode_s"]
         speeds[b] = {str(s): n / t for s, (n, t) in totals.items()}
     best = {b: max(shapes, key=lambda s: speeds[b][str(s)]) for b in batch_sizes}
-    result = {"method": cfg.method, "dispatch": {str(b): best[b].to_json() for b in batch_sizes},
-              "chosen": {str(b): str(best[b]) for b in batch_sizes},
-              "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},
-              "acceptance_by_depth_and_rank": rates,
-              "candidates": {str(s): s.to_json() for s in shapes},
-              "args": {k: v for k, v in vars(args).items() if k != "func"}}
-    out.write_text(json.dumps(result, indent=1))
-    print(format_tune(result))
-    print(f"\ndispatch table written to {out}; use it with "
-          f"--speculative-config '{{\"method\": \"{cfg.method}\", ..., \"dispatch\": \"{out}\"}}'")
-    return result
+    return {"method": cfg.method, "config": user, "dispatch": {str(b): best[b].to_json() for b in batch_sizes},
+            "chosen": {str(b): str(best[b]) for b in batch_sizes},
+            "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},
+            "acceptance_by_depth_and_rank": rates,
+            "candidates": {str(s): s.to_json() for s in shapes}}
 
 
 def format_tune(result: dict) -> str:

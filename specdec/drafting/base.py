@@ -228,6 +228,11 @@ class Drafter(ABC):
         most likely next token after the last committed token (predictions[0]) and after each node
         (predictions[1 + j]), accepted or not (Jacobi iterations learn from every row)."""
 
+    def forget(self) -> None:
+        """Drop what was learnt from finished requests (called only while none runs). Benchmarks and
+        `specdec tune` call it between passes over the same prompts, which a drafter with cross-request memory
+        (a global suffix trie, a shared n-gram pool) would otherwise draft from their own earlier answers."""
+
     def cached_prefix(self, request: DraftRequest) -> int | None:
         """How many leading tokens of the request's sequence have final K/V in this drafter's own pool over the
         shared blocks; None when it keeps none there. Blocks enter the prefix cache only where target and

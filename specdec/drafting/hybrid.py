@@ -180,6 +180,11 @@ class HybridDrafter(Drafter):
         return tokens, parents
 
     # ---- forwarded hooks -----------------------------------------------------------------------------
+    def forget(self) -> None:
+        for s in self.sources:
+            s.drafter.forget()
+            s.accepted, s.believed = [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH
+
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
         for s in self.sources:

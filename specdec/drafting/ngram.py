@@ -179,6 +179,9 @@ class NgramDrafter(Drafter):
             return self.k
         return min(self.k, 2 ** (match_length - 1)) if match_length else 0
 
+    def forget(self) -> None:
+        self.shared_index = NgramIndex(self.n_min, self.n_max)
+
     def release(self, seq_id: int) -> None:
         if not self.shared:
             self.indexes.pop(seq_id, None)

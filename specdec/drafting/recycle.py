@@ -87,6 +87,9 @@ class RecycleDrafter(Drafter):
     def observe(self, seq_id: int, tokens: list[int], candidates: list[list[int]]) -> None:
         self.table.update(tokens, candidates)
 
+    def forget(self) -> None:
+        self.table.table.fill(-1)
+
     def propose(self, requests: list[DraftRequest]) -> Draft:
         rows = []
         for r in requests:

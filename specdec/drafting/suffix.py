@@ -240,6 +240,10 @@ class SuffixDrafter(Drafter):
                     best = found
         return best
 
+    def forget(self) -> None:
+        self.global_trie = SuffixTrie(self.max_depth)
+        self.cached.clear()
+
     def release(self, seq_id: int) -> None:
         text = self.texts.pop(seq_id, None)
         if text is None or self.max_cached == 0:

