@@ -30,6 +30,7 @@ from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 
+MIN_GAIN = 1.02  # speculation is chosen only this much faster than plain: a noise-level win is not worth a risk
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
 DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6}, {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
@@ -123,6 +124,12 @@ def shippable(config: dict) -> dict:
     return config
 
 
+def choose(shapes: list[SpecShape], speeds: dict[str, float]) -> SpecShape:
+    """The fastest shape, or no speculation unless the fastest beats it by MIN_GAIN."""
+    best = max(shapes, key=lambda s: speeds[str(s)])
+    return best if speeds[str(best)] >= MIN_GAIN * speeds["off"] else SpecShape(0)
+
+
 def tune_method(args: argparse.Namespace, user: dict) -> dict:
     """One method's dispatch table: acceptance statistics (trees), then every candidate shape timed per
     batch size."""
@@ -152,7 +159,7 @@ def tune_method(args: argparse.Namespace, user: dict) -> dict:
                 totals[shape][0] += record["decode_tokens"]
                 totals[shape][1] += record["decode_s"]
         speeds[b] = {str(s): n / t for s, (n, t) in totals.items()}
-    best = {b: max(shapes, key=lambda s: speeds[b][str(s)]) for b in batch_sizes}
+    best = {b: choose(shapes, speeds[b]) for b in batch_sizes}
     return {"method": cfg.method, "config": user, "dispatch": {str(b): best[b].to_json() for b in batch_sizes},
             "chosen": {str(b): str(best[b]) for b in batch_sizes},
             "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},

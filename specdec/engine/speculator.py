@@ -83,11 +83,15 @@ class Speculator:
             spec.paused = spec.backoff
             spec.recent_acceptance = 1.2 * PAUSE_ACCEPTANCE  # a failed probe pauses again, a hit resumes
 
+    def shape_for(self, batch_size: int) -> SpecShape:
+        """This step's draft shape: the pinned one (tune), else the dispatcher's for the batch size."""
+        return self.pinned if self.pinned is not None else self.cfg.shape_for(batch_size)
+
     def step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """What each sequence keeps this step: the last token and the accepted drafts are cached, and it emits
         the accepted drafts, then the recovered or bonus token. The draft shape (chain, tree or none) follows
         the batch size through the tree dispatcher."""
-        shape = self.pinned if self.pinned is not None else self.cfg.shape_for(len(seqs))
+        shape = self.shape_for(len(seqs))
         requests = [draft_request(s, self.draft_budget(s, shape), shape) for s in seqs]
         if shape.k and self.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
