@@ -78,9 +78,10 @@ def test_a_methods_own_keys_and_errors_come_from_its_options():
 
 def test_an_unknown_method_lists_the_registered_ones():
     with pytest.raises(SpecdecError) as e:
-        SpeculativeConfig.parse({"method": "lookahead"})
+        SpeculativeConfig.parse({"method": "no_such_method"})
     message = str(e.value)
-    for name in ("custom", "draft_model", "eagle", "eagle3", "echo_test", "layer_skip", "medusa", "mtp", "ngram"):
+    for name in ("custom", "draft_model", "eagle", "eagle3", "echo_test", "layer_skip", "lookahead", "medusa", "mtp",
+                 "ngram"):
         assert repr(name) in message
 
 
