@@ -161,9 +161,9 @@ class LLMEngine:
             return []
         if self.speculator is not None and not batch.is_prefill and self.speculator.shape_for(len(batch.seqs)).k:
             outputs = self.speculator.step(batch.seqs)
-        # else a prefill, plain decoding, or a batch size the dispatcher does not speculate at: a plain step
-        # (it still gathers the target features a feature drafter will need)
         else:
+            # a prefill, plain decoding, or a batch size the dispatcher does not speculate at; the plain step
+            # still gathers the target features a feature drafter will need
             outputs = self._forward(batch)
         self.scheduler.update(batch, outputs)
         events = []
