@@ -317,3 +317,19 @@ def test_a_malformed_draft_is_refused_with_what_is_wrong(tokens, parents, messag
     else:
         with pytest.raises(SpecdecError, match=message):
             draft.validate(1, 10)
+
+
+def test_a_draft_model_step_where_nobody_drafts_claims_no_draft_cache(target_dir):
+    """All requests throttled or paused (budget 0): nothing is fed, so the draft cache must not claim the
+    sequence's K/V (a later catch-up would otherwise read slots that were never written)."""
+    from specdec.drafting import DraftRequest
+
+    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
+                                                   "num_speculative_tokens": 2})
+    drafter = llm.engine.speculator.drafter
+    request = DraftRequest(7, [5, 6, 7, 8, 9], 5, 0, params=GREEDY, block_table=[1, 2])
+    assert drafter.propose([request]).num_nodes() == [0]
+    assert drafter.cached_prefix(request) == 0
+    drafting = DraftRequest(7, [5, 6, 7, 8, 9], 5, 2, params=GREEDY, block_table=[1, 2])
+    assert drafter.propose([drafting]).num_nodes() == [2]
+    assert drafter.cached_prefix(drafting) == 5  # the committed tokens were fed

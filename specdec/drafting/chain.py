@@ -58,6 +58,8 @@ class ChainDrafter(Drafter):
         starts = [self._cached(r) for r in requests]
         feeds = [r.token_ids[start:] for r, start in zip(requests, starts)]
         steps = max(r.max_tokens for r in requests)
+        if steps <= 0:  # nobody drafts (all throttled or paused): nothing is fed, so the cache stays as it was
+            return Draft.chains([[] for _ in requests])
         tokens, probs = [], []
         for step in range(steps):
             hidden = self.run(tables, starts, feeds)
@@ -70,8 +72,6 @@ class ChainDrafter(Drafter):
         for i, r in enumerate(requests):  # K/V was written for every drafted token but the last
             drafted = [int(t[i]) for t in tokens[:-1]]
             self.caches[r.seq_id] = DraftCache(r.epoch, r.token_ids + drafted, len(r.token_ids))
-        if not tokens:
-            return Draft.chains([[] for _ in requests])
         draft = Draft.chains(torch.stack(tokens, 1).tolist())
         draft.probs = None if st.all_greedy else torch.stack(probs, 1)  # [B, k, V]
         return draft
