@@ -66,7 +66,7 @@ class LLM:
     def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> "LLM":
         """Another LLM over the same weights and tokenizer, with its own engine and speculation settings
         (how `bench` compares speculative and plain decoding of one model side by side). None means what it
-        means for `LLM(...)`: the built-in model's shipped head; "off": no speculation."""
+        means for `LLM(...)`: the built-in model's tuned default; "off": no speculation."""
         if speculative_config is None:
             speculative_config = default_speculative_config(self.model_name)
         other = object.__new__(LLM)

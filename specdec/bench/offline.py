@@ -216,6 +216,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
         timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
+
     def forget() -> None:
         for engine in engines.values():
             engine.engine.forget_finished()

@@ -103,9 +103,10 @@ def batched_comparison_lines(runs: list[dict]) -> list[str]:
         if plain is None:
             continue
         s, p = run["summary"], plain["summary"]
+        decode = ratio(s["decode_tokens_per_s"], p["decode_tokens_per_s"])
+        e2e = ratio(s["e2e_tokens_per_s"], p["e2e_tokens_per_s"])
         lines.append(f"{c['engine']}/{c['method']} vs {c['engine']}/plain ({c['dtype']}, batch {c['batch_size']}, "
-                     f"groups alternated): decode {_num(ratio(s['decode_tokens_per_s'], p['decode_tokens_per_s']), '.2f')}x, "
-                     f"e2e {_num(ratio(s['e2e_tokens_per_s'], p['e2e_tokens_per_s']), '.2f')}x; greedy token ids "
+                     f"groups alternated): decode {_num(decode, '.2f')}x, e2e {_num(e2e, '.2f')}x; greedy token ids "
                      f"identical to batch 1 on {s['identical_to_batch1']}/{s['num_prompts']}")
     return lines
 

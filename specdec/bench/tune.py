@@ -84,10 +84,18 @@ def run_tune(args: argparse.Namespace) -> dict:
     if not args.speculative_config:
         raise SpecdecError("specdec tune needs --speculative-config: the drafting method(s) to tune")
     configs = parse_candidates(args.speculative_config)
-    if getattr(args, "write_default", False) and default_config_path(args.model) is None:
+    if args.write_default and default_config_path(args.model) is None:
         raise SpecdecError(f"--write-default: {args.model!r} is not a built-in model")
+    from specdec.llm import LLM
+
     out = output_path(args.out)
-    results = [tune_method(args, user) for user in configs]
+    batch_sizes = parse_batch_sizes(args.batch_sizes)
+    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
+    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
+    base = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off",
+               quantization=args.quantization, max_num_seqs=max(max(batch_sizes), 1))
+    prompts = encode_prompts(base, rows)  # the weights are loaded and the prompts encoded once for every method
+    results = [tune_method(base, prompts, batch_sizes, params, user) for user in configs]
     result = {**results[0]} if len(results) == 1 else {"methods": results}
     result["default"] = pick_default(configs, results)
     result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
@@ -96,7 +104,7 @@ def run_tune(args: argparse.Namespace) -> dict:
     print(f"\ndefault: {json.dumps(result['default'])}")
     print(f"\ndispatch tables written to {out}; use one with "
           f"--speculative-config '{{\"method\": \"...\", ..., \"dispatch\": \"{out}\"}}'")
-    if getattr(args, "write_default", False):
+    if args.write_default:
         path = default_config_path(args.model)
         path.write_text(json.dumps(shippable(result["default"]), indent=1) + "\n")
         print(f"default speculative config of {args.model} written to {path}")
@@ -130,20 +138,12 @@ def choose(shapes: list[SpecShape], speeds: dict[str, float]) -> SpecShape:
     return best if speeds[str(best)] >= MIN_GAIN * speeds["off"] else SpecShape(0)
 
 
-def tune_method(args: argparse.Namespace, user: dict) -> dict:
-    """One method's dispatch table: acceptance statistics (trees), then every candidate shape timed per
-    batch size."""
-    from specdec.llm import LLM
-
+def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingParams, user: dict) -> dict:
+    """One method's dispatch table over the plain engine `base`'s weights: acceptance statistics (trees), then
+    every candidate shape timed per batch size."""
     cfg = SpeculativeConfig.parse(user)
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
     tree_method = cfg.info.trees
-    measure = {**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})}
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=measure,
-              quantization=args.quantization, max_num_seqs=max(max(batch_sizes), 1))
-    prompts = encode_prompts(llm, rows)
+    llm = base.with_speculative_config({**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})})
     rates = acceptance_table(llm, prompts, params) if tree_method else None
     shapes = candidates(llm.engine.speculative, rates)
     speeds: dict[int, dict[str, float]] = {}

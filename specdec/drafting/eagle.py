@@ -14,8 +14,8 @@ The head's K/V live in a pool of its own over the target's block tables, at the 
 tokens they belong to. Rows written while drafting are overwritten by the next catch-up, which restarts at
 the first token whose target feature the head has not consumed, so no rewind is needed. The row at slot t
 holds token t + 1, so a cached prefix block is reused (K/V of target and head both) only by a prompt that
-goes on with the same token after it (`cache_reads_next_token`); the head then catches up from the hit. Drafts are the
-head's argmax (q = one-hot), which verification handles losslessly at any temperature.
+goes on with the same token after it (`cache_reads_next_token`); the head then catches up from the hit.
+Drafts are the head's argmax (q = one-hot), which verification handles losslessly at any temperature.
 """
 from __future__ import annotations
 
