@@ -19,7 +19,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default="cpu", help="cpu | cuda")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\', or off (default: the built-in model '
-                   "drafts with the EAGLE-3 head shipped for it; other models do not speculate)")
+                   "uses its tuned default, specdec/heads/<model>.json, a dispatch table by batch size chosen by "
+                   "`specdec tune`; other models do not speculate)")
 
 
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:

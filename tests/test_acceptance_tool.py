@@ -19,5 +19,7 @@ def test_acceptance_tool_reports_each_config(tiny_llama_dir, tmp_path, capsys):
     assert len(lines) == 2
     for cfg, line in zip(configs, lines):
         m = re.fullmatch(re.escape(cfg) + r": acceptance length (\d+\.\d{3}), draft tokens per step \d+\.\d\d, "
-                         r"ids = first config's on (\d)/3", line)
-        assert m and float(m[1]) >= 1.0 and m[2] == "3"
+                         r"accepted per position ((?:[01]\.\d\d ?)+), ids = first config's on (\d)/3", line)
+        assert m and float(m[1]) >= 1.0 and m[3] == "3"
+        per_pos = [float(a) for a in m[2].split()]
+        assert per_pos == sorted(per_pos, reverse=True)  # a position is reached only through the one before

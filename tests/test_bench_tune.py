@@ -74,3 +74,38 @@ def test_tune_picks_the_default_among_methods_by_their_speed_against_plain(tiny_
     assert main(args + ["--write-default"]) != 0 and "not a built-in model" in capsys.readouterr().err
     head = {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"), "num_speculative_tokens": 3}
     assert shippable(head)["model"] == "smollm2-135m-eagle3" and shippable(configs[0]) == configs[0]
+
+
+def test_tune_sets_a_hybrids_min_score_from_the_measured_verification_cost(tiny_llama_dir, tmp_path, monkeypatch):
+    from specdec.bench import tune
+
+    seen = []
+
+    def token_cost(engine, context, nodes):
+        seen.append((context, nodes))
+        return 0.23456
+
+    monkeypatch.setattr(tune, "token_cost", token_cost)
+    prompts = tmp_path / "prompts.jsonl"
+    prompts.write_text(json.dumps({"category": "a", "turns": ["1 2 3 4 5 6 1 2 3 4 5 6 1 2"]}))
+    out = tmp_path / "tune.json"
+    sources = [{"method": "ngram", "num_speculative_tokens": 2}, {"method": "suffix", "num_speculative_tokens": 3}]
+    hybrid = {"method": "hybrid", "num_speculative_tokens": 4, "sources": sources}
+    given = {**hybrid, "min_score": 0.5}
+    args = ["tune", "--model", str(tiny_llama_dir), "--speculative-config", json.dumps([hybrid, given]), "--prompts",
+            str(prompts), "--num-prompts", "1", "--max-tokens", "8", "--batch-sizes", "1", "--out", str(out)]
+    assert main(args) == 0
+    measured, kept = json.loads(out.read_text())["methods"]
+    assert measured["config"] == {**hybrid, "min_score": 0.235} and kept["config"] == given
+    assert len(seen) == 1 and seen[0][1] == 4 and seen[0][0] > 8
+
+
+def test_token_cost_times_the_engines_own_steps(tiny_llama_dir):
+    from specdec import LLM
+    from specdec.bench.verify_cost import step_times, token_cost
+
+    engine = LLM(str(tiny_llama_dir), speculative_config="off").engine
+    times = step_times(engine, 20, [1, 5], repeats=3)
+    assert set(times) == {1, 5} and all(t > 0 for t in times.values())
+    assert token_cost(engine, 20, 4, repeats=3) >= 0
+    assert not engine.has_unfinished() and engine.allocator.num_used == 0  # the probe sequence is given back

@@ -61,6 +61,25 @@ def test_calibration_learns_from_what_the_target_kept():
     assert set(drafter.acceptance_estimates()["ngram#0"]) == {0.5}
 
 
+def test_a_source_that_does_not_pay_drafts_only_on_probe_steps():
+    """A always drafts 1, which the target never keeps; B drafts 7, which it always keeps. A's g(1) falls as
+    1 / (n + 2): under min_score 0.3 after two misses, then A is asked only every PROBE_EVERY-th step (and at a
+    new request's first step), while B, which pays, drafts every step."""
+    drafter = hybrid([([1], [-1]), ([7], [-1])], k=2, min_score=0.3)
+    tokens = [9, 9]
+    for _ in range(40):
+        draft = drafter.propose([DraftRequest(0, list(tokens), 2, 2)])
+        assert 7 in draft.tokens[0].tolist()
+        tokens += [7, 5]  # the target kept 7 (B's node), then its own 5
+    g = drafter.acceptance_estimates()
+    assert g["ngram#0"][0] < 0.3 < g["ngram#1"][0]
+    # A is asked at step 1 (the request's first, g(1) = 1/2) and 2 (1/3 >= 0.3); from step 3 (1/4) only at
+    # steps 8, 16, 24, 32, 40, where its node scores under min_score and is not verified (B's is the best)
+    assert drafter.asked == [2 + 40 // HybridDrafter.PROBE_EVERY, 40]
+    drafter.propose([DraftRequest(1, [9, 9], 2, 2)])  # a new request: every source sees its first step
+    assert drafter.asked == [2 + 40 // HybridDrafter.PROBE_EVERY + 1, 41]
+
+
 HYBRID = {"method": "hybrid", "num_speculative_tokens": 8, "sources": [
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "suffix", "num_speculative_tokens": 6},

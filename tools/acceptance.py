@@ -1,5 +1,6 @@
 """Acceptance length of drafting configs on Spec-Bench prompts, one request after another (batch 1, greedy),
-with greedy ids checked against the first config's. No timing: it measures what drafts are worth, and can run
+with greedy ids checked against the first config's, and the share of drafts
+accepted at each position. No timing: it measures what drafts are worth, and can run
 while the machine is busy.
 
     python tools/acceptance.py --every 25 --max-tokens 96 \
@@ -34,11 +35,14 @@ def main(argv: list[str] | None = None) -> None:
         generated = sum(o.metrics["num_generated_tokens"] for o in outs)
         steps = sum(o.metrics["num_steps"] for o in outs)
         drafted = sum(o.metrics.get("num_draft_tokens", 0) for o in outs)
+        drafts = max(1, sum(o.metrics.get("num_drafts", 0) for o in outs))
+        per_pos = [sum(o.metrics["accepted_per_pos"][j] for o in outs if j < len(o.metrics.get("accepted_per_pos", [])))
+                   / drafts for j in range(max(len(o.metrics.get("accepted_per_pos", [])) for o in outs))]
         ids = [o.token_ids for o in outs]
         reference = reference or ids
         same = sum(a == b for a, b in zip(ids, reference))
         print(f"{cfg}: acceptance length {generated / steps:.3f}, draft tokens per step {drafted / steps:.2f}, "
-              f"ids = first config's on {same}/{len(ids)}", flush=True)
+              f"accepted per position {' '.join(f'{a:.2f}' for a in per_pos)}, ids = first config's on {same}/{len(ids)}", flush=True)
 
 
 if __name__ == "__main__":

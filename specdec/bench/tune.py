@@ -10,6 +10,8 @@
    {"dispatch": "tune.json"}.
 4. Given several methods (a JSON list), each is tuned so, and the default is the one fastest against plain
    decoding over the batch sizes; `--write-default` ships it as the built-in model's default config.
+A hybrid tree given without `min_score` gets it from the measured cost of verifying one more token, in plain
+steps (`specdec.bench.verify_cost`): a node is worth verifying only while it is likelier to be accepted than that.
 """
 from __future__ import annotations
 
@@ -26,6 +28,7 @@ from specdec.bench.engines import time_group
 from specdec.bench.offline import parse_batch_sizes
 from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
+from specdec.bench.verify_cost import token_cost
 from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
@@ -120,7 +123,7 @@ def pick_default(configs: list[dict], results: list[dict]) -> dict:
         return math.prod(ratios) ** (1 / len(ratios))
 
     best = max(range(len(results)), key=lambda i: score(results[i]))
-    config = {k: v for k, v in configs[best].items() if k not in ("dispatch", "tree")}
+    config = {k: v for k, v in results[best]["config"].items() if k not in ("dispatch", "tree")}
     return {**config, "dispatch": results[best]["dispatch"]}
 
 
@@ -142,6 +145,8 @@ def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingPar
     """One method's dispatch table over the plain engine `base`'s weights: acceptance statistics (trees), then
     every candidate shape timed per batch size."""
     cfg = SpeculativeConfig.parse(user)
+    if cfg.method == "hybrid" and "min_score" not in user:
+        user = {**user, "min_score": hybrid_min_score(base, prompts, cfg.num_speculative_tokens, params)}
     tree_method = cfg.info.trees
     llm = base.with_speculative_config({**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})})
     rates = acceptance_table(llm, prompts, params) if tree_method else None
@@ -165,6 +170,17 @@ def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingPar
             "decode_tokens_per_s": {str(b): v for b, v in speeds.items()},
             "acceptance_by_depth_and_rank": rates,
             "candidates": {str(s): s.to_json() for s in shapes}}
+
+
+def hybrid_min_score(base, prompts: list, nodes: int, params: SamplingParams) -> float:
+    """The extra cost of verifying one more token, in plain steps, at the prompts' median context halfway
+    through their answers: the least acceptance chance that pays for a node of a hybrid tree."""
+    context = sorted(len(p.token_ids) for p in prompts)[len(prompts) // 2] + params.max_tokens // 2
+    context = min(context, base.engine.max_model_len - nodes - 2)
+    cost = token_cost(base.engine, context, nodes)
+    print(f"hybrid: verifying one more token costs {cost:.3f} plain steps (context {context}, {nodes} nodes): "
+          f"min_score {min(round(cost, 3), 1.0)}", file=sys.stderr)
+    return min(round(cost, 3), 1.0)
 
 
 def format_tune(result: dict) -> str:

@@ -15,6 +15,12 @@ least `min_score` (the cost of verifying one more token, in plain steps: `tools/
 and it has fewer than `num_speculative_tokens` nodes; its best node is always taken (a probe: without it a
 source whose estimate fell under `min_score` would never be verified again to raise it).
 
+A source that does not pay is not asked: while its depth-1 calibration g(1) is under `min_score` (every node it
+could add alone would score under it, since b <= 1 and a node never outscores its parent) it drafts only every
+`PROBE_EVERY`-th step, enough to learn when it starts to pay again, so a weak source costs little time. The
+source that reads the target's features drafts every step (its K/V follows the sequence), and every source
+drafts at a request's first step (suffix decoding learns there where the prompt ends).
+
 Proposals are deterministic (q = one-hot), whatever the sources drew them from: a token proposed independently
 of the target's randomness and verified as one-hot is accepted with probability p(x) and otherwise resampled
 from p without x, so greedy output is identical to plain decoding and sampled output keeps the target's
@@ -73,6 +79,7 @@ class _Pending:
 @register_method("hybrid", HybridOptions)
 class HybridDrafter(Drafter):
     MAX_DEPTH = 16
+    PROBE_EVERY = 8  # a source whose g(1) is under min_score drafts only this one step in so many
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "HybridDrafter":
@@ -103,6 +110,9 @@ class HybridDrafter(Drafter):
         self.cache_reads_next_token = any(s.drafter.cache_reads_next_token for s in self.sources)
         self.k, self.min_score = num_speculative_tokens, min_score
         self.pending: dict[int, _Pending] = {}
+        self.steps = 0  # propose calls, for the probes of sources that do not pay
+        self.known: set[int] = set()  # requests every source has seen
+        self.asked = [0] * len(self.sources)  # per source: steps it drafted (for reports and tests)
 
     # ---- learning from the last verification ---------------------------------------------------------
     def learn(self, r: DraftRequest) -> None:
@@ -121,8 +131,15 @@ class HybridDrafter(Drafter):
     def propose(self, requests: list[DraftRequest]) -> Draft:
         for r in requests:
             self.learn(r)
+        self.steps += 1
+        probe = self.steps % self.PROBE_EVERY == 0 or any(r.seq_id not in self.known for r in requests)
+        self.known.update(r.seq_id for r in requests)
         drafts = []
-        for src in self.sources:
+        for n, src in enumerate(self.sources):
+            if not (probe or src is self.featured or src.calibration(1) >= self.min_score):
+                drafts.append(Draft.from_rows([([], [])] * len(requests)))
+                continue
+            self.asked[n] += 1
             shape = src.cfg.shape
             subs = [dataclasses.replace(r, max_tokens=min(shape.num_tokens, r.max_tokens), tree=shape.tree,
                                         dynamic=None, features=r.features if src is self.featured else None)
@@ -184,9 +201,11 @@ class HybridDrafter(Drafter):
         for s in self.sources:
             s.drafter.forget()
             s.accepted, s.believed = [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH
+        self.steps, self.asked = 0, [0] * len(self.sources)
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
+        self.known.discard(seq_id)
         for s in self.sources:
             s.drafter.release(seq_id)
 

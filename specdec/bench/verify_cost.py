@@ -1,0 +1,42 @@
+"""What verification costs on this machine: one target forward (all layers, LM head, argmax) feeding n tokens of
+one sequence, against a plain decode step (n = 1). A hybrid tree is worth growing by one node only while that
+node's chance of being accepted exceeds the extra time it takes to verify, in plain steps; `specdec tune`
+measures that here, with the engine's own runner, and sets the hybrid's `min_score` from it.
+"""
+from __future__ import annotations
+
+import statistics
+import time
+
+from specdec.config import SamplingParams
+
+
+def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
+    """Median seconds of a step feeding n tokens after `context` committed ones, for each n in `tokens`. The
+    shapes are interleaved repetition by repetition, so drift of the machine hits them alike; the fed tokens
+    are written past the committed ones and never committed."""
+    vocab = engine.model.config.vocab_size
+    seq = engine.add_request([(1000 + i) % vocab for i in range(context)],
+                             SamplingParams(temperature=0, max_tokens=max(tokens) + 1))
+    try:
+        while seq.num_cached < context:  # the prompt's prefill
+            engine.step()
+        engine.allocator.allocate(seq.block_table, seq.num_cached + max(tokens))
+        times: dict[int, list[float]] = {n: [] for n in tokens}
+        for _ in range(repeats):
+            for n in tokens:
+                start = time.perf_counter()
+                hidden, _ = engine.runner.run([seq.block_table.blocks], [seq.num_cached],
+                                              [seq.token_ids[seq.num_cached:] + [100 % vocab] * (n - 1)])
+                engine.runner.model.compute_logits(hidden).argmax(-1)
+                times[n].append(time.perf_counter() - start)
+    finally:
+        engine.abort(seq)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def token_cost(engine, context: int, nodes: int, repeats: int = 9) -> float:
+    """The extra time of verifying one more token, in plain steps, averaged over a tree of `nodes` drafts:
+    (t(1 + nodes) - t(1)) / (nodes * t(1))."""
+    t = step_times(engine, context, [1, 1 + nodes], repeats)
+    return max(0.0, (t[1 + nodes] - t[1]) / (nodes * t[1]))
