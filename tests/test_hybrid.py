@@ -80,6 +80,23 @@ def test_a_source_that_does_not_pay_drafts_only_on_probe_steps():
     assert drafter.asked == [2 + 40 // HybridDrafter.PROBE_EVERY + 1, 41]
 
 
+def test_a_depth_that_fell_under_min_score_is_probed_and_recovers():
+    """A drafts 1 2 3. The target first rejects 2 a few times (g(2) falls to 1/6, under min_score 0.3, and
+    depth 2 would never be verified again), then always keeps 1 2 3. Probe steps verify the whole best path, so
+    g(2) and g(3) climb back over min_score and the full chain is drafted again on ordinary steps."""
+    drafter = hybrid([([1, 2, 3], [-1, 0, 1])], k=3, min_score=0.3)
+    tokens = [9, 9]
+    sizes = []
+    for step in range(1, 41):
+        draft = drafter.propose([DraftRequest(0, list(tokens), 2, 3)])
+        sizes.append(draft.num_nodes()[0])
+        tokens += [1, 2, 3, 5] if step > 4 else [1, 5]  # the first four steps: 2 rejected
+    g = drafter.acceptance_estimates()["ngram#0"]
+    assert sizes[4] == 1 and g[1] > 0.3 and g[2] > 0.3  # fell under min_score, then earned it back
+    assert sizes[HybridDrafter.PROBE_EVERY - 1] == 3  # a probe step takes the whole best path
+    assert sizes[-1] == 3
+
+
 HYBRID = {"method": "hybrid", "num_speculative_tokens": 8, "sources": [
     {"method": "ngram", "num_speculative_tokens": 4},
     {"method": "suffix", "num_speculative_tokens": 6},

@@ -12,8 +12,10 @@ source and depth, (accepted nodes + 1) / (sum of b over its verified nodes + 2),
 kept at the next step. A merged node scores the best of its sources, capped by its parent's score (a node is
 never likelier than its parent). The tree grows best first from the root while its next node's score is at
 least `min_score` (the cost of verifying one more token, in plain steps: `tools/verify_cost.py` measures it)
-and it has fewer than `num_speculative_tokens` nodes; its best node is always taken (a probe: without it a
-source whose estimate fell under `min_score` would never be verified again to raise it).
+and it has fewer than `num_speculative_tokens` nodes. Its best node is always taken, and on every
+`PROBE_EVERY`-th step so is the path of best children below it, down to the depth cap (probes: g(d) only
+learns from verified nodes, so without them a depth whose estimate fell under `min_score` after a few unlucky
+steps would never be verified again to raise it).
 
 A source that does not pay is not asked: while its depth-1 calibration g(1) is under `min_score` (every node it
 could add alone would score under it, since b <= 1 and a node never outscores its parent) it drafts only every
@@ -132,7 +134,8 @@ class HybridDrafter(Drafter):
         for r in requests:
             self.learn(r)
         self.steps += 1
-        probe = self.steps % self.PROBE_EVERY == 0 or any(r.seq_id not in self.known for r in requests)
+        periodic = self.steps % self.PROBE_EVERY == 0
+        probe = periodic or any(r.seq_id not in self.known for r in requests)
         self.known.update(r.seq_id for r in requests)
         drafts = []
         for n, src in enumerate(self.sources):
@@ -145,9 +148,9 @@ class HybridDrafter(Drafter):
                                         dynamic=None, features=r.features if src is self.featured else None)
                     for r in requests]
             drafts.append(src.drafter.propose(subs))
-        return Draft.from_rows([self.merge(i, r, drafts) for i, r in enumerate(requests)])
+        return Draft.from_rows([self.merge(i, r, drafts, periodic) for i, r in enumerate(requests)])
 
-    def merge(self, i: int, r: DraftRequest, drafts: list[Draft]) -> tuple[list[int], list[int]]:
+    def merge(self, i: int, r: DraftRequest, drafts: list[Draft], probe: bool = False) -> tuple[list[int], list[int]]:
         budget = min(self.k, r.max_tokens)
         depth_cap = budget if r.max_depth is None else min(budget, r.max_depth)
         nodes: dict[tuple[int, ...], dict[int, float]] = {}  # path -> source -> b
@@ -174,6 +177,11 @@ class HybridDrafter(Drafter):
         def score(path: tuple[int, ...]) -> float:
             return max(b * self.sources[s].calibration(len(path)) for s, b in nodes[path].items())
 
+        forced: set[tuple[int, ...]] = set()  # always verified (probes): the best node, on probe steps its path
+        level = children.get((), [])
+        while level and (not forced or probe and len(forced) < depth_cap):
+            forced.add(max(level, key=score))
+            level = children.get(max(forced, key=len), [])
         tokens: list[int] = []
         parents: list[int] = []
         index: dict[tuple[int, ...], int] = {}
@@ -182,8 +190,8 @@ class HybridDrafter(Drafter):
         tie = len(heap)
         while heap and len(tokens) < budget:
             neg, _, path = heapq.heappop(heap)
-            if -neg < self.min_score and tokens:  # the best node is always verified: a probe, so that
-                break  # a source whose estimate fell low can earn it back (the engine backs off failing requests)
+            if -neg < self.min_score and path not in forced:
+                continue
             index[path] = len(tokens)
             tokens.append(path[-1])
             parents.append(ROOT if len(path) == 1 else index[path[:-1]])
