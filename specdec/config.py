@@ -84,6 +84,45 @@ class ModelConfig:
 
 
 @dataclass
+class StructuredOutput:
+    """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
+    (dict or JSON text), any JSON object, a regex, a grammar (EBNF/GBNF, or Lark when `grammar_syntax` says
+    so) or a choice among strings. Compiled by `specdec.grammar`, which names what is wrong in a bad one."""
+
+    json: dict | str | None = None
+    json_object: bool = False
+    regex: str | None = None
+    grammar: str | None = None
+    grammar_syntax: str = "ebnf"  # or "lark"
+    choice: list[str] | None = None
+
+    KINDS = ("json", "json_object", "regex", "grammar", "choice")
+
+    def __post_init__(self) -> None:
+        given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
+        if len(given) != 1:
+            raise SpecdecError(f"structured_output needs exactly one of {list(self.KINDS)}; got "
+                               f"{given or 'none'}")
+        if self.json is not None and not isinstance(self.json, (dict, str)):
+            raise SpecdecError("structured_output.json must be a JSON schema: a dict or its JSON text")
+        if self.json_object not in (True, False):
+            raise SpecdecError("structured_output.json_object must be true or false")
+        for name in ("regex", "grammar"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, str) or not value):
+                raise SpecdecError(f"structured_output.{name} must be a non-empty string")
+        if self.grammar_syntax not in ("ebnf", "lark"):
+            raise SpecdecError(f"structured_output.grammar_syntax={self.grammar_syntax!r}: use 'ebnf' or 'lark'")
+        if self.choice is not None and (not isinstance(self.choice, list) or not self.choice
+                                        or any(not isinstance(c, str) or not c for c in self.choice)):
+            raise SpecdecError("structured_output.choice must be a non-empty list of non-empty strings")
+
+    @property
+    def kind(self) -> str:
+        return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
+
+
+@dataclass
 class SamplingParams:
     """Per-request sampling, named as in vLLM. temperature 0 means greedy."""
 
@@ -96,8 +135,14 @@ class SamplingParams:
     stop: list[str] | str | None = None
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
+    structured_output: StructuredOutput | dict | None = None  # a dict holds StructuredOutput's fields
 
     def __post_init__(self) -> None:
+        if isinstance(self.structured_output, dict):
+            self.structured_output = from_kwargs(StructuredOutput, self.structured_output)
+        if self.structured_output is not None and not isinstance(self.structured_output, StructuredOutput):
+            raise SpecdecError("structured_output must be a StructuredOutput or a dict of its fields "
+                               "(json, json_object, regex, grammar, choice)")
         if isinstance(self.stop, str):
             self.stop = [self.stop]
         self.stop = list(self.stop or [])
@@ -204,6 +249,9 @@ class SpeculativeConfig:
     # {"1": "D2-BF2", "8": "chain-2", "32": "off"}; batch sizes below the smallest key use `tree`. Or the
     # path of a JSON table written by `specdec tune`.
     dispatch: dict | str | None = None
+    # Structured output: up to this many tokens of text a request's grammar forces are drafted per step
+    # (jump-forward drafting; they extend or replace the drafter's chain); 0 or false: off, true: 8
+    jump_forward: int | bool = 8
     options: Any = None  # the method's own keys (its options dataclass); None: the method's defaults
 
     def __post_init__(self) -> None:
@@ -213,6 +261,11 @@ class SpeculativeConfig:
         elif not isinstance(self.options, info.options):
             raise SpecdecError(f"method {self.method!r} takes options of type {info.options.__name__}, "
                                f"got {type(self.options).__name__}")
+        if isinstance(self.jump_forward, bool):
+            self.jump_forward = 8 if self.jump_forward else 0
+        if not isinstance(self.jump_forward, int) or not 0 <= self.jump_forward <= 15:
+            raise SpecdecError(f"invalid jump_forward={self.jump_forward!r}: an integer in [0, 15] (tokens of "
+                               "forced text per step), or true / false")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
             raise SpecdecError(f"invalid num_speculative_tokens={k!r}: must be an integer in [1, 15]")
@@ -227,6 +280,11 @@ class SpeculativeConfig:
     def num_draft_tokens(self) -> int:
         """Draft tokens one step may verify per sequence, whatever the batch size (slots reserved for them)."""
         return max(shape.num_slots for shape in self.shapes())
+
+    @property
+    def num_slots(self) -> int:
+        """KV slots a decode step reserves per sequence: the drafter's largest shape, or forced text."""
+        return max(self.num_draft_tokens, self.jump_forward)
 
     def shapes(self) -> list[Any]:
         """Every draft shape this config may use: the default one and the dispatch table's."""
@@ -320,5 +378,5 @@ def from_kwargs(cls: type, kwargs: dict[str, Any]) -> Any:
     return cls(**kwargs)
 
 
-__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "EngineConfig", "SpeculativeConfig", "MethodInfo",
+__all__ = ["SpecdecError", "ModelConfig", "SamplingParams", "StructuredOutput", "EngineConfig", "SpeculativeConfig", "MethodInfo",
            "register_method", "method_info", "registered_methods", "from_kwargs", "SUPPORTED_MODEL_TYPES"]

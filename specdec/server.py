@@ -31,7 +31,7 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.config import SamplingParams, SpecdecError
+from specdec.config import SamplingParams, SpecdecError, StructuredOutput, from_kwargs
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
 
@@ -77,8 +77,49 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set, "logit_bias": _is_set,
     "best_of": lambda v: v not in (None, 1), "presence_penalty": _is_set, "frequency_penalty": _is_set,
     "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": _is_set, "functions": _is_set,
-    "response_format": lambda v: isinstance(v, dict) and v.get("type") not in (None, "text"),
 }
+
+# Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+                 "guided_choice": "choice"}
+
+
+def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
+    """The request's constraint and the field it came from, or (None, None); APIError 400 naming the field
+    when it is malformed or more than one is given."""
+    found: list[tuple[str, dict]] = []
+    fmt = extra.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format.json_schema.schema must be given, a JSON schema object",
+                               param="response_format.json_schema.schema")
+            found.append(("response_format", {"json": spec["schema"]}))
+    for name, key in GUIDED_FIELDS.items():
+        if extra.get(name) is not None:
+            found.append((name, {key: extra[name]}))
+    if extra.get("structured_outputs") is not None:
+        so = extra["structured_outputs"]
+        if not isinstance(so, dict):
+            raise APIError(400, "structured_outputs must be an object such as {\"json\": {...}}",
+                           param="structured_outputs")
+        found.append(("structured_outputs", so))
+    if not found:
+        return None, None
+    if len(found) > 1:
+        raise APIError(400, f"give one structured output constraint, not {[f for f, _ in found]}",
+                       param=found[1][0])
+    field, kwargs = found[0]
+    try:
+        return from_kwargs(StructuredOutput, kwargs), field
+    except SpecdecError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
 
 
 class _GenerationBody(BaseModel):
@@ -398,9 +439,10 @@ class OpenAIServer:
         self.metrics.watch(self.engine)
         self.created = int(time.time())
 
-    def sampling_params(self, body: _GenerationBody) -> tuple[SamplingParams, int | None, str]:
+    def sampling_params(self, body: _GenerationBody) -> tuple[SamplingParams, int | None, str, str | None]:
         """Validate sampling fields here, where we still know their names; max_tokens is settled on
-        the engine thread once the prompt length is known."""
+        the engine thread once the prompt length is known. Also returns the field a structured output
+        constraint came from (its grammar is compiled on the engine thread, which names it in an error)."""
         for name, value in (body.model_extra or {}).items():
             if name in UNSUPPORTED_FIELDS and UNSUPPORTED_FIELDS[name](value):
                 raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server; leave it out",
@@ -417,18 +459,25 @@ class OpenAIServer:
             raise APIError(400, f"invalid temperature={temperature}: must be in [0, 2]", param="temperature")
         if body.seed is not None and not -2**63 <= body.seed < 2**64:
             raise APIError(400, f"invalid seed={body.seed}: must fit in 64 bits", param="seed")
+        constraint, constraint_field = structured_output(body.model_extra or {})
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                     top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed,
-                                    max_tokens=max_tokens or 1, stop=body.stop, ignore_eos=body.ignore_eos)
+                                    max_tokens=max_tokens or 1, stop=body.stop, ignore_eos=body.ignore_eos,
+                                    structured_output=constraint)
         except SpecdecError as e:  # "invalid top_p=1.5: must be in (0, 1]"
             match = re.match(r"invalid (\w+)=", str(e))
             raise APIError(400, str(e), param=match[1] if match else None) from None
-        return params, max_tokens, max_field
+        return params, max_tokens, max_field, constraint_field
 
     def preparer(self, tokenize: Callable[[], list[int]], params: SamplingParams, max_tokens: int | None,
-                 max_field: str, prompt_field: str) -> Prepare:
+                 max_field: str, prompt_field: str, constraint_field: str | None = None) -> Prepare:
         def prepare() -> tuple[list[int], SamplingParams]:
+            if constraint_field is not None:
+                try:  # compiled once here (cached by its text) to name the field; the engine reuses it
+                    self.llm.engine.grammar_state(params)
+                except SpecdecError as e:
+                    raise APIError(400, f"{constraint_field}: {e}", param=constraint_field) from None
             ids = tokenize()
             n, limit = len(ids), self.llm.engine.max_model_len
             if n >= limit:
@@ -460,9 +509,9 @@ class OpenAIServer:
         if body.model != self.model:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
-        params, max_tokens, max_field = self.sampling_params(body)
+        params, max_tokens, max_field, constraint_field = self.sampling_params(body)
         tokenize, prompt_field = self.tokenizer_for(body)
-        prepare = self.preparer(tokenize, params, max_tokens, max_field, prompt_field)
+        prepare = self.preparer(tokenize, params, max_tokens, max_field, prompt_field, constraint_field)
         req = await self.engine.submit(prepare, bool(body.stream), prompt_field)
         chat = isinstance(body, ChatBody)
         rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"

@@ -141,6 +141,37 @@ def test_chat_equals_offline_streamed_or_not(served, offline):
     assert chunks[-1].usage.model_extra["num_drafts"] == extra["num_drafts"]
 
 
+SCHEMA = {"type": "object", "properties": {"word": {"type": "string", "maxLength": 10},
+                                           "count": {"type": "integer", "minimum": 0, "maximum": 99}},
+          "required": ["word", "count"], "additionalProperties": False}
+
+
+def test_structured_output_through_the_openai_client_streamed_or_not(served, offline):
+    """response_format json_schema (strict), streamed and not, and a vLLM-style guided_choice: the same text as
+    the offline engine under the same constraint, valid for it."""
+    from jsonschema import validate
+
+    expected = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=60, structured_output={"json": SCHEMA}))[0]
+    validate(json.loads(expected.text), SCHEMA)
+    client = served.client()
+    fmt = {"type": "json_schema", "json_schema": {"name": "tally", "schema": SCHEMA, "strict": True}}
+    resp = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
+                                          response_format=fmt)
+    assert resp.choices[0].message.content == expected.text and resp.choices[0].finish_reason == "stop"
+    chunks = list(client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
+                                                 response_format=fmt, stream=True))
+    assert "".join(c.choices[0].delta.content or "" for c in chunks if c.choices) == expected.text
+    choice = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=10, temperature=0.9, seed=3,
+                                            extra_body={"guided_choice": ["red", "green", "blue"]})
+    assert choice.choices[0].message.content in ("red", "green", "blue")
+    anything = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=60, temperature=0,
+                                              response_format={"type": "json_object"})
+    if anything.choices[0].finish_reason == "stop":
+        assert isinstance(json.loads(anything.choices[0].message.content), dict)
+    m = served.wait_idle()
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+
+
 def test_completions_equal_offline_for_every_prompt_form(served, offline):
     expected = offline.generate(REPETITIVE, greedy(24))[0]
     client = served.client()
@@ -308,7 +339,19 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000, "stream": True}, 400, "max_tokens"),
     ("/v1/chat/completions", OK_CHAT | {"logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
-    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_object"}}, 400, "response_format"),
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "yaml"}}, 400, "response_format"),
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
+     400, "response_format.json_schema.schema"),
+    ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {
+        "name": "x", "schema": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}}}, 400,
+     "response_format"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_regex": "[a-"}, 400, "guided_regex"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_grammar": "root ::= (("}, 400, "guided_grammar"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_choice": []}, 400, "guided_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_json": "{not json"}, 400, "guided_json"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
+     "structured_outputs"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
     ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),

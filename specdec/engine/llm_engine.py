@@ -15,6 +15,7 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator, draft_request
+from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import sample_requests
@@ -81,13 +82,13 @@ class LLMEngine:
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(mcfg, num_blocks, bs, model.kv_dtype, model.device)
-        lookahead = speculative.num_draft_tokens if speculative else 0
+        lookahead = speculative.num_slots if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
         self.runner = ModelRunner(model, self.kv, bs)
         self.speculator = None
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs)
-            self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative)
+            self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative, tokenizer)
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         if self.speculator is not None:
             self.allocator.match_next_token = self.speculator.drafter.cache_reads_next_token
@@ -95,6 +96,16 @@ class LLMEngine:
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}
         self._detok: dict[int, IncrementalText] = {}  # sequences whose text is read while they run
+        self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
+
+    def grammar_state(self, params: SamplingParams) -> GrammarState | None:
+        """A fresh grammar state for a request's structured output (None without one); compiling a bad
+        schema, regex or grammar raises a SpecdecError naming the field."""
+        if params.structured_output is None:
+            return None
+        if self._grammars is None:
+            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
+        return self._grammars.state(params.structured_output)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
         n = len(prompt_token_ids)
@@ -109,8 +120,9 @@ class LLMEngine:
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
+        grammar = self.grammar_state(params)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len,
-                       self.eos_token_ids, generator)
+                       self.eos_token_ids, generator, grammar=grammar)
         self.scheduler.add(seq)
         return seq
 
@@ -191,6 +203,8 @@ class LLMEngine:
             rows = [ends[i] - 1 for i in ready]
             last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
             logits = self.model.compute_logits(last)
+            if any(seqs[i].grammar is not None for i in ready):
+                mask_logits(logits, [(seqs[i].grammar, [], [], seqs[i].params.greedy) for i in ready])
             next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()
             for i, token in zip(ready, next_tokens):
                 tokens[i] = [token]
@@ -230,10 +244,17 @@ class LLMEngine:
         self.allocator.register(seq.block_table, seq.token_ids, n)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append tokens until a stop condition; finish the sequence if one fired."""
+        """Append tokens until a stop condition; finish the sequence if one fired. A structured request whose
+        grammar allows no next token (it ended, e.g. past its end under ignore_eos) stops there."""
         kept = []
+        if seq.grammar is not None and seq.grammar.dead:
+            seq.finish_reason, seq.stop_reason = "stop", "structured output complete: no token may follow"
+            self._finish(seq)
+            return kept
         for token in tokens:
             kept.append(token)
+            if seq.grammar is not None:
+                seq.grammar.accept(token)
             if seq.append(token) or self._hit_stop_string(seq):
                 self._finish(seq)
                 break
@@ -293,4 +314,5 @@ def request_metrics(seq: Sequence) -> dict:
         "decode_s": decode_s,
         "e2e_s": end - seq.arrival_time,
         "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
+        "grammar_s": seq.grammar.seconds if seq.grammar is not None else None,  # structured output's masks
     }

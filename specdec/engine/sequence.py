@@ -8,6 +8,7 @@ from enum import Enum, auto
 import torch
 
 from specdec.config import SamplingParams
+from specdec.grammar import GrammarState
 from specdec.kv_cache import BlockTable
 
 
@@ -70,6 +71,7 @@ class Sequence:
     # one [n, F] tensor per forward, covering tokens features_start .. num_cached - 1 in order.
     pending_features: list[torch.Tensor] = field(default_factory=list)
     features_start: int = 0
+    grammar: GrammarState | None = None  # structured output: the grammar's state after the committed tokens
 
     def take_features(self) -> tuple[int, torch.Tensor | None]:
         """The pending target features and the token index of their first row; they are handed over once."""

