@@ -41,6 +41,40 @@ def _xgrammar():
     return xgrammar
 
 
+# Keywords xgrammar 0.2.8 accepts but does not enforce (measured: the grammar is the same without them, or
+# accepts what they forbid). A schema using one is refused rather than silently not honoured.
+UNENFORCED_KEYWORDS = frozenset({"not", "if", "then", "else", "dependentRequired", "dependentSchemas", "dependencies",
+                                 "uniqueItems", "contains", "minContains", "maxContains", "unevaluatedProperties",
+                                 "unevaluatedItems", "additionalItems"})
+_DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", "title", "description",
+                            "$comment", "$schema", "$id", "$ref", "type", "format", "pattern"})
+_NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
+
+
+def check_schema(node, path: str = "#") -> None:
+    """Refuse a JSON schema keyword the grammar backend would not enforce, naming where it is."""
+    if not isinstance(node, dict):
+        return
+    for key, value in node.items():
+        where = f"{path}/{key}"
+        if key in _DATA_KEYWORDS:
+            continue
+        if key in UNENFORCED_KEYWORDS and not (key == "uniqueItems" and value is False):
+            raise SpecdecError(f"invalid structured_output.json: the keyword {key!r} at {path} is not supported "
+                               "(the grammar could not enforce it); remove it or enforce it after decoding")
+        if key == "allOf" and isinstance(value, list) and len(value) > 1:
+            raise SpecdecError(f"invalid structured_output.json: 'allOf' with {len(value)} schemas at {path} is not "
+                               "supported; merge them into one schema")
+        if key in _NAMED_SUBSCHEMAS and isinstance(value, dict):
+            for name, sub in value.items():
+                check_schema(sub, f"{where}/{name}")
+        elif isinstance(value, dict):
+            check_schema(value, where)
+        elif isinstance(value, list):
+            for i, sub in enumerate(value):
+                check_schema(sub, f"{where}/{i}")
+
+
 # xgrammar 0.2.8 writes a string with minLength / maxLength as characters from [^"\\\r\n], which lets control
 # characters through unescaped (invalid JSON); every other string rule it writes excludes them.
 _LOOSE_CHAR = r'[^\"\\\r\n]'
@@ -49,6 +83,7 @@ _STRICT_CHAR = r'[^\0-\x1f\"\\]'
 
 def json_schema_ebnf(schema: str) -> str:
     """The EBNF grammar of a JSON schema (xgrammar's, compact separators), its characters strict JSON's."""
+    check_schema(json.loads(schema))
     grammar = _xgrammar().Grammar.from_json_schema(schema, any_whitespace=False)
     return str(grammar).replace(_LOOSE_CHAR, _STRICT_CHAR)
 

@@ -96,3 +96,28 @@ def test_bench_alternates_speculative_and_plain_groups_at_each_batch_size(tiny_m
     assert runs["suffix", 2]["summary"]["identical_to_batch1"] == 4
     assert len(forgets) == 4  # both engines, after the warm-up and before the batch-2 pass
     assert "specdec/suffix vs specdec/plain (float32, batch 2, groups alternated): decode" in capsys.readouterr().out
+
+
+def test_structured_bench_compares_constrained_plain_and_speculative(tiny_model: Path, tmp_path: Path,
+                                                                     capsys) -> None:
+    """Every output validated against its schema, identical to constrained plain, at batch 1 and in groups;
+    a prompts file without schemas is refused."""
+    schema = {"type": "object", "properties": {"n": {"type": "integer", "minimum": 0, "maximum": 9},
+                                               "ok": {"type": "boolean"}}, "required": ["n", "ok"],
+              "additionalProperties": False}
+    tasks = write_prompts(tmp_path / "s.jsonl", [{"text": f"Item {i} is fine.", "schema": schema} for i in range(3)])
+    out = tmp_path / "s.json"
+    assert main(["bench", "--structured", "--model", str(tiny_model), "--prompts", str(tasks), "--num-prompts", "3",
+                 "--max-tokens", "32", "--batch-sizes", "1,2", "--out", str(out)]) == 0
+    result = json.loads(out.read_text())
+    summary = result["summary"]
+    assert set(summary) == {"plain", "speculative", "speculative, no jump-forward"}
+    assert all(v["valid"] == 3 and v["identical_to_plain"] == 3 for v in summary.values())
+    assert summary["speculative"]["acceptance_length"] > summary["plain"]["acceptance_length"] == 1.0
+    [batched] = result["batched"]
+    assert batched["batch_size"] == 2 and batched["identical_to_plain"] == 3 and batched["valid"] == {
+        "plain": 3, "speculative": 3}
+    assert "valid JSON" in capsys.readouterr().out
+    bad = write_prompts(tmp_path / "bad.jsonl", [{"text": "no schema"}])
+    assert main(["bench", "--structured", "--model", str(tiny_model), "--prompts", str(bad)]) == 2
+    assert "must be an object with 'text' and 'schema'" in capsys.readouterr().err

@@ -77,8 +77,13 @@ def plain(target_dir):  # noqa: F811
     ({"json": {"type": "object", "properties": {"a": {"type": "nonsense"}}}}, "structured_output.json"),
     ({"grammar": "root ::= (("}, "structured_output.grammar"),
     ({"grammar": "start: (", "grammar_syntax": "lark"}, "structured_output.grammar"),
+    ({"json": {"type": "object", "properties": {"tags": {"type": "array", "uniqueItems": True}}}},
+     "the keyword 'uniqueItems' at #/properties/tags is not supported"),
+    ({"json": {"type": "integer", "not": {"const": 3}}}, "the keyword 'not' at # is not supported"),
+    ({"json": {"allOf": [{"type": "integer"}, {"minimum": 3}]}}, "'allOf' with 2 schemas"),
 ])
-def test_constraints_that_do_not_compile_name_the_field_and_admit_nothing(plain, constraint, field):
+def test_constraints_that_do_not_compile_or_cannot_be_enforced_name_the_field_and_admit_nothing(
+        plain, constraint, field):
     with pytest.raises(SpecdecError, match=re.escape(field)):
         plain.generate([{"prompt_token_ids": PROMPTS[0]}], constrained(constraint))
     assert not plain.engine.has_unfinished() and plain.engine.allocator.num_used == 0
@@ -221,19 +226,24 @@ def test_greedy_constrained_speculation_equals_constrained_plain(target_dir, oth
     assert spec.engine.allocator.num_used == 0
 
 
-def test_forced_text_is_drafted_and_accepted(target_dir, plain):
-    """A choice of one long string, with an n-gram drafter that never finds a match: every draft is the
-    grammar's jump-forward text, and the target (random weights, its own segmentation) keeps part of it."""
+def test_forced_text_is_drafted_where_the_dispatcher_drafts_nothing(target_dir, plain):
+    """A choice of one long string, with a config whose drafter is off at every batch size: steps of a batch
+    holding a structured request still draft the grammar's forced text (jump-forward), and the target (random
+    weights, its own segmentation) keeps part of it; an unconstrained request beside it decodes as plain."""
     text = "the quick brown fox jumps over the lazy dog"
-    spec = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 12,
-                                                     "prompt_lookup_min": 12, "prompt_lookup_max": 12})
-    p = constrained({"choice": [text]})
+    spec = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4, "tree": "off"})
+    prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}]
+    params = [constrained({"choice": [text]}), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
     with spec.engine.trace_speculation() as trace:
-        out = spec.generate([{"prompt_token_ids": PROMPTS[0]}], p)[0]
-    expected = plain.generate([{"prompt_token_ids": PROMPTS[0]}], p)[0]
-    assert out.text == text and out.token_ids == expected.token_ids
-    assert all(drafted > 0 for _, drafted in trace)  # the grammar drafted at every step
-    assert out.metrics["num_accepted_tokens"] >= 4 and out.metrics["num_steps"] < len(out.token_ids) - 3
+        outs = spec.generate(prompts, params)
+    expected = plain.generate(prompts, params)
+    assert outs[0].text == text and [o.token_ids for o in outs] == [e.token_ids for e in expected]
+    assert outs[0].metrics["num_accepted_tokens"] >= 4 and outs[0].metrics["num_steps"] < len(outs[0].token_ids) - 3
+    assert outs[1].metrics["num_draft_tokens"] == 0 and trace
+    off = LLM(str(target_dir), speculative_config={"method": "ngram", "tree": "off", "jump_forward": 0})
+    with off.engine.trace_speculation() as trace:
+        assert off.generate(prompts, params)[0].token_ids == expected[0].token_ids
+    assert not trace  # nothing to draft: every decode step took the plain path
 
 
 def test_a_finished_grammar_ends_the_request_even_under_ignore_eos(plain):
@@ -334,5 +344,6 @@ def test_greedy_constrained_speculation_on_the_default_model_equals_plain(smol, 
     spec = smol.with_speculative_config(config)
     outs = spec.generate(prompts[:6], params[:6]) + [spec.generate(p, q)[0] for p, q in zip(prompts[6:], params[6:])]
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
-    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)
+    assert 0 < accepted < sum(o.metrics["num_draft_tokens"] for o in outs)  # and rejected drafts rolled back
     assert spec.engine.allocator.num_used == 0

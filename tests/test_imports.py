@@ -49,6 +49,7 @@ def test_the_walk_sees_the_whole_package():
     ("specdec.drafting", ("specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.models", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.engine", ("specdec.llm", *LEAVES, "specdec.cli")),
+    ("specdec.grammar", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
 ])
 def test_imports_never_climb(importers, forbidden):
     assert offenders(importers, forbidden) == []

@@ -349,6 +349,7 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"guided_grammar": "root ::= (("}, 400, "guided_grammar"),
     ("/v1/chat/completions", OK_CHAT | {"guided_choice": []}, 400, "guided_choice"),
     ("/v1/chat/completions", OK_CHAT | {"guided_json": "{not json"}, 400, "guided_json"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_json": {"type": "array", "uniqueItems": True}}, 400, "guided_json"),
     ("/v1/chat/completions", OK_CHAT | {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("/v1/chat/completions", OK_CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
      "structured_outputs"),

@@ -82,8 +82,8 @@ class LLMEngine:
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(mcfg, num_blocks, bs, model.kv_dtype, model.device)
-        lookahead = speculative.num_slots if speculative else 0
-        self.scheduler = Scheduler(self.cfg, self.allocator, lookahead)
+        lookahead = speculative.num_draft_tokens if speculative else 0
+        self.scheduler = Scheduler(self.cfg, self.allocator, lookahead, speculative.num_slots if speculative else 0)
         self.runner = ModelRunner(model, self.kv, bs)
         self.speculator = None
         if speculative is not None:
@@ -171,11 +171,11 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if self.speculator is not None and not batch.is_prefill and self.speculator.shape_for(len(batch.seqs)).k:
+        if self.speculator is not None and not batch.is_prefill and self.speculator.drafts(batch.seqs):
             outputs = self.speculator.step(batch.seqs)
         else:
-            # a prefill, plain decoding, or a batch size the dispatcher does not speculate at; the plain step
-            # still gathers the target features a feature drafter will need
+            # a prefill, plain decoding, or a batch size the dispatcher does not speculate at (and no forced
+            # text to draft); the plain step still gathers the target features a feature drafter will need
             outputs = self._forward(batch)
         self.scheduler.update(batch, outputs)
         events = []

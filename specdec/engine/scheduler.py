@@ -41,9 +41,13 @@ class StepOutput:
 
 
 class Scheduler:
-    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator, lookahead: int = 0) -> None:
-        """lookahead: draft tokens a decode step may verify per sequence; their slots are reserved too."""
+    def __init__(self, cfg: EngineConfig, allocator: BlockAllocator, lookahead: int = 0,
+                 structured_lookahead: int | None = None) -> None:
+        """lookahead: draft tokens a decode step may verify per sequence; their slots are reserved too.
+        structured_lookahead: the same for a structured request, which may also draft its grammar's forced
+        text (default: lookahead)."""
         self.cfg, self.allocator, self.lookahead = cfg, allocator, lookahead
+        self.structured_lookahead = lookahead if structured_lookahead is None else structured_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
         self.num_preemptions = 0
@@ -104,7 +108,8 @@ class Scheduler:
         for seq in list(self.running):
             if seq.status != Status.RUNNING or seq.num_uncached != 1:
                 continue  # part-way through a chunked prefill: its next chunk comes in a prefill step
-            need = min(seq.num_cached + 1 + self.lookahead, seq.max_len)
+            ahead = self.lookahead if seq.grammar is None else self.structured_lookahead
+            need = min(seq.num_cached + 1 + ahead, seq.max_len)
             while not self.allocator.can_allocate(seq.block_table, need):
                 victim = self.running[-1]
                 self.preempt(victim)

@@ -90,6 +90,12 @@ class Speculator:
         """This step's draft shape: the pinned one (tune), else the dispatcher's for the batch size."""
         return self.pinned if self.pinned is not None else self.cfg.shape_for(batch_size)
 
+    def drafts(self, seqs: list[Sequence]) -> bool:
+        """Whether a decode step of these sequences drafts anything: the dispatcher's shape for the batch size,
+        or, where it says off, the text a structured request's grammar forces (jump-forward)."""
+        return bool(self.shape_for(len(seqs)).k) or (self.cfg.jump_forward > 0 and
+                                                     any(s.grammar is not None for s in seqs))
+
     def step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """What each sequence keeps this step: the last token and the accepted drafts are cached, and it emits
         the accepted drafts, then the recovered or bonus token. The draft shape (chain, tree or none) follows
@@ -103,9 +109,8 @@ class Speculator:
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
         draft.validate(len(seqs), self.runner.model.config.vocab_size)
         constrained = any(s.grammar is not None for s in seqs)
-        if constrained:
+        if constrained:  # within each request's budget after this, and structured chains may be extended
             draft = self.constrain(seqs, requests, draft)
-        if constrained:  # already within each request's budget, and structured chains may be extended
             counts = draft.num_nodes() if draft.tokens.numel() else [0] * len(seqs)
         else:
             counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
