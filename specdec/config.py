@@ -252,6 +252,9 @@ class SpeculativeConfig:
     # Structured output: up to this many tokens of text a request's grammar forces are drafted per step
     # (jump-forward drafting; they extend or replace the drafter's chain); 0 or false: off, true: 8
     jump_forward: int | bool = 8
+    # A chain is cut where the request's own acceptance at a position (so far, per position) falls under this:
+    # the cost of verifying one more token in plain steps (`specdec.bench.verify_cost`); 0: always the full shape
+    min_acceptance: float = 0.0
     options: Any = None  # the method's own keys (its options dataclass); None: the method's defaults
 
     def __post_init__(self) -> None:
@@ -266,6 +269,8 @@ class SpeculativeConfig:
         if not isinstance(self.jump_forward, int) or not 0 <= self.jump_forward <= 15:
             raise SpecdecError(f"invalid jump_forward={self.jump_forward!r}: an integer in [0, 15] (tokens of "
                                "forced text per step), or true / false")
+        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
+            raise SpecdecError(f"invalid min_acceptance={self.min_acceptance!r}: a number in [0, 1)")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
             raise SpecdecError(f"invalid num_speculative_tokens={k!r}: must be an integer in [1, 15]")

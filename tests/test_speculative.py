@@ -7,6 +7,7 @@ import torch
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.config import SpeculativeConfig
 from specdec.drafting import Draft, DraftRequest, Drafter
+from specdec.engine.speculator import Speculator
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "1 2 3 4 5 6 7 8 9 10 1 2 3 4", "def add(a, b):\n    return a + b\n\ndef add(",
@@ -98,6 +99,38 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
                                                         "drafter": ScriptedDrafter(truth, 4)})
     m = good.generate(PROMPTS[0], GREEDY)[0].metrics
     assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never paused
+
+
+def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_under_it(tiny_llama_dir, plain,
+                                                                                       reference):
+    """A drafter right at positions 1-2 and always wrong from 3 on: with min_acceptance 0.3 a request soon
+    drafts 2 tokens (position 3's estimate (0 + 1) / (n + 2) is under 0.3 after two tries), except on every
+    PROBE_EVERY-th draft, which takes the full chain; without it every draft has 4 tokens. Output unchanged."""
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
+
+    def run(min_acceptance: float) -> dict:
+        drafter = ScriptedDrafter(truth, 4)
+        propose = drafter.propose
+
+        def right_then_wrong(requests):
+            d = propose(requests)
+            return Draft.chains([[t if j < 2 else (t + 1) % 300 for j, t in enumerate(d.tokens[i, :n].tolist())]
+                                 for i, n in enumerate(d.num_nodes())])
+
+        drafter.propose = right_then_wrong
+        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                           "min_acceptance": min_acceptance, "drafter": drafter})
+        out = llm.generate(PROMPTS[0], params)[0]
+        assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
+        return out.metrics
+
+    full, cut = run(0.0), run(0.3)
+    assert full["num_draft_tokens"] >= 4 * full["num_drafts"] - 4  # (shorter only near max_tokens)
+    assert full["accepted_per_pos"][2:] == [0, 0] and cut["accepted_per_pos"][2:] in ([0, 0], [])
+    probes = cut["num_drafts"] // Speculator.PROBE_EVERY + 2
+    assert cut["num_draft_tokens"] <= 2 * cut["num_drafts"] + 2 * probes
+    assert cut["num_steps"] <= full["num_steps"] + 1  # the cut positions were never accepted anyway
 
 
 def test_a_well_predicted_tree_is_not_throttled_by_its_siblings(tiny_llama_dir, plain, reference):

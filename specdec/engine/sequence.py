@@ -20,6 +20,7 @@ class SpecStats:
     num_draft_tokens: int = 0
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
+    drafted_per_pos: list[int] = field(default_factory=list)  # drafts that reached each depth
     recent_acceptance: float = 1.0  # moving average of accepted / draft depth, optimistic at the start
     paused: int = 0  # steps left without drafting (the speculator's back-off)
     backoff: int = 0  # length of the latest pause
@@ -38,6 +39,23 @@ class SpecStats:
             self.accepted_per_pos += [0] * (num_draft - len(self.accepted_per_pos))
         for j in range(num_accepted):
             self.accepted_per_pos[j] += 1
+        levels = depth or num_draft
+        if len(self.drafted_per_pos) < levels:
+            self.drafted_per_pos += [0] * (levels - len(self.drafted_per_pos))
+        for j in range(levels):
+            self.drafted_per_pos[j] += 1
+
+    def positions_worth_drafting(self, cost: float, limit: int) -> int:
+        """How many leading draft positions this request's own history says are accepted at least `cost` of
+        the time (per position: (accepted + 1) / (drafted + 2), so an unseen position is tried), up to limit."""
+        k = 0
+        while k < limit:
+            drafted = self.drafted_per_pos[k] if k < len(self.drafted_per_pos) else 0
+            accepted = self.accepted_per_pos[k] if k < len(self.accepted_per_pos) else 0
+            if (accepted + 1) / (drafted + 2) < cost:
+                break
+            k += 1
+        return k
 
 
 class Status(Enum):

@@ -57,12 +57,15 @@ class Speculator:
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
 
-    @staticmethod
-    def draft_budget(seq: Sequence, shape: SpecShape) -> int:
+    PROBE_EVERY = 8  # with min_acceptance: every 8th draft of a request takes the full shape, to keep learning
+
+    def draft_budget(self, seq: Sequence, shape: SpecShape) -> int:
         """Draft tokens worth verifying: none past the context, none past max_tokens, a single one while
         this request's recent acceptance is low (verifying one draft costs about a plain step on our CPU
-        kernels, verifying k costs more, so a poorly predicted request should not pay for k), and none while
-        it is paused after its drafts kept failing (see `back_off`)."""
+        kernels, verifying k costs more, so a poorly predicted request should not pay for k), none while
+        it is paused after its drafts kept failing (see `back_off`), and with `min_acceptance` a chain only
+        as deep as this request's own acceptance per position stays above that cost (every PROBE_EVERY-th
+        draft takes the full shape, so a position that starts to pay is seen)."""
         if seq.spec.paused:
             seq.spec.paused -= 1
             return 0
@@ -71,6 +74,9 @@ class Speculator:
         if shape.dynamic and room_in_context < shape.num_slots:
             return 0  # the candidates it would feed do not fit before the end of the context
         k = shape.num_tokens if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else min(1, shape.num_tokens)
+        cost = self.cfg.min_acceptance
+        if cost and shape.tree is None and not shape.dynamic and seq.spec.num_drafts % self.PROBE_EVERY:
+            k = max(1, seq.spec.positions_worth_drafting(cost, k)) if k else 0
         return max(0, min(k, room_in_context, shape.nodes_within(room_in_output)))
 
     @staticmethod
