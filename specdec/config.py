@@ -255,6 +255,8 @@ class SpeculativeConfig:
     # A chain is cut where the request's own acceptance at a position (so far, per position) falls under this:
     # the cost of verifying one more token in plain steps (`specdec.bench.verify_cost`); 0: always the full shape
     min_acceptance: float = 0.0
+    # Whether sampled requests draft too (false: only greedy ones do; a step of sampled requests alone is plain)
+    sampled: bool = True
     options: Any = None  # the method's own keys (its options dataclass); None: the method's defaults
 
     def __post_init__(self) -> None:
@@ -269,6 +271,8 @@ class SpeculativeConfig:
         if not isinstance(self.jump_forward, int) or not 0 <= self.jump_forward <= 15:
             raise SpecdecError(f"invalid jump_forward={self.jump_forward!r}: an integer in [0, 15] (tokens of "
                                "forced text per step), or true / false")
+        if not isinstance(self.sampled, bool):
+            raise SpecdecError(f"invalid sampled={self.sampled!r}: must be true or false")
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
             raise SpecdecError(f"invalid min_acceptance={self.min_acceptance!r}: a number in [0, 1)")
         k = self.num_speculative_tokens

@@ -133,6 +133,20 @@ def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_und
     assert cut["num_steps"] <= full["num_steps"] + 1  # the cut positions were never accepted anyway
 
 
+def test_a_config_for_greedy_requests_only_leaves_sampled_ones_plain(tiny_llama_dir, plain):
+    """"sampled": false: a sampled request never drafts and, alone, takes the plain path (the same tokens as
+    plain decoding with the same seed); a greedy request beside it still drafts."""
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
+                                                       "prompt_lookup_min": 1, "sampled": False})
+    sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
+    with llm.engine.trace_speculation() as trace:
+        out = llm.generate(PROMPTS[0], sampled)[0]
+    assert not trace and out.metrics["num_drafts"] == 0
+    assert out.token_ids == plain.generate(PROMPTS[0], sampled)[0].token_ids
+    mixed = llm.generate([PROMPTS[0], PROMPTS[1]], [sampled, SamplingParams(temperature=0, max_tokens=30)])
+    assert mixed[0].metrics["num_drafts"] == 0 and mixed[1].metrics["num_drafts"] > 0
+
+
 def test_a_well_predicted_tree_is_not_throttled_by_its_siblings(tiny_llama_dir, plain, reference):
     """A tree of the right token and three wrong siblings: a quarter of its nodes are kept but every level is,
     so the request keeps drafting the whole tree (the throttle reads acceptance per level, not per node)."""

@@ -66,6 +66,8 @@ class Speculator:
         it is paused after its drafts kept failing (see `back_off`), and with `min_acceptance` a chain only
         as deep as this request's own acceptance per position stays above that cost (every PROBE_EVERY-th
         draft takes the full shape, so a position that starts to pay is seen)."""
+        if not (self.cfg.sampled or seq.params.greedy):
+            return 0
         if seq.spec.paused:
             seq.spec.paused -= 1
             return 0
@@ -97,10 +99,12 @@ class Speculator:
         return self.pinned if self.pinned is not None else self.cfg.shape_for(batch_size)
 
     def drafts(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these sequences drafts anything: the dispatcher's shape for the batch size,
-        or, where it says off, the text a structured request's grammar forces (jump-forward)."""
-        return bool(self.shape_for(len(seqs)).k) or (self.cfg.jump_forward > 0 and
-                                                     any(s.grammar is not None for s in seqs))
+        """Whether a decode step of these sequences drafts anything: the dispatcher's shape for the batch size
+        (unless every one samples and the config drafts for greedy requests only), or, where it says off, the
+        text a structured request's grammar forces (jump-forward)."""
+        drafting = self.cfg.sampled or any(s.params.greedy for s in seqs)
+        return (drafting and bool(self.shape_for(len(seqs)).k)) or (self.cfg.jump_forward > 0 and
+                                                                    any(s.grammar is not None for s in seqs))
 
     def step(self, seqs: list[Sequence]) -> list[StepOutput]:
         """What each sequence keeps this step: the last token and the accepted drafts are cached, and it emits
