@@ -173,10 +173,6 @@ class GrammarState:
     def terminated(self) -> bool:
         return self.matcher.is_terminated()
 
-    @staticmethod
-    def allows(bitmask: torch.Tensor, row: int, token: int) -> bool:
-        return bool((int(bitmask[row, token >> 5]) >> (token & 31)) & 1)
-
     # ---- a draft tree: node j's parent is parents[j] (-1: the committed tokens); row 0 is the state after the
     # committed tokens, row j + 1 the state after node j's path (it verifies node j's children) ----------------
     def filter_draft(self, tokens: list[int], parents: list[int], tokenizer=None, limit: int = 0
