@@ -21,6 +21,7 @@ so speculative output is constrained decoding's own output, token for token (gre
 """
 from __future__ import annotations
 
+import functools
 import json
 import time
 from collections import OrderedDict
@@ -105,6 +106,7 @@ class GrammarCompiler:
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
                                                        stop_token_ids=sorted(stop_token_ids))
         self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
+        self.stop_token_ids = sorted(stop_token_ids)
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def compile(self, so: StructuredOutput):
@@ -148,7 +150,7 @@ class GrammarCompiler:
             raise SpecdecError(f"invalid structured_output.{field}: {message}") from None
 
     def state(self, so: StructuredOutput) -> "GrammarState":
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(so)), self.vocab_size)
+        return GrammarState(_xgrammar().GrammarMatcher(self.compile(so)), self.vocab_size, self.stop_token_ids)
 
 
 class GrammarState:
@@ -156,8 +158,8 @@ class GrammarState:
     token; the draft methods walk a draft's paths (accept, then the library's own rollback: no re-parse) and
     always leave it where it was."""
 
-    def __init__(self, matcher, vocab_size: int) -> None:
-        self.matcher, self.vocab_size = matcher, vocab_size
+    def __init__(self, matcher, vocab_size: int, stop_token_ids: list[int] = ()) -> None:
+        self.matcher, self.vocab_size, self.stop_token_ids = matcher, vocab_size, list(stop_token_ids)
         self.width = (vocab_size + 31) // 32
         self.dead = False  # nothing may follow the committed tokens: the request must stop
         self.seconds = 0.0  # time the engine spent on this request's grammar (its `grammar_s` metric)
@@ -180,15 +182,13 @@ class GrammarState:
         """The nodes the grammar allows: a node is kept when its parent is and its token is accepted after its
         parent's path. Returns the kept tokens, their parents (re-indexed) and each one's index in the draft
         (-1: forced text). With a `tokenizer`, text the grammar forces is drafted at no model cost
-        (jump-forward): a draft that does not begin like the forced text is replaced by it, and a kept chain
-        shorter than `limit` is extended by the forced text after it, as far as the grammar accepts it."""
+        (jump-forward): a kept chain shorter than `limit` is extended by the forced text after it, as far as the
+        grammar accepts it. A draft the grammar accepts is kept even where it tokenizes the forced text
+        differently: the drafter may know the target's tokenization better than a fresh encoding of the text
+        (`", "` then `age` against `", "age`) does."""
         if self.terminated:
             self.dead = True
             return [], [], []
-        if tokenizer is not None and tokens and limit:
-            forced = self._forced(tokenizer)
-            if forced and tokens[0] != forced[0]:  # the forced text beats a guess that contradicts it
-                tokens, parents = [], []
         kept: list[int] = []
         kept_parents: list[int] = []
         origin: list[int] = []
@@ -209,23 +209,33 @@ class GrammarState:
         if tokenizer is not None and len(kept) < limit and kept_parents == list(range(-1, len(kept) - 1)):
             self._walk_to(path, len(kept) - 1, kept, kept_parents)
             if not self.terminated:
-                for token in self._forced(tokenizer)[: limit - len(kept)]:
+                forced = self._forced(tokenizer)
+                for token in forced[: limit - len(kept)]:
                     if not self.matcher.accept_token(token):
                         break
                     path.append(len(kept))
                     kept_parents.append(len(kept) - 1)
                     kept.append(token)
                     origin.append(-1)
+                stop = self._only_stop() if len(kept) < limit else None
+                if stop is not None:  # the text is complete: its stop token is forced too
+                    self.matcher.accept_token(stop)
+                    path.append(len(kept))
+                    kept_parents.append(len(kept) - 1)
+                    kept.append(stop)
+                    origin.append(-1)
         self._walk_to(path, -1, kept, kept_parents)
         return kept, kept_parents, origin
 
-    def refused_rows(self, tokens: list[int], parents: list[int], choices: list[int]) -> list[int]:
-        """Rows r (0 .. len(tokens)) whose token choices[r] the grammar refuses after row r's path: where a
-        greedy target's own choice needs the mask (elsewhere the masked argmax is that same token)."""
+    def refused_rows(self, tokens: list[int], parents: list[int], choices: list[int],
+                     rows: list[int] | None = None) -> list[int]:
+        """Rows r (0 .. len(tokens), or those in `rows`) whose token choices[r] the grammar refuses after row r's
+        path: where a greedy target's own choice needs the mask (elsewhere the masked argmax is that same
+        token)."""
         refused, path = [], []
-        for r, choice in enumerate(choices):
+        for r in range(len(choices)) if rows is None else rows:
             self._walk_to(path, r - 1, tokens, parents)
-            if self.terminated or not self.matcher.accept_token(choice):
+            if self.terminated or not self.matcher.accept_token(choices[r]):
                 refused.append(r)
             else:
                 self.matcher.rollback(1)
@@ -250,10 +260,24 @@ class GrammarState:
             bitmask[0] = -1
         return bitmask
 
+    def _only_stop(self) -> int | None:
+        """The stop token, when it is the one token the grammar allows next (the text is complete, as after a
+        JSON object's closing brace). Only where the grammar may end is the mask filled."""
+        if self.terminated or not self.matcher.is_completed():
+            return None
+        bitmask = torch.zeros((1, self.width), dtype=torch.int32)
+        self.matcher.fill_next_token_bitmask(bitmask, 0)
+        words = bitmask[0].nonzero().flatten().tolist()
+        if len(words) != 1 or int(bitmask[0, words[0]]).bit_count() != 1:
+            return None
+        word = int(bitmask[0, words[0]]) & 0xFFFFFFFF
+        token = 32 * words[0] + word.bit_length() - 1
+        return token if token in self.stop_token_ids else None
+
     def _forced(self, tokenizer) -> list[int]:
         """The text the grammar forces next (xgrammar's jump-forward string), tokenized."""
         text = self.matcher.find_jump_forward_string()
-        return tokenizer.encode(text, add_special_tokens=False) if text else []
+        return encode_text(tokenizer, text) if text else []
 
     def _walk_to(self, path: list[int], node: int, tokens: list[int], parents: list[int]) -> None:
         """Move the matcher from the end of `path` (nodes, root first) to node `node`'s path (-1: the committed
@@ -275,25 +299,73 @@ class GrammarState:
             path.append(n)
 
 
+@functools.lru_cache(maxsize=4096)
+def _encode_cached(backend, text: str) -> tuple[int, ...]:
+    return tuple(backend.encode(text, add_special_tokens=False).ids)
+
+
+def encode_text(tokenizer, text: str) -> list[int]:
+    """Token ids of `text` alone (no special tokens): the Rust tokenizer directly where there is one (a third
+    of the wrapper's cost), cached, since a schema's forced texts (its keys) recur."""
+    backend = getattr(tokenizer, "backend_tokenizer", None)
+    if backend is None:
+        return tokenizer.encode(text, add_special_tokens=False)
+    return list(_encode_cached(backend, text))
+
+
 Constrained = tuple[GrammarState | None, list[int], list[int], bool]  # (state, draft tokens, parents, greedy)
 
 
-def mask_logits(logits: torch.Tensor, requests: list[Constrained]) -> None:
+def mask_logits(logits: torch.Tensor, requests: list[Constrained]) -> list[int] | None:
     """Mask the target's logits [T, V] by each request's grammar, in place: request i owns 1 + len(tokens_i)
     consecutive rows (after its committed tokens, then after each draft node's path). A sampled request's rows
     are all masked; a greedy request's only where the target's argmax is refused (its masked argmax is
-    otherwise the same token), which usually means no mask at all. The time is charged to the requests."""
+    otherwise the same token), which usually means no mask at all. A greedy chain's rows past the first one
+    whose masked argmax differs from the draft are not looked at: verification stops there (and where the
+    argmax equals the draft token, the grammar allows it: drafts are filtered). The time is charged to the
+    requests.
+
+    Returns every row's argmax after masking when some constrained request is greedy (the argmax it needed
+    anyway, redone only on the masked rows: verification reuses it), else None."""
     start = time.perf_counter()
-    top = greedy_tokens(logits).tolist() if any(g is not None and greedy for g, _, _, greedy in requests) else []
+    if not any(g is not None and greedy for g, _, _, greedy in requests):
+        top = None
+    else:
+        top = greedy_tokens(logits).tolist()
     row = 0
     for grammar, tokens, parents, greedy in requests:
         n = 1 + len(tokens)
-        if grammar is not None:
+        if grammar is None:
+            pass
+        elif greedy and parents == list(range(-1, n - 2)):
+            _mask_chain(logits[row:row + n], grammar, tokens, top, row)
+        else:
             rows = grammar.refused_rows(tokens, parents, top[row:row + n]) if greedy else None
             if rows is None or rows:
                 apply_bitmask(logits[row:row + n], grammar.masks(tokens, parents, rows))
+                masked = [row + r for r in (range(n) if rows is None else rows)]
+                if top is not None:
+                    for r, token in zip(masked, greedy_tokens(logits[torch.tensor(masked)]).tolist()):
+                        top[r] = token
         row += n
     charge_grammar_time([g for g, _, _, _ in requests], time.perf_counter() - start)
+    return top
+
+
+def _mask_chain(logits: torch.Tensor, grammar: GrammarState, tokens: list[int], top: list[int], row: int) -> None:
+    """A greedy chain's rows [1 + len(tokens), V], looked at in order as verification walks them: the first row
+    whose argmax differs from the draft is masked if the grammar refuses that argmax; when its masked argmax
+    then agrees with the draft, verification goes on, and so does this (updating `top` from `row`)."""
+    r = 0
+    while True:
+        r = next((j for j in range(r, len(tokens)) if top[row + j] != tokens[j]), len(tokens))
+        if not grammar.refused_rows(tokens, list(range(-1, len(tokens) - 1)), top[row:row + len(tokens) + 1], [r]):
+            return
+        apply_bitmask(logits[r:r + 1], grammar.masks(tokens, list(range(-1, len(tokens) - 1)), [r])[r:r + 1])
+        top[row + r] = int(greedy_tokens(logits[r:r + 1])[0])
+        if r == len(tokens) or top[row + r] != tokens[r]:
+            return
+        r += 1
 
 
 def charge_grammar_time(grammars: list[GrammarState | None], seconds: float) -> None:

@@ -109,6 +109,51 @@ def test_shared_ngram_pool_drafts_from_other_requests():
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == []
 
 
+import string  # noqa: E402
+
+
+class WordTokenizer:
+    """Greedy longest match over a fixed vocabulary: a copy that starts mid-word tokenizes differently."""
+
+    VOCAB = ["The", " city", " of", " Montreal", " hosts", " it", " in", " June", "city", '":', ' "', "Mont", "real",
+             "Mon", *string.printable]
+
+    def encode(self, text: str, add_special_tokens: bool = False) -> list[int]:
+        ids = []
+        while text:
+            i = max((i for i, v in enumerate(self.VOCAB) if text.startswith(v)), key=lambda i: len(self.VOCAB[i]))
+            ids.append(i)
+            text = text[len(self.VOCAB[i]):]
+        return ids
+
+    def decode(self, ids: list[int]) -> str:
+        return "".join(self.VOCAB[i] for i in ids)
+
+
+def test_ngram_text_match_copies_across_token_boundaries():
+    """`"city": "Mont` ends in a token (Mont) the text never had (it has " Montreal"), so no n-gram of tokens
+    matches; the text's suffix "Mont" does, and what followed it, "real hosts it in June.", is re-encoded: one
+    token after a 4-character match (adaptive), k after a long one, nothing without a tokenizer."""
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
+
+    tok = WordTokenizer()
+    tokens = tok.encode('The city of Montreal hosts it in June.\n{"city": "Mont')
+    assert tok.decode(tokens[-2:]) == ' "Mont' and tokens[-1] not in tokens[:-1]
+
+    def draft(drafter: NgramDrafter, ids: list[int]) -> str:
+        d = drafter.propose([DraftRequest(0, ids, len(ids), 4)])
+        drafter.release(0)
+        return tok.decode(d.tokens[0, : d.num_nodes()[0]].tolist())
+
+    assert draft(NgramDrafter(4, 1, 4), tokens) == ""
+    assert draft(NgramDrafter(4, 1, 4, tokenizer=tok), tokens) == "real"
+    assert draft(NgramDrafter(4, 1, 4, tokenizer=tok, adaptive=False), tokens) == "real hosts it in"
+    longer = tok.encode("The city of Montreal hosts it in June.\nThe city of Montr")  # ... " ", "Mont", "r"
+    assert draft(NgramDrafter(4, 1, 4), longer) == ""
+    assert draft(NgramDrafter(4, 1, 4, tokenizer=tok), longer) == "eal hosts"  # 16+ characters: k tokens
+
+
 def test_ngram_branches_are_distinct_continuations_of_the_best_matches():
     from specdec.drafting import DraftRequest
     from specdec.drafting.ngram import NgramDrafter

@@ -150,20 +150,82 @@ def test_greedy_rows_are_masked_only_where_the_argmax_is_refused(plain, tokenize
     assert int(refused.argmax()) in (a, x) and torch.isinf(refused[0, q])
 
 
+def test_a_greedy_chain_is_masked_as_far_as_verification_walks(plain, tokenizer):
+    """Choice among "ab" and "x", draft chain a, b (rows: root, after "a", after "ab"). Row 0's argmax q is
+    refused; masked, it is a, the draft's token, so verification goes on: row 1 agrees (b), row 2's q is
+    refused and masked to the end of text. When row 0's masked argmax is x instead, verification stops there
+    and rows 1 and 2 are left as they are (their q stays)."""
+    a, b, x, q = ids(tokenizer, "a", "b", "x", "q")
+    eos = tokenizer.eos_token_id
+    V = plain.engine.model.config.vocab_size
+    compiler = GrammarCompiler(tokenizer, V, [eos])
+    so = StructuredOutput(choice=["ab", "x"])
+    logits = torch.zeros(3, V)
+    logits[:, q] = 50.0
+    logits[0, a], logits[1, b], logits[2, eos] = 40.0, 60.0, 30.0
+    out = logits.clone()
+    top = mask_logits(out, [(compiler.state(so), [a, b], [-1, 0], True)])
+    assert top == [a, b, eos] and torch.isinf(out[0, q]) and torch.equal(out[1], logits[1]) and torch.isinf(out[2, q])
+    logits[0, x] = 45.0
+    out = logits.clone()
+    top = mask_logits(out, [(compiler.state(so), [a, b], [-1, 0], True)])
+    assert top == [x, b, q] and torch.equal(out[1:], logits[1:])
+
+
 def test_a_chain_is_extended_by_the_text_the_grammar_forces(plain, tokenizer):
-    """One choice, "hello world": with nothing drafted, the jump-forward text is drafted as far as the limit;
-    a draft that contradicts it is replaced by it."""
+    """One choice, "hello world": with nothing drafted, the jump-forward text is drafted as far as the limit,
+    then the stop token, the one token allowed once the text is complete; a draft the grammar refuses is
+    dropped and the forced text drafted instead; a draft that spells the forced text with other tokens is
+    kept, and the rest of the text follows it."""
     eos = tokenizer.eos_token_id
     compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
     state = compiler.state(StructuredOutput(choice=["hello world"]))
     forced = tokenizer.encode("hello world", add_special_tokens=False)
+    assert forced == ids(tokenizer, "he", "ll", "o", "Ġ", "w", "or", "ld")
     kept, parents, origin = state.filter_draft([], [], tokenizer, limit=16)
-    assert kept == forced and parents == list(range(-1, len(forced) - 1)) and origin == [-1] * len(forced)
+    assert kept == forced + [eos] and parents == list(range(-1, len(forced))) and origin == [-1] * (len(forced) + 1)
     assert state.filter_draft([], [], tokenizer, limit=2)[0] == forced[:2]
+    assert state.filter_draft([], [], tokenizer, limit=len(forced))[0] == forced  # no room left for the stop
     kept, _, origin = state.filter_draft(ids(tokenizer, "z"), [-1], tokenizer, limit=16)
-    assert kept == forced and origin == [-1] * len(forced)  # z contradicted the forced text
+    assert kept == forced + [eos] and origin == [-1] * (len(forced) + 1)  # z contradicted the forced text
     kept, _, origin = state.filter_draft(forced[:2], [-1, 0], tokenizer, limit=16)
-    assert kept == forced and origin == [0, 1] + [-1] * (len(forced) - 2)  # a right guess, then the rest
+    assert kept == forced + [eos] and origin == [0, 1] + [-1] * (len(forced) - 1)  # a right guess, then the rest
+    other = ids(tokenizer, "h", "e", "l")  # "hel" in other tokens: the grammar accepts them, so they stay
+    kept, parents, origin = state.filter_draft(other, [-1, 0, 1], tokenizer, limit=16)
+    rest = tokenizer.encode("lo world", add_special_tokens=False) + [eos]
+    assert kept == other + rest and parents == list(range(-1, len(kept) - 1)) and origin == [0, 1, 2] + [-1] * len(rest)
+    # where the text may go on ("ab" or "abc"), its end is not forced: no stop token is drafted after "ab"
+    state = compiler.state(StructuredOutput(choice=["ab", "abc"]))
+    assert eos not in state.filter_draft(ids(tokenizer, "a", "b"), [-1, 0], tokenizer, limit=16)[0]
+    assert state.accept(ids(tokenizer, "a")[0])  # every walk left the state where it was
+
+
+@pytest.mark.parametrize("where", ['{"o": {"s": "a', '{"o": {"s": "abc", "n": 1', '{"o": {'])
+def test_draft_walks_roll_back_inside_strings_numbers_and_nested_objects(plain, tokenizer, where):
+    """After a step's draft walks (filtering a tree with a refused branch, masking every row, checking the
+    target's choices), the state is where the committed tokens left it, inside a string, a number or a nested
+    object: its mask equals a fresh state's, and the rest of the text is accepted to the end."""
+    schema = {"type": "object", "properties": {"o": {"type": "object", "properties": {
+        "s": {"type": "string"}, "n": {"type": "integer"}}, "required": ["s", "n"]}}, "required": ["o"]}
+    text = '{"o": {"s": "abc", "n": 123}}'
+    eos = tokenizer.eos_token_id
+    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    so = StructuredOutput(json=schema)
+    tokens = tokenizer.encode(text, add_special_tokens=False)
+    cut = next(i for i in range(len(tokens) + 1) if tokenizer.decode(tokens[:i]) == where)
+    state, fresh = compiler.state(so), compiler.state(so)
+    for t in tokens[:cut]:
+        assert state.accept(t) and fresh.accept(t)
+    good = tokens[cut:cut + 5]
+    bad = tokenizer.encode("}}}", add_special_tokens=False)[:1]  # a second branch: "}" (refused but in the string)
+    draft = good + bad + good[:2]
+    parents = list(range(-1, len(good) - 1)) + [-1, len(good), len(good) + 1]
+    kept, kept_parents, _ = state.filter_draft(draft, parents, tokenizer, limit=8)
+    assert kept[:len(good)] == good
+    state.masks(kept, kept_parents)
+    state.refused_rows(kept, kept_parents, [bad[0]] * (1 + len(kept)))
+    assert torch.equal(state.masks([], []), fresh.masks([], []))
+    assert all(state.accept(t) for t in tokens[cut:] + [eos]) and state.terminated
 
 
 def test_the_mask_kernel_matches_the_tensor_path():

@@ -257,6 +257,7 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     ({"method": "ngram", "prompt_lookup_min": 5, "prompt_lookup_max": 2}, "prompt_lookup_min"),
     ({"method": "ngram", "ngram_pool": "global"}, "ngram_pool"),
     ({"method": "ngram", "ngram_match": "best"}, "'latest', 'oldest' or 'frequent'"),
+    ({"method": "ngram", "ngram_text_match": "yes"}, "ngram_text_match"),
     ({"method": "custom"}, "drafter"),
     ('{"method": ', "not valid JSON"),
     ({"num_speculative_tokens": 3}, "method"),

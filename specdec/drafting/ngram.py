@@ -14,6 +14,11 @@ sizes), never a scan of the whole history. The pool options TensorRT-LLM documen
 - `ngram_branches`: propose up to this many continuations that start with different tokens, as branches
   of a tree (verification accepts at most one), instead of a single chain.
 
+- `ngram_text_match`: where no n-gram of tokens matches, match the text instead: the longest suffix of the
+  decoded text (at least `TEXT_MATCH_MIN_CHARS` characters) seen earlier, its continuation re-encoded. Copying
+  often crosses a token boundary the tokenizer draws differently in the copy: a value quoted from the prompt
+  (`"Montreal` is `"`, `Mont`, `real` in JSON but ` Montreal` in the text), an identifier after a dot.
+
 Draft length. How far a continuation holds depends on how long the match is: on Spec-Bench outputs of
 the default model, a draft after a 1-token match keeps 0.8 tokens on average, after a 4-token match 6.2
 (out of 15). Verifying a token is not free on a CPU (1 + k tokens cost about 1 + 0.09 k plain steps in float32,
@@ -31,6 +36,9 @@ from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
 MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
+TEXT_MATCH_MIN_CHARS = 3  # the shortest text suffix a text match may rest on
+TEXT_MATCH_FULL_CHARS = 16  # a text match this long drafts k tokens (shorter: 1 token, 2 from 8 characters)
+TEXT_MATCH_LOOKAHEAD = 8  # characters of continuation re-encoded per token drafted
 
 
 @dataclass
@@ -41,6 +49,7 @@ class NgramOptions:
     ngram_pool: str = "request"  # look up in the request's own text, or "shared" across requests
     ngram_draft_length: str = "adaptive"  # "adaptive" (by match length, up to k) or "fixed" (always k)
     ngram_branches: int = 1  # continuations with different first tokens, drafted as a tree (k nodes in all)
+    ngram_text_match: bool = True  # no token n-gram matches: match the decoded text (needs the tokenizer)
 
     def __post_init__(self) -> None:
         lo, hi = self.prompt_lookup_min, self.prompt_lookup_max
@@ -52,6 +61,8 @@ class NgramOptions:
         if self.ngram_pool not in ("request", "shared"):
             raise SpecdecError(f"invalid ngram_pool={self.ngram_pool!r}: choose 'request' or 'shared'")
         check_int("ngram_branches", self.ngram_branches, 1, 8)
+        if not isinstance(self.ngram_text_match, bool):
+            raise SpecdecError(f"invalid ngram_text_match={self.ngram_text_match!r}: need true or false")
         if self.ngram_draft_length not in ("adaptive", "fixed"):
             raise SpecdecError(f"invalid ngram_draft_length={self.ngram_draft_length!r}: choose 'adaptive' or 'fixed'")
 
@@ -128,18 +139,57 @@ class NgramIndex:
         self.indexed.pop(text_id, None)
 
 
+class TextIndex:
+    """One request's text, decoded incrementally, for matching across token boundaries."""
+
+    def __init__(self, tokenizer) -> None:
+        self.text, self.decoded = "", 0
+        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: a third of the wrapper's cost
+        if backend is not None:
+            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
+            self.encode = lambda text: backend.encode(text, add_special_tokens=False).ids
+        else:
+            self.decode = tokenizer.decode
+            self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+
+    def extend(self, tokens: list[int]) -> None:
+        if len(tokens) > self.decoded:
+            self.text += self.decode(tokens[self.decoded:])
+            self.decoded = len(tokens)
+
+    def lookup(self, k: int) -> tuple[list[int], int]:
+        """Up to k tokens continuing the longest suffix of the text (at least TEXT_MATCH_MIN_CHARS characters,
+        at most TEXT_MATCH_FULL_CHARS looked at) seen earlier in it, latest occurrence first, re-encoded; and the
+        suffix's length in characters (0: no match). The last encoded token may be cut by the look-ahead, so
+        it is dropped."""
+        text, end = self.text, len(self.text)
+        found, length = -1, 0
+        for n in range(TEXT_MATCH_MIN_CHARS, TEXT_MATCH_FULL_CHARS + 1):  # a longer suffix is a rarer string
+            at = text.rfind(text[end - n:], 0, end - 1) if n < end else -1
+            if at < 0:
+                break
+            found, length = at + n, n
+        if found < 0:
+            return [], 0
+        tokens = self.encode(text[found:found + TEXT_MATCH_LOOKAHEAD * (k + 1)])
+        return tokens[:min(k, len(tokens) - 1)], length
+
+
 @register_method("ngram", NgramOptions)
 class NgramDrafter(Drafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "NgramDrafter":
         o = cfg.options
         return cls(cfg.num_speculative_tokens, o.prompt_lookup_min, o.prompt_lookup_max, o.ngram_match, o.ngram_pool,
-                   adaptive=o.ngram_draft_length == "adaptive", branches=o.ngram_branches)
+                   adaptive=o.ngram_draft_length == "adaptive", branches=o.ngram_branches,
+                   tokenizer=env.tokenizer if env is not None and o.ngram_text_match else None)
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
-                 match: str = "frequent", pool: str = "request", adaptive: bool = True, branches: int = 1) -> None:
+                 match: str = "frequent", pool: str = "request", adaptive: bool = True, branches: int = 1,
+                 tokenizer=None) -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
-        self.adaptive, self.branches = adaptive, branches
+        self.adaptive, self.branches, self.tokenizer = adaptive, branches, tokenizer
+        self.texts: dict[int, TextIndex] = {}  # seq id -> its decoded text (with a tokenizer)
         self.latest, self.frequent, self.shared = match == "latest", match == "frequent", pool == "shared"
         self.indexes: dict[int, NgramIndex] = {}
         self.shared_index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
@@ -158,7 +208,8 @@ class NgramDrafter(Drafter):
             if self.branches == 1:
                 tokens, n = (index.lookup_frequent(r.token_ids, budget) if self.frequent
                              else index.lookup(r.token_ids, budget, self.latest))
-                proposals.append([tokens[:self.draft_length(n)]])
+                tokens = tokens[:self.draft_length(n)]
+                proposals.append([tokens or self.text_lookup(r, budget)])
                 continue
             depth = budget if r.max_depth is None else min(budget, r.max_depth)
             found = index.lookup_branches(r.token_ids, depth, self.branches, self.latest or self.frequent)
@@ -173,6 +224,17 @@ class NgramDrafter(Drafter):
             proposals.append([c for c in chains if c])
         return Draft.branches(proposals)
 
+    def text_lookup(self, r: DraftRequest, budget: int) -> list[int]:
+        """The text match's draft where no token n-gram matched (nothing without a tokenizer)."""
+        if self.tokenizer is None or not budget:
+            return []
+        text = self.texts.setdefault(r.seq_id, TextIndex(self.tokenizer))
+        text.extend(r.token_ids)
+        tokens, chars = text.lookup(budget)
+        if not self.adaptive or chars >= TEXT_MATCH_FULL_CHARS:
+            return tokens
+        return tokens[:2 if chars >= 8 else 1]
+
     def draft_length(self, match_length: int) -> int:
         """Tokens worth drafting after a match of this many tokens (see the module docstring)."""
         if not self.adaptive or match_length >= self.n_max:
@@ -183,6 +245,7 @@ class NgramDrafter(Drafter):
         self.shared_index = NgramIndex(self.n_min, self.n_max)
 
     def release(self, seq_id: int) -> None:
+        self.texts.pop(seq_id, None)
         if not self.shared:
             self.indexes.pop(seq_id, None)
             return

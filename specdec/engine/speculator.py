@@ -117,7 +117,8 @@ class Speculator:
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
         draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
-        draft.validate(len(seqs), self.runner.model.config.vocab_size)
+        if self.cfg.method == "custom":  # a user's drafter: refuse a malformed draft by name (ours are built valid)
+            draft.validate(len(seqs), self.runner.model.config.vocab_size)
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:  # within each request's budget after this, and structured chains may be extended
             draft = self.constrain(seqs, requests, draft)
@@ -132,11 +133,12 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.model.compute_logits(hidden)
+        top = None  # every row's argmax, where masking computed it
         if constrained:  # row j of a constrained sequence: the target's distribution after node j's path
-            mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])
-        result = self._verify(seqs, draft, counts, drafted, trees, logits)
+            top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])
+        result = self._verify(seqs, draft, counts, drafted, trees, logits, top)
         k_obs = self.drafter.observe_topk
-        top1 = greedy_tokens(logits).tolist() if self.drafter.observe_drafts else None
+        top1 = (top or greedy_tokens(logits).tolist()) if self.drafter.observe_drafts else None
         outputs = []
         row = 0
         for i, seq in enumerate(seqs):
@@ -205,12 +207,12 @@ class Speculator:
         return probs
 
     def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], drafted: list[list[int]],
-                trees: list[TreeFeed | None], logits: torch.Tensor) -> VerifyResult:
-        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens. A greedy batch of chains (most
-        steps) is verified on host lists; trees and sampled requests on tensors."""
+                trees: list[TreeFeed | None], logits: torch.Tensor, top: list[int] | None = None) -> VerifyResult:
+        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens (`top`: their argmax, if known). A
+        greedy batch of chains (most steps) is verified on host lists; trees and sampled requests on tensors."""
         greedy = all(s.params.greedy for s in seqs)
         if greedy and all(t is None for t in trees):
-            return verify_greedy_chains(drafted, greedy_tokens(logits).tolist())
+            return verify_greedy_chains(drafted, top if top is not None else greedy_tokens(logits).tolist())
         B, N = len(seqs), max(counts)
         tokens = draft.tokens[:, :N]
         real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
