@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(...).generate(prompts, SamplingParams(...))`, vLLM-style."""
 from __future__ import annotations
 
+import os
 import sys
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
@@ -10,7 +11,9 @@ from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
+from specdec.engine.parallel import Workers, launched_by_torchrun
 from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer
+from specdec.models.parallel import check_split, shard_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
            "float16": torch.float16, "fp16": torch.float16}
@@ -37,6 +40,27 @@ def parse_device(device: str | torch.device) -> torch.device:
     return dev
 
 
+def start_ranks(size: int | None, model, dtype, device: torch.device, quantization: str | None) -> Workers | None:
+    """The other tensor-parallel ranks: spawned here, or (under torchrun) joined; None for one process. A rank
+    other than 0 under torchrun serves rank 0 here and exits when it is done."""
+    if launched_by_torchrun() and size in (None, int(os.environ["WORLD_SIZE"])):
+        import torch.distributed as dist
+
+        from specdec.engine.parallel import DEFAULT_TIMEOUT_S, init_group, serve_rank
+
+        tp = init_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, DEFAULT_TIMEOUT_S, "env://")
+        if tp.rank != 0:
+            net, _ = load_model(model, dtype, device, quantization)
+            shard_model(net, tp)
+            serve_rank(net, tp)
+            dist.destroy_process_group()
+            raise SystemExit(0)
+        return Workers(tp, [])
+    if size is None or size == 1:
+        return None
+    return Workers.spawn(size, model, dtype, device, quantization)
+
+
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
@@ -48,20 +72,38 @@ class LLM:
     model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
     quantization: 'gguf' (insist on a GGUF's own blocks), or 'q8_0' / 'q4_0' / 'q4_1' to quantize float weights
     on load.
+    tensor_parallel_size: split the target over this many processes (torch.distributed; see
+    specdec.engine.parallel): this one is rank 0 and spawns the others, or, under torchrun, every rank calls
+    LLM(...) and the ranks other than 0 serve rank 0 until it shuts down, then exit.
     Extra keyword arguments are EngineConfig fields (block_size, max_num_seqs, ...).
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
                  device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
-                 quantization: str | None = None, **engine_kwargs: Any) -> None:
+                 quantization: str | None = None, tensor_parallel_size: int | None = None,
+                 **engine_kwargs: Any) -> None:
         if speculative_config is None:
             speculative_config = default_speculative_config(model)
         speculative = SpeculativeConfig.parse(speculative_config)
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
-        net, src = load_model(model, parse_dtype(dtype), parse_device(device), quantization)
+        dtype, device = parse_dtype(dtype), parse_device(device)
+        if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or
+                                                 isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1):
+            raise SpecdecError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
+        net, src = load_model(model, dtype, device, quantization)
+        if tensor_parallel_size and tensor_parallel_size > 1:
+            check_split(net, tensor_parallel_size)  # before any rank starts
+        self.workers = start_ranks(tensor_parallel_size, model, dtype, device, quantization)
+        if self.workers is not None:
+            shard_model(net, self.workers.tp)
         self.model_name = str(model)
         self.tokenizer = load_tokenizer(src)
-        self.engine = LLMEngine(net, self.tokenizer, engine_cfg, speculative)
+        self.engine = LLMEngine(net, self.tokenizer, engine_cfg, speculative, self.workers)
+
+    def shutdown(self) -> None:
+        """Stop the other tensor-parallel ranks (also done at exit)."""
+        if self.workers is not None:
+            self.workers.close()
 
     def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> "LLM":
         """Another LLM over the same weights and tokenizer, with its own engine and speculation settings
@@ -70,9 +112,10 @@ class LLM:
         if speculative_config is None:
             speculative_config = default_speculative_config(self.model_name)
         other = object.__new__(LLM)
-        other.model_name, other.tokenizer = self.model_name, self.tokenizer
+        other.model_name, other.tokenizer, other.workers = self.model_name, self.tokenizer, self.workers
         cfg = from_kwargs(EngineConfig, engine_kwargs) if engine_kwargs else self.engine.cfg
-        other.engine = LLMEngine(self.engine.model, self.tokenizer, cfg, SpeculativeConfig.parse(speculative_config))
+        other.engine = LLMEngine(self.engine.model, self.tokenizer, cfg, SpeculativeConfig.parse(speculative_config),
+                                 self.workers)
         return other
 
     # -- prompts -------------------------------------------------------------------------------

@@ -12,6 +12,7 @@ import torch
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.drafting import DraftEnv, build_drafter
 from specdec.engine.model_runner import ModelRunner
+from specdec.engine.parallel import REFUSED_METHODS, TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator, draft_request
@@ -67,7 +68,8 @@ class IncrementalText:
 
 class LLMEngine:
     def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None,
-                 speculative: SpeculativeConfig | None = None) -> None:
+                 speculative: SpeculativeConfig | None = None, workers: Workers | None = None) -> None:
+        """workers: the other tensor-parallel ranks, when `model` is rank 0's shard (see engine.parallel)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()
         self.speculative = speculative
         mcfg = model.config
@@ -75,17 +77,22 @@ class LLMEngine:
         bs = self.cfg.block_size
         num_blocks = self.cfg.num_kv_blocks
         if num_blocks is None:
-            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(mcfg, bs, model.kv_dtype))
+            by_memory = int(self.cfg.kv_cache_memory_gb * 2**30 // KVPool.bytes_per_block(model.kv_config, bs,
+                                                                                            model.kv_dtype))
             by_need = self.cfg.max_num_seqs * -(-self.max_model_len // bs) + 1
             num_blocks = max(2, min(by_memory, by_need))
         self.allocator = BlockAllocator(num_blocks, bs, self.cfg.enable_prefix_caching)
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
-        self.kv = KVPool(mcfg, num_blocks, bs, model.kv_dtype, model.device)
+        self.kv = KVPool(model.kv_config, num_blocks, bs, model.kv_dtype, model.device)
         lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead, speculative.num_slots if speculative else 0)
-        self.runner = ModelRunner(model, self.kv, bs)
+        self.runner = ModelRunner(model, self.kv, bs) if workers is None else TPRunner(model, self.kv, bs, workers)
         self.speculator = None
+        if speculative is not None and workers is not None and speculative.method in REFUSED_METHODS:
+            raise SpecdecError(f"speculative method {speculative.method!r} runs the target's own layers, which "
+                               "tensor parallelism splits across processes; use another method, or "
+                               "tensor_parallel_size=1")
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs)
             self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative, tokenizer)
@@ -200,9 +207,7 @@ class LLMEngine:
         ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
         tokens: list[list[int] | None] = [None] * len(seqs)
         if ready:
-            rows = [ends[i] - 1 for i in ready]
-            last = hidden if len(rows) == hidden.shape[0] else hidden[torch.tensor(rows, device=hidden.device)]
-            logits = self.model.compute_logits(last)
+            logits = self.runner.logits(hidden, [ends[i] - 1 for i in ready])
             if any(seqs[i].grammar is not None for i in ready):
                 mask_logits(logits, [(seqs[i].grammar, [], [], seqs[i].params.greedy) for i in ready])
             next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()

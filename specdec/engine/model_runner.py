@@ -32,6 +32,12 @@ class ModelRunner:
         hidden, captured = self.model(tokens, positions, meta, self.kv, output_layers=feature_layers)
         return hidden, torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
 
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        """float32 logits [N, V] of the rows `rows` of the last forward's hidden states (None: all of them)."""
+        if rows is not None and len(rows) != hidden.shape[0]:
+            hidden = hidden[torch.tensor(rows, device=hidden.device)]
+        return self.model.compute_logits(hidden)
+
     def compact(self, table: list[int], start: int, nodes: list[int]) -> None:
         """Move the K/V of accepted tree nodes (indices fed after the token at slot index `start`) down to
         the slots right after it, in every layer. A no-op for a chain's accepted prefix."""

@@ -132,7 +132,7 @@ class Speculator:
         hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
-        logits = self.runner.model.compute_logits(hidden)
+        logits = self.runner.logits(hidden)
         top = None  # every row's argmax, where masking computed it
         if constrained:  # row j of a constrained sequence: the target's distribution after node j's path
             top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])

@@ -136,6 +136,7 @@ class DecoderLayer(nn.Module):
         self.scale = D ** -0.5
         self._kernel_weights: tuple | None = None  # numpy views of the weights, built on first fused call
         self._native: object | None = None  # the C++ layer over quantized weights, built on first fused call
+        self.tp = None  # a `parallel.TPGroup` once sharded: this rank's heads and units, all-reduced outputs
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -143,7 +144,7 @@ class DecoderLayer(nn.Module):
 
     def native_layer(self):
         """The C++ decoder layer when every matrix is block-quantized (the fused decode path), else None."""
-        if self._native is None and all(lin.quantized for lin in self.linears) \
+        if self._native is None and self.tp is None and all(lin.quantized for lin in self.linears) \
                 and isinstance(self.input_layernorm, RMSNorm):
             qkv_b, q_norm, k_norm = (t.detach() for t in self._optional_weights())
             self._native = native.ops().Layer(
@@ -172,6 +173,9 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
+        if self.tp is not None:  # a shard: the row-parallel outputs are all-reduced between the fused halves
+            q, k, v = self.project(self.input_layernorm(x), cos, sin)
+            return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
         if self.qkv_proj.quantized:
             # Every row count (decode, verification, prefill) through the one C++ layer: a token's bits then
             # never depend on how its step was batched, so a self-draft is always accepted.
@@ -188,6 +192,17 @@ class DecoderLayer(nn.Module):
         q, k, v = self.project(self.input_layernorm(x), cos, sin)
         return self.finish(x, paged_attention(q, k, v, k_pool, v_pool, meta, self.scale))
 
+    def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+               meta: AttentionMetadata) -> torch.Tensor:
+        """paged_attention, through the fused layers' own C++ attention on CPU: a query's result then does not
+        depend on the other queries of its step (torch's attention picks kernels by shape)."""
+        if q.device.type != "cpu" or q.dtype != torch.float32 or not native.available():
+            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale)
+        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask,
+                                      torch.from_numpy(kernels.query_starts(meta.query_lens)), self.scale)
+
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries and keys, and values, of the normed input x [T, in]: [T, Hq, D], [T, Hkv, D] x 2.
@@ -203,9 +218,11 @@ class DecoderLayer(nn.Module):
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention [T, Hq, D]: output projection, then the MLP block."""
-        x = x + self.o_proj(attn.reshape(x.shape[0], self.q_size))
+        out = self.o_proj(attn.reshape(x.shape[0], self.q_size))
+        x = x + (out if self.tp is None else self.tp.all_reduce(out))
         gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        return x + self.down_proj(F.silu(gate) * up)
+        out = self.down_proj(F.silu(gate) * up)
+        return x + (out if self.tp is None else self.tp.all_reduce(out))
 
 
 def _cat(weights: list) -> torch.Tensor | QuantWeight:
@@ -276,6 +293,9 @@ class LlamaModel(nn.Module):
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
         self._stack: object | None = None  # the C++ stack of all layers (False: not every layer is quantized)
+        # tensor parallel (`parallel.shard_model`): the group, this rank's LM-head rows and every rank's count
+        self.tp, self.lm_shard, self.vocab_sizes = None, None, None
+        self.kv_config = cfg  # the K/V heads this process caches (a shard's own)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
         """tokens: [T] -> [T, H] in the activation dtype."""
@@ -317,6 +337,8 @@ class LlamaModel(nn.Module):
 
     def native_stack(self):
         """Every decoder layer as one C++ stack when all are block-quantized (the whole forward in one call)."""
+        if self.tp is not None:
+            return None
         if self._stack is None:
             layers = [layer.native_layer() for layer in self.layers]
             self._stack = native.ops().Stack(layers, self.norm.weight.detach(), self.norm.eps) \
@@ -325,7 +347,10 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def compute_logits(self, hidden: torch.Tensor) -> torch.Tensor:
-        """hidden: [N, H] (only the rows that need logits) -> float32 logits [N, V]."""
+        """hidden: [N, H] (only the rows that need logits) -> float32 logits [N, V]. A shard computes its
+        vocabulary rows and gathers every rank's (every rank must call this for the same rows)."""
+        if self.tp is not None:
+            return self.tp.gather_columns(linear(hidden, self.lm_shard).float(), self.vocab_sizes)
         return linear(hidden, self.lm_head).float()
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:

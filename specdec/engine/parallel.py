@@ -1,0 +1,236 @@
+"""Tensor-parallel engine processes over torch.distributed (gloo on CPU, nccl on CUDA).
+
+Rank 0 is the engine: it schedules, drafts, verifies and samples, exactly as with one process. Its runner
+(`TPRunner`) mirrors every call that touches the target to the other ranks before making it itself: the
+step's layout (block tables, start slots, token ids, tree layouts: a few hundred bytes, pickled and
+broadcast), the rows that need logits, and the K/V moves after a tree is verified. Every rank then runs its
+share of the same forward (`models.parallel`), meeting the others in two all-reduces per layer and one
+gather of the logits, so the logits, and every decision rank 0 makes from them, are the same everywhere.
+Block tables come from rank 0's allocator, so each rank's share of the paged KV cache is addressed by the
+same slots. Drafters run on rank 0 only (an n-gram index, a suffix tree, a draft model or an EAGLE head
+over the replicated features); drafters that run the target's own layers (layer_skip, quantized_self)
+would need every rank and are refused.
+
+`LLM(..., tensor_parallel_size=N)` spawns ranks 1..N-1 (`Workers`), or, under `torchrun`, the ranks
+other than 0 call `serve_rank()` and wait for rank 0's commands. Every collective has the process group's
+timeout, and rank 0 checks that the spawned ranks are alive before each command: a rank that dies turns
+into a SpecdecError naming it, never a hang.
+"""
+from __future__ import annotations
+
+import datetime
+import os
+import socket
+import weakref
+
+import torch
+import torch.distributed as dist
+
+from specdec.config import SpecdecError
+from specdec.engine.model_runner import ModelRunner
+from specdec.kv_cache import KVPool
+from specdec.models.parallel import TPGroup, shard_model
+
+REFUSED_METHODS = ("layer_skip", "quantized_self")  # they run the target's own (sharded) layers
+DEFAULT_TIMEOUT_S = 120.0
+
+
+COMMAND_TIMEOUT = datetime.timedelta(days=30)  # an idle server's ranks wait this long for the next command
+_commands = None  # the process group commands travel on (gloo, the long timeout)
+
+
+def init_group(rank: int, world: int, device: torch.device, timeout_s: float, init_method: str | None = None
+               ) -> TPGroup:
+    """Join the ranks: the default group (the model's collectives, `timeout_s` each) and a gloo group for rank
+    0's commands, whose timeout only bounds how long a rank may sit idle."""
+    global _commands
+    backend = "nccl" if device.type == "cuda" else "gloo"
+    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                            timeout=datetime.timedelta(seconds=timeout_s))
+    _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
+    return TPGroup(rank, world)
+
+
+def _send(cmd: tuple) -> None:
+    dist.broadcast_object_list([cmd], src=0, group=_commands)
+
+
+def _receive() -> tuple:
+    box = [None]
+    dist.broadcast_object_list(box, src=0, group=_commands)
+    return box[0]
+
+
+def serve_rank(model, tp: TPGroup) -> None:
+    """A rank other than 0: run the target's share of every call rank 0 mirrors, until it says stop."""
+    runners: dict[int, ModelRunner] = {}  # one per engine of rank 0 (LLM.with_speculative_config adds engines)
+    last: dict[int, torch.Tensor] = {}  # each engine's last forward's hidden states (logits are taken from them)
+    while True:
+        cmd = _receive()
+        kind, engine = cmd[0], cmd[1] if len(cmd) > 1 else None
+        if kind == "stop":
+            break
+        if kind == "kv":
+            num_blocks, block_size, dtype = cmd[2:]
+            runners[engine] = ModelRunner(model, KVPool(model.kv_config, num_blocks, block_size, dtype, model.device),
+                                          block_size)
+        elif kind == "run":
+            last[engine] = runners[engine].run(*cmd[2:])[0]
+        elif kind == "logits":
+            runners[engine].logits(last[engine], cmd[2])
+        elif kind == "compact":
+            runners[engine].compact(*cmd[2:])
+        elif kind == "release":
+            runners.pop(engine, None)
+            last.pop(engine, None)
+
+
+def main(argv: list[str] | None = None) -> None:
+    """A spawned rank; argv: RANK WORLD ADDRESS MODEL DTYPE DEVICE QUANT TIMEOUT THREADS (DTYPE 'auto' or a torch
+    dtype's name, QUANT '-' for none)."""
+    import sys
+
+    from specdec.models.loader import load_model
+
+    rank, world, address, model, dtype, device, quant, timeout_s, threads = (argv or sys.argv[1:])
+    _die_with_parent()
+    torch.set_num_threads(int(threads))
+    tp = init_group(int(rank), int(world), torch.device(device), float(timeout_s), address)
+    net, _ = load_model(model, dtype if dtype == "auto" else getattr(torch, dtype), device,
+                        None if quant == "-" else quant)
+    shard_model(net, tp)
+    try:
+        serve_rank(net, tp)
+    finally:
+        dist.destroy_process_group()
+
+
+def _die_with_parent() -> None:
+    """Linux: be killed when rank 0's process goes (a spawned rank never outlives its engine)."""
+    try:
+        import ctypes
+        import signal
+
+        ctypes.CDLL("libc.so.6").prctl(1, signal.SIGKILL)  # PR_SET_PDEATHSIG
+    except (OSError, AttributeError):
+        pass
+
+
+def free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+class Workers:
+    """Ranks 1..N-1 as child processes (spawned), or the ranks torchrun started (`processes` empty)."""
+
+    def __init__(self, tp: TPGroup, processes: list) -> None:
+        self.tp, self.processes = tp, processes
+        self.closed = False
+        self._engines = 0
+
+    @classmethod
+    def spawn(cls, world: int, model: str, dtype, device: torch.device, quantization: str | None,
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> "Workers":
+        """Start ranks 1..world-1 as fresh interpreters (`main`: no script of the user's is re-imported) loading
+        the same model, and join them as rank 0; each rank gets an equal share of this machine's threads."""
+        import subprocess
+        import sys
+
+        if dist.is_initialized():
+            raise SpecdecError("a tensor-parallel engine already runs in this process (torch.distributed is "
+                               "initialized); call shutdown() on its LLM first")
+        address = f"tcp://127.0.0.1:{free_port()}"
+        threads = max(1, torch.get_num_threads() // world)
+        name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
+        entry = "import sys; from specdec.engine.parallel import main; main(sys.argv[1:])"
+        procs = [subprocess.Popen([sys.executable, "-c", entry, str(r), str(world), address, str(model), name,
+                                   str(device), quantization or "-", str(timeout_s), str(threads)])
+                 for r in range(1, world)]
+        try:
+            tp = init_group(0, world, device, timeout_s, address)
+        except Exception as e:
+            Workers._stop(procs)
+            codes = [p.poll() for p in procs]
+            raise SpecdecError(f"tensor parallel: the other rank(s) did not join (exit codes {codes}; "
+                               f"{type(e).__name__}: {e})") from None
+        torch.set_num_threads(threads)
+        workers = cls(tp, procs)
+        weakref.finalize(workers, Workers._stop, procs)
+        return workers
+
+    def new_engine(self) -> int:
+        self._engines += 1
+        return self._engines
+
+    def send(self, cmd: tuple) -> None:
+        """Mirror a command to every other rank (after checking the spawned ones are alive)."""
+        if self.closed:
+            raise SpecdecError("tensor parallel: the other ranks were shut down")
+        for r, p in enumerate(self.processes, start=1):
+            if p.poll() is not None:
+                self.closed = True
+                raise SpecdecError(f"tensor parallel: rank {r} exited (code {p.returncode}); the engine cannot go on")
+        try:
+            _send(cmd)
+        except RuntimeError as e:
+            self.closed = True
+            raise SpecdecError(f"tensor parallel: a rank stopped answering ({e})") from None
+
+    def close(self) -> None:
+        if self.closed:
+            return
+        self.closed = True
+        try:
+            _send(("stop",))
+        except RuntimeError:
+            pass
+        for p in self.processes:
+            try:
+                p.wait(timeout=10)
+            except Exception:
+                pass
+        Workers._stop(self.processes)
+        if dist.is_initialized():
+            dist.destroy_process_group()
+
+    @staticmethod
+    def _stop(processes: list) -> None:
+        for p in processes:
+            if p.poll() is None:
+                p.kill()
+                p.wait()
+
+
+class TPRunner(ModelRunner):
+    """Rank 0's runner: every target call is mirrored to the other ranks first (see the module docstring)."""
+
+    def __init__(self, model, kv: KVPool, block_size: int, workers: Workers) -> None:
+        super().__init__(model, kv, block_size)
+        self.workers, self.engine_id = workers, workers.new_engine()
+        workers.send(("kv", self.engine_id, kv.k[0].shape[0] // block_size, block_size, kv.k[0].dtype))
+
+    def run(self, tables, starts, feeds, trees=None, feature_layers=()):
+        self.workers.send(("run", self.engine_id, tables, starts, feeds, trees, feature_layers))
+        return self._collective(super().run, tables, starts, feeds, trees, feature_layers)
+
+    def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
+        self.workers.send(("logits", self.engine_id, rows))
+        return self._collective(super().logits, hidden, rows)
+
+    def compact(self, table: list[int], start: int, nodes: list[int]) -> None:
+        if any(node != depth for depth, node in enumerate(nodes)):
+            self.workers.send(("compact", self.engine_id, table, start, nodes))
+            super().compact(table, start, nodes)
+
+    def _collective(self, fn, *args):
+        try:
+            return fn(*args)
+        except RuntimeError as e:  # a peer died or timed out inside an all-reduce or gather
+            self.workers.closed = True
+            raise SpecdecError(f"tensor parallel: a collective failed ({str(e).splitlines()[0]})") from None
+
+
+def launched_by_torchrun() -> bool:
+    return int(os.environ.get("WORLD_SIZE", "1")) > 1 and "RANK" in os.environ
