@@ -23,6 +23,11 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "`specdec tune`; other models do not speculate)")
 
 
+def add_parallel_args(p: argparse.ArgumentParser) -> None:
+    p.add_argument("--tensor-parallel-size", type=int, default=None,
+                   help="split the target over this many processes (torch.distributed; this one is rank 0)")
+
+
 def add_sampling_args(p: argparse.ArgumentParser, max_tokens: int) -> None:
     p.add_argument("--max-tokens", type=int, default=max_tokens)
     p.add_argument("--temperature", type=float, default=0.0, help="0 = greedy (default)")
@@ -39,6 +44,7 @@ def build_parser() -> argparse.ArgumentParser:
     g = sub.add_parser("generate", help="generate text for one prompt")
     g.add_argument("prompt", nargs="?", default="Explain in three sentences why the sky is blue.")
     add_model_args(g)
+    add_parallel_args(g)
     add_sampling_args(g, max_tokens=128)
     g.add_argument("--no-chat", action="store_true", help="do not apply the chat template")
     g.add_argument("--json", action="store_true", help="print one JSON object instead of streaming text")
@@ -53,6 +59,7 @@ def build_parser() -> argparse.ArgumentParser:
                        "/v1/completions, /v1/models, /health, /metrics. --speculative-config also takes 'off'.")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_model_args(s)
+    add_parallel_args(s)
     s.set_defaults(model=None)  # so that a positional MODEL and --model can be told apart
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
@@ -192,7 +199,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, structured_output=structured_output_arg(args))
     llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              quantization=args.quantization)
+              quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size)
     if args.no_chat or not getattr(llm.tokenizer, "chat_template", None):
         prompt_ids = llm.encode(args.prompt)[1]
     else:
@@ -239,7 +246,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              quantization=args.quantization, **engine_kwargs)
+              quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
 
 

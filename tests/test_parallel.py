@@ -64,9 +64,8 @@ def test_two_ranks_on_the_default_model():
     across a rounding boundary, one step of its block's max / 127, and that compounds over 30 layers (the
     same happens between one process's fused stack and its per-matrix path): logits agree to about 3% of
     their scale (asserted: 10%), argmax on at least 90% of rows. Greedy speculation on two ranks (ngram, the
-    shipped EAGLE-3 head) equals plain decoding on two ranks token for token, batched alike. (Not yet across
-    batch compositions: a request decoded alone can differ from the same request in a batch of 3, see
-    docs/architecture.md, tensor parallelism.)"""
+    shipped EAGLE-3 head) equals plain decoding on two ranks token for token, batched or alone: every op of
+    a rank's per-matrix path is row-invariant (the layers' C++ attention, the per-row RMSNorm)."""
     one = LLM("smollm2-135m", speculative_config="off")
     two = LLM("smollm2-135m", speculative_config="off", tensor_parallel_size=2)
     try:
@@ -76,13 +75,14 @@ def test_two_ranks_on_the_default_model():
             a, b = logits_of(one, p), logits_of(two, p)
             assert (a - b).abs().max() <= 0.1 * a.abs().max()
             assert (a.argmax(-1) == b.argmax(-1)).float().mean() >= 0.9
-        params = SamplingParams(temperature=0, max_tokens=48)
+        params = SamplingParams(temperature=0, max_tokens=32)
         feeds = [{"prompt_token_ids": p} for p in prompts]
         expected = [o.token_ids for o in two.generate(feeds, params)]
         for config in ({"method": "ngram", "num_speculative_tokens": 4},
                        {"method": "eagle3", "num_speculative_tokens": 3, "model": str(shipped_head("smollm2-135m"))}):
             spec = two.with_speculative_config(config)
             assert [o.token_ids for o in spec.generate(feeds, params)] == expected, config
+            assert [spec.generate(f, params)[0].token_ids for f in feeds] == expected, config  # alone
     finally:
         two.shutdown()
 
@@ -134,15 +134,47 @@ def test_impossible_sizes_are_refused(tiny_llama_dir, size, message):
         LLM(str(tiny_llama_dir), speculative_config="off", tensor_parallel_size=size)
 
 
+def test_torchrun_launches_the_ranks(tiny, tmp_path):
+    """Every rank runs the same script; rank 0's LLM drives, the others serve it and exit with it."""
+    import subprocess
+    import sys
+    from pathlib import Path
+
+    script = tmp_path / "tp.py"
+    script.write_text(
+        "import json, sys\n"
+        "from specdec import LLM, SamplingParams\n"
+        f"llm = LLM({tiny[0].model_name!r}, speculative_config={{'method': 'ngram', 'num_speculative_tokens': 4}})\n"
+        f"outs = llm.generate([{{'prompt_token_ids': p}} for p in {PROMPTS!r}],\n"
+        "                     SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))\n"
+        f"open({str(tmp_path / 'out.json')!r}, 'w').write(json.dumps([o.token_ids for o in outs]))\n"
+        "llm.shutdown()\n")
+    torchrun = Path(sys.executable).with_name("torchrun")
+    done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
+                          capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-2000:]
+    expected = tiny[0].generate([{"prompt_token_ids": p} for p in PROMPTS],
+                                SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
+    import json
+
+    assert json.loads((tmp_path / "out.json").read_text()) == [e.token_ids for e in expected]
+
+
 def test_a_rank_that_dies_fails_the_engine_with_a_clear_error(tiny):
-    """(Last: it kills the module's second rank.) The next step fails at once, naming the rank; a second
-    tensor-parallel engine in the same process is refused until the first is shut down."""
+    """(Last: it kills the module's second rank.) The next step fails at once, naming the rank, and so does
+    a collective already under way (rank 0 watches the process while it waits); a second tensor-parallel
+    engine in the same process is refused until the first is shut down."""
     two = tiny[1]
     two.workers.processes[0].kill()
     two.workers.processes[0].wait()
     start = time.perf_counter()
     with pytest.raises(SpecdecError, match="rank 1 exited"):
         two.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4))
+    assert time.perf_counter() - start < 5
+    start = time.perf_counter()
+    with pytest.raises(SpecdecError, match="collective failed.*rank 1 exited"):  # inside a collective
+        two.engine.runner._collective(two.engine.model.compute_logits,
+                                      torch.zeros(1, two.engine.model.config.hidden_size))
     assert time.perf_counter() - start < 5
     with pytest.raises(SpecdecError, match="already runs in this process"):
         LLM(str(tiny_llama_dir_of(two)), speculative_config="off", tensor_parallel_size=2)

@@ -20,6 +20,8 @@ from __future__ import annotations
 
 import datetime
 import os
+import platform
+import secrets
 import socket
 import weakref
 
@@ -29,10 +31,11 @@ import torch.distributed as dist
 from specdec.config import SpecdecError
 from specdec.engine.model_runner import ModelRunner
 from specdec.kv_cache import KVPool
-from specdec.models.parallel import TPGroup, shard_model
+from specdec.models.parallel import SharedExchange, TPGroup, shard_model
 
 REFUSED_METHODS = ("layer_skip", "quantized_self")  # they run the target's own (sharded) layers
 DEFAULT_TIMEOUT_S = 120.0
+SHARED_SLOT_FLOATS = 1 << 20  # 4 MB a rank and half: all-reduces of up to 1,820 tokens of 576, 42 rows of logits
 
 
 COMMAND_TIMEOUT = datetime.timedelta(days=30)  # an idle server's ranks wait this long for the next command
@@ -48,7 +51,23 @@ def init_group(rank: int, world: int, device: torch.device, timeout_s: float, in
     dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
                             timeout=datetime.timedelta(seconds=timeout_s))
     _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
-    return TPGroup(rank, world)
+    return TPGroup(rank, world, shared=_shared_exchange(rank, world, device, timeout_s))
+
+
+def _shared_exchange(rank: int, world: int, device: torch.device, timeout_s: float) -> SharedExchange | None:
+    """A shared-memory exchange when every rank runs on this host, on CPU, on x86 (see SharedExchange)."""
+    hosts = [None] * world
+    dist.all_gather_object(hosts, (socket.gethostname(), platform.machine()), group=_commands)
+    if device.type != "cpu" or len(set(hosts)) != 1 or hosts[0][1] not in ("x86_64", "AMD64"):
+        return None
+    box = [f"specdec_tp_{os.getpid()}_{secrets.token_hex(4)}" if rank == 0 else None]
+    if rank == 0:
+        exchange = SharedExchange(box[0], rank, world, SHARED_SLOT_FLOATS, True, timeout_s)
+    dist.broadcast_object_list(box, src=0, group=_commands)
+    if rank != 0:
+        exchange = SharedExchange(box[0], rank, world, SHARED_SLOT_FLOATS, False, timeout_s)
+    dist.barrier(group=_commands)
+    return exchange
 
 
 def _send(cmd: tuple) -> None:
@@ -94,7 +113,7 @@ def main(argv: list[str] | None = None) -> None:
 
     rank, world, address, model, dtype, device, quant, timeout_s, threads = (argv or sys.argv[1:])
     _die_with_parent()
-    torch.set_num_threads(int(threads))
+    share_threads(int(threads))
     tp = init_group(int(rank), int(world), torch.device(device), float(timeout_s), address)
     net, _ = load_model(model, dtype if dtype == "auto" else getattr(torch, dtype), device,
                         None if quant == "-" else quant)
@@ -102,7 +121,21 @@ def main(argv: list[str] | None = None) -> None:
     try:
         serve_rank(net, tp)
     finally:
+        if tp.shared is not None:
+            tp.shared.close(unlink=False)
         dist.destroy_process_group()
+
+
+def share_threads(threads: int) -> None:
+    """This rank's share of the cores, for torch's and numba's pools alike (ranks on one machine that each
+    used every core would fight over them: measured 10x slower steps on 2 cores)."""
+    torch.set_num_threads(threads)
+    try:
+        import numba
+
+        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
+    except ImportError:
+        pass
 
 
 def _die_with_parent() -> None:
@@ -145,8 +178,9 @@ class Workers:
         threads = max(1, torch.get_num_threads() // world)
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         entry = "import sys; from specdec.engine.parallel import main; main(sys.argv[1:])"
+        env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
         procs = [subprocess.Popen([sys.executable, "-c", entry, str(r), str(world), address, str(model), name,
-                                   str(device), quantization or "-", str(timeout_s), str(threads)])
+                                   str(device), quantization or "-", str(timeout_s), str(threads)], env=env)
                  for r in range(1, world)]
         try:
             tp = init_group(0, world, device, timeout_s, address)
@@ -155,23 +189,31 @@ class Workers:
             codes = [p.poll() for p in procs]
             raise SpecdecError(f"tensor parallel: the other rank(s) did not join (exit codes {codes}; "
                                f"{type(e).__name__}: {e})") from None
-        torch.set_num_threads(threads)
+        share_threads(threads)
         workers = cls(tp, procs)
-        weakref.finalize(workers, Workers._stop, procs)
+        if tp.shared is not None:
+            tp.shared.alive = workers.gone
+        weakref.finalize(workers, Workers._release, procs, tp.shared)
         return workers
 
     def new_engine(self) -> int:
         self._engines += 1
         return self._engines
 
+    def gone(self) -> str | None:
+        """Why the ranks cannot go on (a spawned rank exited), or None."""
+        for r, p in enumerate(self.processes, start=1):
+            if p.poll() is not None:
+                return f"rank {r} exited (code {p.returncode})"
+        return None
+
     def send(self, cmd: tuple) -> None:
         """Mirror a command to every other rank (after checking the spawned ones are alive)."""
         if self.closed:
             raise SpecdecError("tensor parallel: the other ranks were shut down")
-        for r, p in enumerate(self.processes, start=1):
-            if p.poll() is not None:
-                self.closed = True
-                raise SpecdecError(f"tensor parallel: rank {r} exited (code {p.returncode}); the engine cannot go on")
+        if (gone := self.gone()) is not None:
+            self.closed = True
+            raise SpecdecError(f"tensor parallel: {gone}; the engine cannot go on")
         try:
             _send(cmd)
         except RuntimeError as e:
@@ -192,8 +234,17 @@ class Workers:
             except Exception:
                 pass
         Workers._stop(self.processes)
+        if self.tp.shared is not None:
+            self.tp.shared.close(unlink=self.tp.rank == 0)
         if dist.is_initialized():
             dist.destroy_process_group()
+
+    @staticmethod
+    def _release(processes: list, shared: SharedExchange | None) -> None:
+        """At exit or collection without shutdown(): stop the spawned ranks, remove the shared memory."""
+        Workers._stop(processes)
+        if shared is not None and shared.shm is not None:
+            shared.close(unlink=True)
 
     @staticmethod
     def _stop(processes: list) -> None:

@@ -149,15 +149,25 @@ if numba is not None:
                     acc += row[k] * x[m, k]
                 y[m, r] = acc
 
+    @njit(fastmath=True, inline="always")
+    def _rms_norm_row(x, w, eps, out, t):  # pragma: no cover - compiled
+        ss = np.float32(0.0)
+        for i in range(x.shape[1]):
+            ss += x[t, i] * x[t, i]
+        inv = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
+        for i in range(x.shape[1]):
+            out[t, i] = w[i] * (x[t, i] * inv)
+
     @njit(parallel=True, fastmath=True, cache=True, nogil=True)
     def _rms_norm(x, w, eps, out):  # pragma: no cover - compiled
         for t in prange(x.shape[0]):
-            ss = np.float32(0.0)
-            for i in range(x.shape[1]):
-                ss += x[t, i] * x[t, i]
-            inv = np.float32(1.0) / np.sqrt(ss / np.float32(x.shape[1]) + np.float32(eps))
-            for i in range(x.shape[1]):
-                out[t, i] = w[i] * (x[t, i] * inv)
+            _rms_norm_row(x, w, eps, out, t)
+
+    @njit(fastmath=True, cache=True, nogil=True)
+    def _rms_norm_rows(x, w, eps, out):  # pragma: no cover - compiled
+        """_rms_norm's loop on the calling thread (no numba thread pool: tensor-parallel ranks share cores)."""
+        for t in range(x.shape[0]):
+            _rms_norm_row(x, w, eps, out, t)
 
     @njit(fastmath=True, inline="always")
     def _softmax(row, bits):  # pragma: no cover - compiled
@@ -323,12 +333,13 @@ def as_numpy(t: torch.Tensor) -> "np.ndarray":
     return t.numpy()
 
 
-def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
-    """RMSNorm over the last dim of x [T, H]; the numba path for small T in float32."""
-    if x.dim() == 2 and x.shape[0] <= SMALL_M and _fast(x, weight) and no_grad(x, weight):
+def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float, rows: bool = False) -> torch.Tensor:
+    """RMSNorm over the last dim of x [T, H]; the numba path for small T in float32, or for any T with `rows`
+    (every row through the same loop: a row's bits do not depend on T, which torch's kernel does not promise)."""
+    if x.dim() == 2 and (rows or x.shape[0] <= SMALL_M) and _fast(x, weight) and no_grad(x, weight):
         x = x.contiguous()
         out = torch.empty_like(x)
-        _rms_norm(x.numpy(), weight.numpy(), eps, out.numpy())
+        (_rms_norm_rows if rows else _rms_norm)(x.numpy(), weight.numpy(), eps, out.numpy())
         return out
     return F.rms_norm(x, weight.shape, weight, eps)
 

@@ -69,10 +69,11 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+        self.row_invariant = False  # True: every row count through the same per-row kernel (tensor parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps)
+            return rms_norm(x, self.weight, self.eps, rows=self.row_invariant)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)  # as transformers does: normalize in fp32, scale in x's dtype
