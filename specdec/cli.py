@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import argparse
 import json
+import os
 import sys
 from pathlib import Path
 
@@ -129,6 +130,9 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--draft-vocab", type=int, default=8192, help="draft vocabulary size (default 8192)")
     tr.add_argument("--save-every", type=int, default=200, help="steps between checkpoints (default 200)")
     tr.add_argument("--resume", action="store_true", help="continue from the checkpoint in --out")
+    tr.add_argument("--nproc", type=int, default=1,
+                    help="data-parallel ranks on this machine (starts torchrun; same updates as one process with "
+                         "the same --batch)")
     tr.add_argument("--ttt-steps", type=int, default=None,
                     help="eagle3: unroll the head on its own outputs this many steps (training-time test, default 3)")
     tr.add_argument("--num-layers", type=int, default=1,
@@ -250,6 +254,22 @@ def cmd_serve(args: argparse.Namespace) -> None:
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
 
 
+def launch_ranks(nproc: int, argv: list[str]) -> int:
+    """`specdec train --nproc N`: the same command on N data-parallel ranks under torchrun (one machine)."""
+    import subprocess
+
+    rest, skip = [], False
+    for a in argv:  # the same arguments without --nproc
+        if skip:
+            skip = False
+        elif a == "--nproc":
+            skip = True
+        elif not a.startswith("--nproc="):
+            rest.append(a)
+    return subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone",
+                           f"--nproc-per-node={nproc}", "-m", "specdec.cli", *rest]).returncode
+
+
 def main(argv: list[str] | None = None) -> int:
     args = build_parser().parse_args(argv)
     try:
@@ -269,6 +289,8 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench.offline import run_bench
 
             run_bench(args)
+        elif args.command == "train" and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
+            return launch_ranks(args.nproc, argv if argv is not None else sys.argv[1:])
         elif args.command == "train":
             from specdec.train import run_train
 

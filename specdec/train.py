@@ -19,6 +19,15 @@ draft vocabulary is the most frequent assistant tokens of the training data. `--
 assistant turns with the target's own greedy answers (self-distillation). Checkpoints (the head in the
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
 `--resume` continues from the last one. Validation measures the acceptance length with the real engine.
+
+Data parallel: under `torchrun --nproc-per-node N -m specdec.cli train ...` (or `specdec train --nproc N`,
+which starts it) the N ranks deal every `--batch` of conversations round-robin, each runs the target on its
+own conversations only, and the summed gradients are all-reduced (gloo, or nccl on CUDA) before the one
+optimizer step every rank takes: the same update as one process with the same `--batch` (the same global
+batch), up to the order the gradients are added in. DistributedDataParallel's module wrapper is not used
+because a head's loss is not one forward call (unrolled steps, several terms); the gradients are averaged
+at the same point it would. Rank 0 alone writes checkpoints, logs and validates; a checkpoint holds the
+global position, so a run resumes with any number of ranks.
 """
 from __future__ import annotations
 
@@ -226,8 +235,12 @@ def run_train(args: argparse.Namespace) -> dict:
     for name in ("steps", "batch", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    rank, world = data_parallel()
+    if world > 1 and args.feature_cache:
+        raise SpecdecError("--feature-cache is for one process; with several ranks each runs the target on its "
+                           "own conversations")
     torch.manual_seed(args.seed)
-    llm = LLM(args.target)
+    llm = LLM(args.target, tensor_parallel_size=1)  # each data-parallel rank holds the whole target
     target, tok = llm.engine.model, llm.tokenizer
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
     if args.distilled:  # the target's own answers, made by `specdec distill`
@@ -261,6 +274,9 @@ def run_train(args: argparse.Namespace) -> dict:
         head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
         if args.init:
             warm_start(head, cls.load_for(args.method, args.init, target))
+    if world > 1:  # every rank starts from rank 0's weights (the same seed makes them equal anyway)
+        for t in head.state_dict().values():
+            torch.distributed.broadcast(t, src=0)
     cache = None
     if args.feature_cache:  # the target runs once per sample, before the first step
         cache = FeatureCache(Path(args.feature_cache), target, head.aux_layers, samples)
@@ -276,8 +292,8 @@ def run_train(args: argparse.Namespace) -> dict:
     updates = -(-args.steps // args.batch)
     warmup = args.warmup if args.warmup is not None else min(100, updates // 20)
     lm_rows = target.lm_head[head.target_ids(torch.arange(head.draft_vocab_size))] if hasattr(head, "d2t") else None
-    history, order = [], None
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr)
+    history, order, stats = [], None, {}
+    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr, disable=rank > 0)
     tokens_seen, start, last_save = 0, time.perf_counter(), step
     while step < args.steps:
         epoch, i = divmod(step, n)
@@ -285,12 +301,16 @@ def run_train(args: argparse.Namespace) -> dict:
             order = (epoch, random.Random(args.seed * 1000 + epoch).sample(range(n), n))
         k = order[1][i]
         ids, mask = samples[k]
-        outputs = cache.outputs(k, logits=False) if cache is not None else None
-        loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
-        (loss / args.batch).backward()
+        mine = (step % args.batch) % world == rank  # a batch's conversations are dealt round-robin
+        if mine:
+            outputs = cache.outputs(k, logits=False) if cache is not None else None
+            loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
+            (loss / args.batch).backward()
+            tokens_seen += len(ids)
         step += 1
-        tokens_seen += len(ids)
         if step % args.batch == 0 or step == args.steps:  # one optimizer step per --batch sequences
+            if world > 1:
+                sum_gradients(params)
             lr = args.lr * lr_factor(step // args.batch if step % args.batch == 0 else updates, updates, warmup,
                                      args.schedule)
             for group in opt.param_groups:
@@ -300,20 +320,50 @@ def run_train(args: argparse.Namespace) -> dict:
             opt.step()
             opt.zero_grad()
             if step - last_save >= args.save_every or step == args.steps:
-                save_checkpoint(head, opt, step, out_dir, ckpt)
+                if rank == 0:
+                    save_checkpoint(head, opt, step, out_dir, ckpt)
                 last_save = step
-        history.append({"step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "loss": loss.item(), **stats})
-        bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats.get('top1', 0):.2f}",
-                        tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
+        if mine:
+            history.append({"step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "loss": loss.item(),
+                            **stats})
+            bar.set_postfix(loss=f"{loss.item():.3f}", top1=f"{stats.get('top1', 0):.2f}",
+                            tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
         bar.update()
     bar.close()
-    result = {"steps": step, "history": history[-50:]}
+    result = {"steps": step, "history": history[-50:], "world_size": world}
+    if world > 1:
+        torch.distributed.barrier()  # rank 0's last checkpoint is on disk before any rank returns
+        if rank > 0:
+            return result
     if held_out:
         k = min(3, head.max_draft_depth or 3)
         result["validation"] = validate(args.target, args.method, out_dir, held_out, args.val_tokens, k)
         print(json.dumps(result["validation"]))
     (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def data_parallel() -> tuple[int, int]:
+    """(rank, world size): joins torchrun's ranks (gloo on CPU) when started by it, else (0, 1)."""
+    import os
+
+    import torch.distributed as dist
+
+    world = int(os.environ.get("WORLD_SIZE", "1"))
+    if world == 1:
+        return 0, 1
+    if not dist.is_initialized():
+        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+    return dist.get_rank(), dist.get_world_size()
+
+
+def sum_gradients(params: list[torch.nn.Parameter]) -> None:
+    """Every rank's accumulated gradients, summed, on every rank (a rank without a conversation in this batch
+    contributes zeros)."""
+    for p in params:
+        if p.grad is None:
+            p.grad = torch.zeros_like(p)
+        torch.distributed.all_reduce(p.grad)
 
 
 def lr_factor(update: int, updates: int, warmup: int, schedule: str) -> float:
@@ -391,7 +441,8 @@ def validate(target: str, method: str, head_dir: Path, conversations: list[list[
     prompts."""
     from specdec.llm import LLM
 
-    llm = LLM(target, speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k})
+    llm = LLM(target, speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k},
+              tensor_parallel_size=1)
     prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in conversations]
     outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     steps = sum(o.metrics["num_steps"] for o in outs)
