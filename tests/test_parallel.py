@@ -122,6 +122,18 @@ def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
     assert [o.token_ids for o in two.generate(prompts, params)] == [e.token_ids for e in expected]
 
 
+def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):
+    import gc
+
+    two = tiny[1]
+    base = two.workers.engines_held()
+    extra = two.with_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    assert two.workers.engines_held() == [b + 1 for b in base]
+    del extra
+    gc.collect()
+    assert two.workers.engines_held() == base
+
+
 def test_methods_that_run_the_target_layers_are_refused(tiny):
     with pytest.raises(SpecdecError, match="layer_skip.*tensor_parallel_size=1"):
         tiny[1].with_speculative_config({"method": "layer_skip", "num_layers": 1})

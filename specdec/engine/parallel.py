@@ -102,6 +102,8 @@ def serve_rank(model, tp: TPGroup) -> None:
         elif kind == "release":
             runners.pop(engine, None)
             last.pop(engine, None)
+        elif kind == "held":
+            dist.all_gather_object([None] * dist.get_world_size(), len(runners), group=_commands)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -162,6 +164,7 @@ class Workers:
         self.tp, self.processes = tp, processes
         self.closed = False
         self._engines = 0
+        self.released: list[int] = []  # engines of rank 0 that were collected: their pools go at the next command
 
     @classmethod
     def spawn(cls, world: int, model: str, dtype, device: torch.device, quantization: str | None,
@@ -215,10 +218,19 @@ class Workers:
             self.closed = True
             raise SpecdecError(f"tensor parallel: {gone}; the engine cannot go on")
         try:
+            while self.released:  # sent from the engine's own thread, never from the garbage collector
+                _send(("release", self.released.pop()))
             _send(cmd)
         except RuntimeError as e:
             self.closed = True
             raise SpecdecError(f"tensor parallel: a rank stopped answering ({e})") from None
+
+    def engines_held(self) -> list[int]:
+        """How many engines' K/V pools every rank holds (rank 0's live engines, as the others count them)."""
+        self.send(("held",))
+        counts = [None] * self.tp.world
+        dist.all_gather_object(counts, None, group=_commands)
+        return counts[1:]
 
     def close(self) -> None:
         if self.closed:
@@ -261,6 +273,7 @@ class TPRunner(ModelRunner):
         super().__init__(model, kv, block_size)
         self.workers, self.engine_id = workers, workers.new_engine()
         workers.send(("kv", self.engine_id, kv.k[0].shape[0] // block_size, block_size, kv.k[0].dtype))
+        weakref.finalize(self, workers.released.append, self.engine_id)  # the other ranks free its pool later
 
     def run(self, tables, starts, feeds, trees=None, feature_layers=()):
         self.workers.send(("run", self.engine_id, tables, starts, feeds, trees, feature_layers))
