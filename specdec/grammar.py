@@ -30,6 +30,7 @@ import torch
 
 from specdec.config import SpecdecError, StructuredOutput
 from specdec.models import native
+from specdec.models.loader import token_codec
 from specdec.sampling import greedy_tokens
 
 
@@ -300,17 +301,13 @@ class GrammarState:
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode_cached(backend, text: str) -> tuple[int, ...]:
-    return tuple(backend.encode(text, add_special_tokens=False).ids)
+def _encode_cached(tokenizer, text: str) -> tuple[int, ...]:
+    return tuple(token_codec(tokenizer)[0](text))
 
 
 def encode_text(tokenizer, text: str) -> list[int]:
-    """Token ids of `text` alone (no special tokens): the Rust tokenizer directly where there is one (a third
-    of the wrapper's cost), cached, since a schema's forced texts (its keys) recur."""
-    backend = getattr(tokenizer, "backend_tokenizer", None)
-    if backend is None:
-        return tokenizer.encode(text, add_special_tokens=False)
-    return list(_encode_cached(backend, text))
+    """Token ids of `text` alone (no special tokens), cached, since a schema's forced texts (its keys) recur."""
+    return list(_encode_cached(tokenizer, text))
 
 
 Constrained = tuple[GrammarState | None, list[int], list[int], bool]  # (state, draft tokens, parents, greedy)
@@ -356,12 +353,12 @@ def _mask_chain(logits: torch.Tensor, grammar: GrammarState, tokens: list[int], 
     """A greedy chain's rows [1 + len(tokens), V], looked at in order as verification walks them: the first row
     whose argmax differs from the draft is masked if the grammar refuses that argmax; when its masked argmax
     then agrees with the draft, verification goes on, and so does this (updating `top` from `row`)."""
-    r = 0
+    r, chain = 0, list(range(-1, len(tokens) - 1))
     while True:
         r = next((j for j in range(r, len(tokens)) if top[row + j] != tokens[j]), len(tokens))
-        if not grammar.refused_rows(tokens, list(range(-1, len(tokens) - 1)), top[row:row + len(tokens) + 1], [r]):
+        if not grammar.refused_rows(tokens, chain, top[row:row + len(tokens) + 1], [r]):
             return
-        apply_bitmask(logits[r:r + 1], grammar.masks(tokens, list(range(-1, len(tokens) - 1)), [r])[r:r + 1])
+        apply_bitmask(logits[r:r + 1], grammar.masks(tokens, chain, [r])[r:r + 1])
         top[row + r] = int(greedy_tokens(logits[r:r + 1])[0])
         if r == len(tokens) or top[row + r] != tokens[r]:
             return

@@ -33,6 +33,7 @@ from dataclasses import dataclass
 
 from specdec.config import SpecdecError, SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
+from specdec.models.loader import token_codec
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
 MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
@@ -144,13 +145,7 @@ class TextIndex:
 
     def __init__(self, tokenizer) -> None:
         self.text, self.decoded = "", 0
-        backend = getattr(tokenizer, "backend_tokenizer", None)  # the Rust tokenizer: a third of the wrapper's cost
-        if backend is not None:
-            self.decode = lambda ids: backend.decode(ids, skip_special_tokens=False)
-            self.encode = lambda text: backend.encode(text, add_special_tokens=False).ids
-        else:
-            self.decode = tokenizer.decode
-            self.encode = lambda text: tokenizer.encode(text, add_special_tokens=False)
+        self.encode, self.decode = token_codec(tokenizer)
 
     def extend(self, tokens: list[int]) -> None:
         if len(tokens) > self.decoded:

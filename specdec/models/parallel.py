@@ -20,6 +20,7 @@ world size); against a single process only the summation order differs (float32:
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass
 from typing import Any
 
@@ -71,8 +72,6 @@ class SharedExchange:
         g, half = self.generation, self.generation % 2
         self.slots[half, self.rank, :n].copy_(x.reshape(-1))
         self.flags[self.rank * 8] = g
-        import time
-
         deadline, spins = None, 0
         others = [r * 8 for r in range(self.world) if r != self.rank]
         while any(int(self.flags[i]) < g for i in others):
@@ -122,14 +121,11 @@ class TPGroup:
         """Every rank's x [N, sizes[rank]], concatenated along the last dim [N, sum(sizes)] on every rank."""
         if self.world == 1:
             return x
-        width = max(sizes)
-        if self.shared is not None:
-            parts = self.shared.exchange(torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous())
-            if parts is not None:
-                return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
-        padded = torch.nn.functional.pad(x, (0, width - x.shape[-1])).contiguous()
-        parts = [torch.empty_like(padded) for _ in range(self.world)]
-        dist.all_gather(parts, padded, group=self.group)
+        padded = torch.nn.functional.pad(x, (0, max(sizes) - x.shape[-1])).contiguous()
+        parts = self.shared.exchange(padded) if self.shared is not None else None
+        if parts is None:
+            parts = [torch.empty_like(padded) for _ in range(self.world)]
+            dist.all_gather(parts, padded, group=self.group)
         return torch.cat([p[..., :n] for p, n in zip(parts, sizes)], dim=-1)
 
 
