@@ -70,6 +70,10 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens prefilled per step (default 512): long prompts are prefilled in chunks "
                    "of this size, alternating with decode steps, so running requests keep streaming")
+    s.add_argument("--replicas", type=int, default=None,
+                   help="serve N engine replicas behind this one endpoint on Ray Serve (pip install specdec[ray]); "
+                   "requests go to the replica holding their prompt's prefix, else the least loaded. Joins the "
+                   "Ray cluster RAY_ADDRESS names, else starts one on this machine")
 
     b = sub.add_parser("bench", help="measure decoding speed on Spec-Bench prompts")
     add_model_args(b)
@@ -93,6 +97,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
                    "drafting, validity against each schema, the masks' share of time")
     b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
+    b.add_argument("--replicas", default=None,
+                   help="with --serve: compare serving on these numbers of Ray Serve replicas instead, e.g. 0,1,2 "
+                   "(0: `specdec serve` without Ray), each with --speculative-config")
     b.add_argument("--requests-per-level", type=int, default=None,
                    help="with --serve: requests per level (default: 2x the concurrency, at least --num-prompts at 1)")
 
@@ -249,6 +256,16 @@ def cmd_serve(args: argparse.Namespace) -> None:
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     if args.max_num_seqs is not None:
         engine_kwargs["max_num_seqs"] = args.max_num_seqs
+    if args.replicas is not None:
+        try:
+            from specdec.replicas import ReplicaSpec, serve_replicas
+        except ImportError as e:
+            raise SpecdecError(f"--replicas needs Ray Serve: pip install 'specdec[ray]' ({e})") from None
+        llm_kwargs = {"dtype": args.dtype, "device": args.device, "speculative_config": args.speculative_config,
+                      "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
+                      **engine_kwargs}
+        spec = ReplicaSpec(model, llm_kwargs, args.replicas, args.served_model_name, args.api_key)
+        return serve_replicas(spec, host=args.host, port=args.port)
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
               quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
@@ -277,6 +294,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_generate(args)
         elif args.command == "serve":
             cmd_serve(args)
+        elif args.command == "bench" and args.serve and args.replicas:
+            from specdec.bench.serve import run_replica_bench
+
+            run_replica_bench(args)
         elif args.command == "bench" and args.serve:
             from specdec.bench.serve import run_serve_bench
 

@@ -187,6 +187,14 @@ class EngineConfig:
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose token prefix was seen before
 
+    def __post_init__(self) -> None:
+        for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+                raise SpecdecError(f"invalid {name}={value!r}: must be a positive integer")
+        if not self.kv_cache_memory_gb > 0:
+            raise SpecdecError(f"invalid kv_cache_memory_gb={self.kv_cache_memory_gb!r}: must be positive")
+
 
 # ---- drafting methods ------------------------------------------------------------------------------
 

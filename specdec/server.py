@@ -19,7 +19,7 @@ import sys
 import threading
 import time
 import uuid
-from collections.abc import AsyncIterator, Callable
+from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
 from typing import Any
 
@@ -430,6 +430,18 @@ class _AbortOnClose(StreamingResponse):
 
 
 # -- the OpenAI API --------------------------------------------------------------------------------------
+@dataclass
+class Started:
+    """An admitted request and what its response needs."""
+
+    req: EngineRequest
+    rid: str
+    chat: bool
+    stops: list[str]
+    stream: bool
+    include_usage: bool
+
+
 class OpenAIServer:
     def __init__(self, llm: LLM, served_model_name: str | None = None) -> None:
         self.llm = llm
@@ -505,7 +517,8 @@ class OpenAIServer:
             return lambda: self.llm.encode(prompt)[1], "prompt"
         return lambda: list(prompt), "prompt"
 
-    async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
+    async def start(self, body: ChatBody | CompletionBody) -> Started:
+        """Validate the request and queue it on the engine; returns once admitted (APIError when refused)."""
         if body.model != self.model:
             raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model!r}",
                            param="model", code="model_not_found")
@@ -514,30 +527,49 @@ class OpenAIServer:
         prepare = self.preparer(tokenize, params, max_tokens, max_field, prompt_field, constraint_field)
         req = await self.engine.submit(prepare, bool(body.stream), prompt_field)
         chat = isinstance(body, ChatBody)
-        rid = f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}"
-        if body.stream:
-            include_usage = bool(body.stream_options and body.stream_options.include_usage)
-            return _AbortOnClose(self.stream(req, rid, chat, params.stop, include_usage),
-                                 on_close=lambda: self.engine.abort(req))
-        try:
-            out = await self.wait_for_output(req, request)
-        finally:
-            self.engine.abort(req)  # a no-op once finished; frees the blocks when we stop early
-        if out is None:
-            return Response(status_code=499)  # the client went away; nobody reads this
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
-        choice.update({"message": {"role": "assistant", "content": out.text}} if chat else {"text": out.text})
-        return JSONResponse({"id": rid, "object": "chat.completion" if chat else "text_completion",
-                             "created": int(time.time()), "model": self.model, "choices": [choice],
-                             "usage": _usage(out)})
+        return Started(req, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, params.stop,
+                       bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
 
-    async def wait_for_output(self, req: EngineRequest, request: Request) -> RequestOutput | None:
-        """The finished output, or None when the client disconnected first (polled meanwhile)."""
+    def events(self, started: Started) -> AsyncIterator[str]:
+        """A streaming request's SSE chunks."""
+        return self.stream(started.req, started.rid, started.chat, started.stops, started.include_usage)
+
+    async def answer(self, started: Started, disconnected: Callable[[], Awaitable[bool]] | None = None
+                     ) -> dict | None:
+        """A non-streaming request's JSON body, or None when `disconnected()` said the client left first."""
+        try:
+            out = await self.wait_for_output(started.req, disconnected)
+        finally:
+            self.engine.abort(started.req)  # a no-op once finished; frees the blocks when we stop early
+        if out is None:
+            return None
+        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        choice.update({"message": {"role": "assistant", "content": out.text}} if started.chat else {"text": out.text})
+        return {"id": started.rid, "object": "chat.completion" if started.chat else "text_completion",
+                "created": int(time.time()), "model": self.model, "choices": [choice], "usage": _usage(out)}
+
+    def model_card(self) -> dict:
+        return {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
+                "max_model_len": self.llm.engine.max_model_len}
+
+    async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
+        started = await self.start(body)
+        if started.stream:
+            return _AbortOnClose(self.events(started), on_close=lambda: self.engine.abort(started.req))
+        answer = await self.answer(started, request.is_disconnected)
+        if answer is None:
+            return Response(status_code=499)  # the client went away; nobody reads this
+        return JSONResponse(answer)
+
+    async def wait_for_output(self, req: EngineRequest, disconnected: Callable[[], Awaitable[bool]] | None
+                              ) -> RequestOutput | None:
+        """The finished output, or None when the client disconnected first (polled meanwhile when
+        `disconnected` is given; without it the caller is cancelled instead)."""
         while True:
             try:
-                event = await asyncio.wait_for(req.events.get(), DISCONNECT_POLL_S)
+                event = await asyncio.wait_for(req.events.get(), DISCONNECT_POLL_S if disconnected else None)
             except asyncio.TimeoutError:
-                if await request.is_disconnected():
+                if await disconnected():
                     return None
                 continue
             if event.error is not None:
@@ -649,6 +681,25 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         finally:
             await asyncio.to_thread(server.engine.stop)
 
+    async def models() -> dict:
+        return server.model_card()
+
+    async def healthy() -> bool:
+        return server.engine.alive
+
+    async def metrics() -> Response:
+        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+
+    app = api_app(server.generate, models, healthy, metrics, api_key, lifespan)
+    app.state.server = server
+    return app
+
+
+def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
+            models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
+            metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None) -> FastAPI:
+    """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.replicas) share: the routes,
+    the API key check and OpenAI-shaped errors; what answers a request is given."""
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -658,7 +709,6 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
                            code="invalid_api_key")
 
     app = FastAPI(title="specdec", lifespan=lifespan, dependencies=[Depends(check_api_key)])
-    app.state.server = server
     v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
@@ -680,26 +730,25 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
 
     @v1.post("/chat/completions")
     async def chat_completions(body: ChatBody, request: Request) -> Response:
-        return await server.generate(body, request)
+        return await generate(body, request)
 
     @v1.post("/completions")
     async def completions(body: CompletionBody, request: Request) -> Response:
-        return await server.generate(body, request)
+        return await generate(body, request)
 
     @v1.get("/models")
-    async def models() -> dict:
-        return {"object": "list", "data": [{"id": server.model, "object": "model", "created": server.created,
-                                            "owned_by": "specdec", "max_model_len": llm.engine.max_model_len}]}
+    async def list_models() -> dict:
+        return {"object": "list", "data": [await models()]}
 
     app.include_router(v1)
 
     @app.get("/health")
     async def health() -> Response:
-        return Response(status_code=200 if server.engine.alive else 503)
+        return Response(status_code=200 if await healthy() else 503)
 
     @app.get("/metrics")
-    async def metrics() -> Response:
-        return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
+    async def get_metrics() -> Response:
+        return await metrics()
 
     return app
 

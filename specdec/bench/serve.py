@@ -49,7 +49,8 @@ def parse_levels(text: str) -> list[int]:
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port; stopped on exit."""
 
-    def __init__(self, args: argparse.Namespace, speculative_config: str, max_num_seqs: int, log: Path) -> None:
+    def __init__(self, args: argparse.Namespace, speculative_config: str, max_num_seqs: int, log: Path,
+                 replicas: int = 0) -> None:
         with socket.socket() as s:
             s.bind(("127.0.0.1", 0))
             self.port = s.getsockname()[1]
@@ -57,6 +58,8 @@ class ServerProcess:
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
                "--device", args.device, "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
                "--speculative-config", speculative_config, "--served-model-name", "bench"]
+        if replicas:  # on Ray Serve, a cluster of its own
+            cmd += ["--replicas", str(replicas)]
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
@@ -230,7 +233,7 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
             "speedup": seconds["plain"] / seconds["speculative"]}
 
 
-# ------------------------------------------------------------------------------------------ the run
+# ------------------------------------------------------------------------------------------ the runs
 def run_serve_bench(args: argparse.Namespace) -> dict:
     spec = args.speculative_config
     if spec is None and (default := default_speculative_config(args.model)) is not None:
@@ -297,6 +300,84 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
               f"({pc['ratio']:.1f}x lower)")
     print(f"\nresults written to {out} and {plot}")
     return result
+
+
+def run_replica_bench(args: argparse.Namespace) -> dict:
+    """`specdec bench --serve --replicas 0,1,2`: the same speculative server as 0 (plain `specdec serve`, no
+    Ray), 1 and 2 Ray Serve replicas, all up at once and driven one at a time at each concurrency level, in two
+    rounds of half the requests (order A B C, then C B A). Throughput and latency per side; the ratio of each
+    side to the first."""
+    spec = args.speculative_config
+    if spec is None:
+        spec = json.dumps(default) if (default := default_speculative_config(args.model)) is not None else "off"
+    SpeculativeConfig.parse(spec)
+    try:
+        counts = sorted({int(x) for x in args.replicas.split(",") if x.strip()})
+    except ValueError:
+        counts = []
+    if len(counts) < 2 or counts[0] < 0:
+        raise SpecdecError(f"invalid --replicas {args.replicas!r}: give two or more counts, e.g. 1,2 (0: no Ray)")
+    levels = parse_levels(args.concurrency)
+    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
+    prompts = [row["turns"][0] for row in rows]
+    out = output_path(args.out)
+    sides = [f"replicas={n}" if n else "no Ray" for n in counts]
+    result: dict = {"machine": machine_info(parse_device(args.device)), "args": vars(args), "speculative_config": spec,
+                    "sides": sides, "levels": []}
+    servers = {side: ServerProcess(args, spec, max(levels), out.with_suffix(f".{n}.log"), replicas=n)
+               for side, n in zip(sides, counts)}
+    try:
+        for server in servers.values():
+            server.wait_ready()
+        for c in levels:
+            n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
+            level: dict = {"concurrency": c, "num_requests": n}
+            results: dict[str, list[RequestResult]] = {side: [] for side in sides}
+            walls = dict.fromkeys(sides, 0.0)
+            for half, order in zip([range(0, n // 2), range(n // 2, n)], (sides, sides[::-1])):
+                for side in order:
+                    got, wall = asyncio.run(drive(servers[side].url, prompts, c, half, args.max_tokens))
+                    results[side] += got
+                    walls[side] += wall
+            texts = {}
+            for side in sides:
+                level[side] = summarize_level(results[side], walls[side])
+                texts[side] = {r.prompt_index: r.text for r in results[side] if r.error is None}
+                print(f"concurrency {c:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
+            base = level[sides[0]]["throughput_tok_s"]
+            for side in sides[1:]:
+                same = [texts[sides[0]][i] == t for i, t in texts[side].items() if i in texts[sides[0]]]
+                level[side]["identical"] = [sum(same), len(same)]
+                got = level[side]["throughput_tok_s"]
+                level[side]["ratio"] = got / base if got and base else None
+            result["levels"].append(level)
+    finally:
+        for server in servers.values():
+            server.stop()
+    out.write_text(json.dumps(result, indent=1, default=str))
+    print(format_replica_report(result))
+    print(f"\nresults written to {out}")
+    return result
+
+
+def format_replica_report(result: dict) -> str:
+    def ms(x: float | None) -> str:
+        return "-" if x is None else f"{x * 1e3:.0f}"
+
+    rows = []
+    first = result["sides"][0]
+    for lv in result["levels"]:
+        for side in result["sides"]:
+            s = lv[side]
+            rows.append([str(lv["concurrency"]), side, f"{s['throughput_tok_s']:.1f}",
+                         f"{s['ratio']:.2f}x" if s.get("ratio") else "", ms(s["ttft_p50_s"]), ms(s["ttft_p99_s"]),
+                         ms(s["tpot_p50_s"]), ms(s["tpot_p99_s"]),
+                         "-" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}",
+                         f"{s['identical'][0]}/{s['identical'][1]}" if "identical" in s else "",
+                         str(len(s["errors"]))])
+    headers = ["conc", "server", "tok/s", f"vs {first}", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms",
+               "TPOT p99 ms", "accept len", "identical", "errors"]
+    return format_table(headers, rows, left=2)
 
 
 def plot_levels(result: dict, path: Path) -> Path:
