@@ -70,6 +70,19 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-num-batched-tokens", type=int, default=512,
                    help="prompt tokens prefilled per step (default 512): long prompts are prefilled in chunks "
                    "of this size, alternating with decode steps, so running requests keep streaming")
+    s.add_argument("--max-model-len", type=int, default=None,
+                   help="context length in tokens, prompt and output together (default: the model's)")
+    s.add_argument("--default-max-tokens", type=int, default=None,
+                   help="output tokens of a request that gives no max_tokens (default: the rest of its context)")
+    s.add_argument("--max-queue", type=int, default=None,
+                   help="requests that may wait beyond the --max-num-seqs running; more get 429 with Retry-After "
+                   "(default: no limit)")
+    s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
+                   help="wall time per request; past it the request ends with what it has, finish_reason length")
+    s.add_argument("--max-request-bytes", type=int, default=2 * 2**20,
+                   help="largest request body (default 2 MiB); larger ones get 413 before they are read")
+    s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
+                   help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish (default 30)")
     s.add_argument("--replicas", type=int, default=None,
                    help="serve N engine replicas behind this one endpoint on Ray Serve (pip install specdec[ray]); "
                    "requests go to the replica holding their prompt's prefix, else the least loaded. Joins the "
@@ -96,6 +109,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrained decoding on JSON-extraction prompts instead (--prompts default: "
                    "data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
                    "drafting, validity against each schema, the masks' share of time")
+    b.add_argument("--soak", action="store_true",
+                   help="reliability soak instead: a server in this process gets --num-requests mixed requests "
+                   "(greedy, seeded, cancelled, malformed, unauthenticated, injected faults), every response and "
+                   "the KV level at the end checked; one summary line (writes JSON; exit 2 on any problem)")
+    b.add_argument("--num-requests", type=int, default=1000, help="with --soak: requests in all (default 1000)")
+    b.add_argument("--soak-concurrency", type=int, default=16, help="with --soak: concurrent clients (default 16)")
+    b.add_argument("--soak-seed", type=int, default=0, help="with --soak: seed of the request mix (default 0)")
     b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
     b.add_argument("--replicas", default=None,
                    help="with --serve: compare serving on these numbers of Ray Serve replicas instead, e.g. 0,1,2 "
@@ -245,17 +265,26 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
-    from specdec.server import serve
+    from specdec.server import Limits, serve
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
     model = args.model_arg or args.model or DEFAULT_MODEL
-    for name in ("max_num_seqs", "max_num_batched_tokens"):
+    for name in ("max_num_seqs", "max_num_batched_tokens", "max_model_len"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
+    for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 0),
+                             ("--max-request-bytes", args.max_request_bytes, 1)):
+        if value is not None and value < low:
+            raise SpecdecError(f"invalid {flag} {value}: must be at least {low}")
+    if args.request_timeout is not None and not args.request_timeout > 0:
+        raise SpecdecError(f"invalid --request-timeout {args.request_timeout}: must be positive")
+    limits = Limits(max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
+                    max_queue=args.max_queue, request_timeout_s=args.request_timeout)
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
-    if args.max_num_seqs is not None:
-        engine_kwargs["max_num_seqs"] = args.max_num_seqs
+    for name in ("max_num_seqs", "max_model_len"):
+        if getattr(args, name) is not None:
+            engine_kwargs[name] = getattr(args, name)
     if args.replicas is not None:
         try:
             from specdec.replicas import ReplicaSpec, serve_replicas
@@ -264,11 +293,12 @@ def cmd_serve(args: argparse.Namespace) -> None:
         llm_kwargs = {"dtype": args.dtype, "device": args.device, "speculative_config": args.speculative_config,
                       "quantization": args.quantization, "tensor_parallel_size": args.tensor_parallel_size,
                       **engine_kwargs}
-        spec = ReplicaSpec(model, llm_kwargs, args.replicas, args.served_model_name, args.api_key)
+        spec = ReplicaSpec(model, llm_kwargs, args.replicas, args.served_model_name, args.api_key, limits=limits)
         return serve_replicas(spec, host=args.host, port=args.port)
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
               quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
-    serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name)
+    serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
+          limits=limits, shutdown_timeout=args.shutdown_timeout)
 
 
 def launch_ranks(nproc: int, argv: list[str]) -> int:
@@ -294,6 +324,10 @@ def main(argv: list[str] | None = None) -> int:
             cmd_generate(args)
         elif args.command == "serve":
             cmd_serve(args)
+        elif args.command == "bench" and args.soak:
+            from specdec.bench.soak import run_soak
+
+            run_soak(args)
         elif args.command == "bench" and args.serve and args.replicas:
             from specdec.bench.serve import run_replica_bench
 

@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import os
+import re
 import sys
 from collections.abc import Iterator, Sequence as Seq
 from typing import Any
@@ -59,6 +60,17 @@ def start_ranks(size: int | None, model, dtype, device: torch.device, quantizati
     if size is None or size == 1:
         return None
     return Workers.spawn(size, model, dtype, device, quantization)
+
+
+def unicode_text(text: str, what: str) -> None:
+    """Tokenizers take Unicode text; a lone UTF-16 surrogate (from JSON's \\ud800, say) is not."""
+    bad = _SURROGATE.search(text)
+    if bad is not None:
+        raise SpecdecError(f"{what} holds a lone UTF-16 surrogate (U+{ord(bad[0]):04X}) at character {bad.start()}; "
+                           "give valid Unicode text")
+
+
+_SURROGATE = re.compile("[\ud800-\udfff]")
 
 
 class LLM:
@@ -124,6 +136,7 @@ class LLM:
         if isinstance(prompt, str):
             if not prompt:
                 raise SpecdecError("prompt is empty: give at least one character")
+            unicode_text(prompt, "prompt")
             return prompt, self.tokenizer.encode(prompt, add_special_tokens=True)
         if isinstance(prompt, dict) and "prompt_token_ids" in prompt:
             ids = prompt["prompt_token_ids"]
@@ -136,6 +149,7 @@ class LLM:
         if not getattr(self.tokenizer, "chat_template", None):
             raise SpecdecError(f"model {self.model_name!r} has no chat template; use generate() with plain prompts")
         text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        unicode_text(text, "the conversation")
         return self.tokenizer.encode(text, add_special_tokens=False)
 
     # -- generation ----------------------------------------------------------------------------

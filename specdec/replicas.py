@@ -47,7 +47,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from specdec.config import EngineConfig, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.models.loader import DEFAULT_MODEL, resolve
-from specdec.server import APIError, ChatBody, CompletionBody, api_app
+from specdec.server import APIError, ChatBody, CompletionBody, Limits, api_app
 
 log = logging.getLogger("specdec.replicas")
 
@@ -199,7 +199,8 @@ class EngineReplica:
     engine loop (the thread that loaded the model owns the OpenMP team; computing from another one ran ~1.6x
     slower, see specdec.server.serve)."""
 
-    def __init__(self, model: str, llm_kwargs: dict, served_model_name: str | None, threads: int) -> None:
+    def __init__(self, model: str, llm_kwargs: dict, served_model_name: str | None, threads: int,
+                 limits: Limits | None = None) -> None:
         from specdec.engine.parallel import share_threads
         from specdec.llm import LLM
         from specdec.server import OpenAIServer
@@ -213,7 +214,7 @@ class EngineReplica:
             try:
                 share_threads(threads)
                 llm = LLM(model, **llm_kwargs)
-                self.server = OpenAIServer(llm, served_model_name)
+                self.server = OpenAIServer(llm, served_model_name, limits)
             except BaseException as e:  # noqa: BLE001  re-raised by the constructor, which Ray reports
                 self.error = e
                 return
@@ -259,8 +260,11 @@ class EngineReplica:
 
     def check_health(self) -> None:
         """Ray calls this periodically; raising gets the replica replaced."""
-        if not self.server.engine.alive:
+        engine = self.server.engine
+        if not engine.alive:
             raise RuntimeError("the engine loop stopped")
+        if not engine.ready and not engine.draining:
+            raise RuntimeError(f"the engine loop is stuck in one step for {engine.stuck_for:.0f} s")
 
     def __del__(self) -> None:
         if self.server is not None:
@@ -278,12 +282,14 @@ class Ingress:
     (Wrapped by serve.ingress() where it is deployed, so that this class stays importable: Ray then ships
     it by reference and its methods see this module's state, the routers included.)"""
 
-    async def __init__(self, engines: Any, api_key: str | None) -> None:
-        self.engines, self.api_key = engines, api_key
+    async def __init__(self, engines: Any, api_key: str | None, max_request_bytes: int = Limits.max_request_bytes
+                       ) -> None:
+        self.engines, self.api_key, self.max_request_bytes = engines, api_key, max_request_bytes
         self.card = await self.engines.model_card.remote()  # also starts this process's router
 
     def __serve_build_asgi_app__(self):
-        return api_app(self.generate, self.models, self.healthy, self.metrics, self.api_key)
+        return api_app(self.generate, self.models, self.healthy, self.metrics, self.api_key,
+                       max_request_bytes=self.max_request_bytes)
 
     async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
         for attempt in range(RETRIES + 1):
@@ -375,6 +381,7 @@ class ReplicaSpec:
     served_model_name: str | None = None
     api_key: str | None = None
     cpus_per_replica: float | None = None  # default: this machine's cores shared evenly
+    limits: Limits = field(default_factory=Limits)
 
     def check(self) -> None:
         """Refuse what would fail on every replica before Ray starts (Ray would retry it for a while)."""
@@ -399,7 +406,8 @@ class ReplicaSpec:
                                                       request_routing_stats_period_s=STATS_PERIOD_S))
         ingress = serve.deployment(serve.ingress()(Ingress)).options(name="Ingress", ray_actor_options={"num_cpus": 0},
                                                     max_ongoing_requests=INGRESS_MAX_ONGOING)
-        return ingress.bind(engine.bind(self.model, self.llm_kwargs, self.served_model_name, threads), self.api_key)
+        engines = engine.bind(self.model, self.llm_kwargs, self.served_model_name, threads, self.limits)
+        return ingress.bind(engines, self.api_key, self.limits.max_request_bytes)
 
 
 def build_app(args: dict[str, str]):

@@ -12,6 +12,7 @@ import contextlib
 import dataclasses
 import json
 import logging
+import math
 import queue
 import re
 import secrets
@@ -33,7 +34,7 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.config import SamplingParams, SpecdecError, StructuredOutput, from_kwargs
 from specdec.engine.llm_engine import RequestOutput
-from specdec.llm import LLM
+from specdec.llm import LLM, unicode_text
 
 log = logging.getLogger("specdec.server")
 
@@ -46,19 +47,51 @@ class APIError(Exception):
     """An error the client sees in OpenAI's shape; `param` names the request field at fault."""
 
     def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
-                 type: str = "invalid_request_error") -> None:
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
         super().__init__(message)
         self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
 
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
     def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status)
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
 
 
 def internal_error(message: str) -> APIError:
     return APIError(500, message, type="internal_server_error", code="internal_error")
+
+
+# -- what an operator bounds ------------------------------------------------------------------------------
+@dataclass
+class Limits:
+    """Server-side bounds (`specdec serve` flags); a request past one gets a 4xx naming it, never a 5xx."""
+
+    max_request_bytes: int = 2 * 2**20  # a bigger body is refused (413) before it is read whole
+    max_stop: int = 16  # stop strings per request (each is checked on every token)
+    max_stop_chars: int = 256  # characters per stop string
+    default_max_tokens: int | None = None  # the cap of a request that gives no max_tokens (None: its context)
+    max_queue: int | None = None  # requests waiting to run beyond max_num_seqs; past it 429 + Retry-After
+    request_timeout_s: float | None = None  # wall time per request; past it the request ends, finish "length"
+    stuck_after_s: float = 60.0  # /health says 503 while one engine step has run longer than this
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "default_max_tokens", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "max_queue" else 1)):
+                raise SpecdecError(f"invalid {name}={value!r}: must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise SpecdecError(f"invalid request_timeout_s={self.request_timeout_s!r}: must be positive")
+
+
+CHAT_ROLES = ("system", "developer", "user", "assistant")
+def check_text(text: str, field: str) -> None:
+    """Text no tokenizer takes (a lone UTF-16 surrogate: valid JSON, not Unicode) is a 400 naming its field."""
+    try:
+        unicode_text(text, field)
+    except SpecdecError as e:
+        raise APIError(400, str(e), param=field.split("[")[0].split(".")[0]) from None
 
 
 # -- request bodies (extra fields are ignored: OpenAI clients send many we do not use) ----------------
@@ -82,6 +115,17 @@ UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
 # Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
                  "guided_choice": "choice"}
+
+
+MAX_CONSTRAINT_DEPTH = 64  # nesting of a structured output constraint (schemas are compiled recursively)
+
+
+def _depth(value: Any, limit: int = MAX_CONSTRAINT_DEPTH + 1) -> int:
+    """Nesting depth of JSON-like data, counted no further than `limit`."""
+    if limit <= 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
 
 
 def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
@@ -112,6 +156,9 @@ def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, s
         found.append(("structured_outputs", so))
     if not found:
         return None, None
+    for field, spec in found:
+        if _depth(spec) > MAX_CONSTRAINT_DEPTH:
+            raise APIError(400, f"{field} nests deeper than {MAX_CONSTRAINT_DEPTH} levels", param=field)
     if len(found) > 1:
         raise APIError(400, f"give one structured output constraint, not {[f for f, _ in found]}",
                        param=found[1][0])
@@ -198,12 +245,18 @@ class EngineRequest:
 class AsyncEngine:
     """Runs an LLMEngine on one thread (`run`); requests and aborts arrive through a thread-safe inbox."""
 
-    def __init__(self, llm: LLM, metrics: "ServerMetrics") -> None:
+    def __init__(self, llm: LLM, metrics: "ServerMetrics", limits: Limits | None = None) -> None:
         self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+        self.limits = limits or Limits()
         self.stats: dict = self.engine.stats()  # the latest snapshot, replaced whole after every step
+        self._admitting = 0  # submitted, not yet admitted (counted on the event loop's thread only)
+        self._mean_e2e_s = 10.0  # running mean of finished requests' wall time, for Retry-After
         self._inbox: queue.Queue[tuple[str, EngineRequest | None]] = queue.Queue()
         self._active: dict[int, EngineRequest] = {}  # seq_id -> request; touched by the engine thread only
         self._running, self._stopped = threading.Event(), threading.Event()
+        self._drain_until: float | None = None  # set by drain(): no new requests; in-flight ones finish by then
+        self._beat = time.monotonic()  # when the step under way started
+        self._busy = False  # a step is under way
 
     @property
     def alive(self) -> bool:
@@ -216,6 +269,31 @@ class AsyncEngine:
             self._running.set()
             threading.Thread(target=self.run, name="specdec-engine", daemon=True).start()
 
+    @property
+    def stuck_for(self) -> float:
+        """Seconds the step under way has run (0 between steps)."""
+        return time.monotonic() - self._beat if self._busy else 0.0
+
+    @property
+    def in_system(self) -> int:
+        """Requests admitted and not finished, plus those on their way in (read from any thread)."""
+        return len(self._active) + self._admitting
+
+    @property
+    def ready(self) -> bool:
+        """What /health says: the loop runs, is not stuck in one step, and is not shutting down."""
+        return self.alive and not self.draining and self.stuck_for < self.limits.stuck_after_s
+
+    @property
+    def draining(self) -> bool:
+        return self._drain_until is not None
+
+    def drain(self, timeout: float) -> None:
+        """Graceful shutdown, from any thread: refuse new requests (503), let those in flight finish for up
+        to `timeout` seconds, then fail the rest (503) and end the loop."""
+        self._drain_until = time.monotonic() + timeout
+        self._inbox.put(("wake", None))
+
     def stop(self, timeout: float = 10.0) -> None:
         if self.alive:
             self._inbox.put(("stop", None))
@@ -225,14 +303,32 @@ class AsyncEngine:
         """Queue a request and wait until the engine admitted it (raises APIError when it refused)."""
         if not self.alive:
             raise APIError(503, "the engine is not running", type="service_unavailable", code="engine_dead")
+        if self.draining:
+            raise APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        self.check_room()
         req = EngineRequest(prepare, stream, prompt_field)
         self._inbox.put(("add", req))
+        self._admitting += 1
         try:
             await req.admitted
         except asyncio.CancelledError:
             self.abort(req)
             raise
+        finally:
+            self._admitting -= 1
         return req
+
+    def check_room(self) -> None:
+        """429 with Retry-After when max_queue requests already wait beyond the max_num_seqs that run."""
+        if self.limits.max_queue is None:
+            return
+        capacity = self.engine.cfg.max_num_seqs
+        queued = self.in_system - capacity
+        if queued >= self.limits.max_queue:
+            wait = math.ceil(self._mean_e2e_s * (queued + 1) / capacity)
+            raise APIError(429, f"the server is full ({queued} requests wait beyond the {capacity} that run); "
+                           "retry later", type="rate_limit_error", code="server_full",
+                           headers={"Retry-After": str(min(max(wait, 1), 600))})
 
     def abort(self, req: EngineRequest) -> None:
         """Thread-safe and idempotent: a finished or unknown request is left alone."""
@@ -252,25 +348,43 @@ class AsyncEngine:
     def _loop(self) -> None:
         while True:
             try:
-                commands = [] if self.engine.has_unfinished() else [self._inbox.get()]  # idle: sleep here
+                busy = self.engine.has_unfinished()
+                if self.draining and (not busy or time.monotonic() > self._drain_until):
+                    return self._shutdown([])
+                commands = [] if busy else [self._inbox.get()]  # idle: sleep here
                 with contextlib.suppress(queue.Empty):
                     while True:
                         commands.append(self._inbox.get_nowait())
                 for kind, req in commands:
                     if kind == "stop":
-                        error = APIError(503, "the server is shutting down", type="service_unavailable")
-                        self._fail_all(error)
-                        for _, pending in commands:  # requests queued behind the stop (no-op for admitted ones)
-                            if pending is not None:
-                                pending.resolve(error)
-                        return
-                    self._admit(req) if kind == "add" else self._abort(req)
+                        return self._shutdown(commands)
+                    if kind == "add":
+                        self._admit(req)
+                    elif kind == "abort":
+                        self._abort(req)
                 if self.engine.has_unfinished():
-                    self._step()
+                    self._beat, self._busy = time.monotonic(), True
+                    try:
+                        self._step()
+                    finally:
+                        self._busy = False
+                if self.limits.request_timeout_s is not None:
+                    self._expire()
                 self.stats = self.engine.stats()
             except Exception:  # a bug in this loop's own bookkeeping: fail what is in flight, keep serving
                 log.exception("engine loop error")
                 self._fail_all(internal_error("internal error in the engine loop"))
+
+    def _shutdown(self, commands: list[tuple[str, EngineRequest | None]]) -> None:
+        """Fail what runs and what is queued (503), the inbox's requests included."""
+        error = APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
+        self._fail_all(error)
+        with contextlib.suppress(queue.Empty):
+            while True:
+                commands.append(self._inbox.get_nowait())
+        for _, pending in commands:  # requests not admitted yet (a no-op for admitted ones)
+            if pending is not None:
+                pending.resolve(error)
 
     def _admit(self, req: EngineRequest) -> None:
         try:
@@ -296,8 +410,9 @@ class AsyncEngine:
         try:
             events = self.engine.step()
         except Exception as e:
-            # We cannot tell which sequences a failed step had already touched, so every request in
-            # flight is failed and aborted (its blocks freed); the next requests start clean.
+            # The engine isolates a step that raised (only the request at fault fails); what escapes is the
+            # engine's own failure (a tensor-parallel rank gone) or a bookkeeping bug: every request in flight
+            # is failed and aborted (its blocks freed); the next requests start clean.
             log.exception("engine step failed")
             self._fail_all(internal_error(f"the engine failed while generating: {type(e).__name__}: {e}"))
             return
@@ -313,6 +428,13 @@ class AsyncEngine:
             elif req.stream and new_ids:
                 req.post(_Event(text=self.engine.text(seq)))
         for req in [r for r in self._active.values() if r.seq.is_finished]:  # finished without an event
+            self._finish(req)
+
+    def _expire(self) -> None:
+        """End requests past the wall-time limit: what they generated is their answer, finish "length"."""
+        limit, now = self.limits.request_timeout_s, time.perf_counter()
+        for req in [r for r in self._active.values() if now - r.arrival > limit]:
+            self.engine.abort(req.seq, "length", f"request time limit ({limit:g} s)")
             self._finish(req)
 
     def _record_latency(self, req: EngineRequest, n: int, now: float) -> None:
@@ -331,6 +453,10 @@ class AsyncEngine:
     def _finish(self, req: EngineRequest) -> None:
         del self._active[req.seq.seq_id]
         out = self.engine.output(req.seq)  # once: it pops the stop-truncated text
+        self._mean_e2e_s += 0.1 * (time.perf_counter() - req.arrival - self._mean_e2e_s)
+        if out.finish_reason == "error":  # a step failed with this request alone: it alone fails
+            self.metrics.requests.labels("error").inc()
+            return req.post(_Event(error=internal_error(f"the engine failed on this request: {out.stop_reason}")))
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(len(out.token_ids))
         req.post(_Event(output=out))
@@ -365,7 +491,9 @@ class _EngineStatsCollector:
             ("preemptions", "num_preemptions", "Sequences preempted for lack of KV blocks"),
             ("spec_drafts", "spec_num_drafts", "Speculative drafts verified"),
             ("spec_draft_tokens", "spec_num_draft_tokens", "Draft tokens verified"),
-            ("spec_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted")]:
+            ("spec_accepted_tokens", "spec_num_accepted_tokens", "Draft tokens accepted"),
+            ("spec_draft_failures", "spec_draft_failures", "Requests whose drafter raised (they go on without drafts)"),
+            ("requests_failed", "requests_failed", "Requests failed by a step that raised with them alone")]:
             yield CounterMetricFamily(f"specdec_{name}", doc, value=s[key])
         per_pos = CounterMetricFamily("specdec_spec_accepted_per_position",
                                       "Drafts whose token at this position was accepted", labels=["position"])
@@ -443,13 +571,17 @@ class Started:
 
 
 class OpenAIServer:
-    def __init__(self, llm: LLM, served_model_name: str | None = None) -> None:
+    def __init__(self, llm: LLM, served_model_name: str | None = None, limits: Limits | None = None) -> None:
         self.llm = llm
         self.model = served_model_name or llm.model_name
+        self.limits = limits or Limits()
         self.metrics = ServerMetrics()
-        self.engine = AsyncEngine(llm, self.metrics)
+        self.engine = AsyncEngine(llm, self.metrics, self.limits)
         self.metrics.watch(self.engine)
         self.created = int(time.time())
+        # the most characters one token stands for: a prompt longer than the context times this cannot fit,
+        # so it is refused without tokenizing it
+        self.max_token_chars = max(map(len, llm.tokenizer.get_vocab()), default=1)
 
     def sampling_params(self, body: _GenerationBody) -> tuple[SamplingParams, int | None, str, str | None]:
         """Validate sampling fields here, where we still know their names; max_tokens is settled on
@@ -471,6 +603,15 @@ class OpenAIServer:
             raise APIError(400, f"invalid temperature={temperature}: must be in [0, 2]", param="temperature")
         if body.seed is not None and not -2**63 <= body.seed < 2**64:
             raise APIError(400, f"invalid seed={body.seed}: must fit in 64 bits", param="seed")
+        stops = [body.stop] if isinstance(body.stop, str) else body.stop or []
+        if len(stops) > self.limits.max_stop:
+            raise APIError(400, f"stop holds {len(stops)} strings; this server takes at most {self.limits.max_stop}",
+                           param="stop")
+        for i, stop in enumerate(stops):
+            if len(stop) > self.limits.max_stop_chars:
+                raise APIError(400, f"stop[{i}] has {len(stop)} characters; this server takes at most "
+                               f"{self.limits.max_stop_chars}", param="stop")
+            check_text(stop, f"stop[{i}]")
         constraint, constraint_field = structured_output(body.model_extra or {})
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
@@ -499,14 +640,24 @@ class OpenAIServer:
                 raise APIError(400, f"{max_field}={max_tokens} plus the prompt's {n} tokens exceeds the model's "
                                f"context of {limit} tokens; ask for at most {limit - n}", param=max_field,
                                code="context_length_exceeded")
-            return ids, dataclasses.replace(params, max_tokens=max_tokens or limit - n)
+            default = limit - n if self.limits.default_max_tokens is None else min(limit - n, self.limits.default_max_tokens)
+            return ids, dataclasses.replace(params, max_tokens=max_tokens or default)
         return prepare
 
     def tokenizer_for(self, body: ChatBody | CompletionBody) -> tuple[Callable[[], list[int]], str]:
         if isinstance(body, ChatBody):
             if not body.messages:
                 raise APIError(400, "messages must contain at least one message", param="messages")
-            conversation = [{"role": m.role, "content": _text_content(m.content, i)} for i, m in enumerate(body.messages)]
+            conversation = []
+            for i, m in enumerate(body.messages):
+                if m.role not in CHAT_ROLES:
+                    raise APIError(400, f"messages[{i}].role {m.role[:40]!r} is not a role; use one of "
+                                   f"{', '.join(CHAT_ROLES)}", param="messages")
+                content = _text_content(m.content, i)
+                check_text(content, f"messages[{i}].content")
+                # a developer message is what the chat templates we serve call a system message
+                conversation.append({"role": "system" if m.role == "developer" else m.role, "content": content})
+            self.check_chars(sum(len(c["content"]) for c in conversation), "messages")
             return lambda: self.llm.apply_chat_template(conversation), "messages"
         prompt = body.prompt
         if isinstance(prompt, list) and prompt and isinstance(prompt[0], (str, list)):
@@ -514,8 +665,18 @@ class OpenAIServer:
                 raise APIError(400, f"prompt holds {len(prompt)} prompts; send one prompt per request", param="prompt")
             prompt = prompt[0]
         if isinstance(prompt, str):
+            check_text(prompt, "prompt")
+            self.check_chars(len(prompt), "prompt")
             return lambda: self.llm.encode(prompt)[1], "prompt"
         return lambda: list(prompt), "prompt"
+
+    def check_chars(self, chars: int, field: str) -> None:
+        """A prompt too long for the context whatever its tokens, refused before tokenizing it."""
+        limit = self.llm.engine.max_model_len
+        if chars > (limit - 1) * self.max_token_chars:
+            raise APIError(400, f"{field}: {chars} characters of text, more than the model's context of {limit} "
+                           f"tokens can hold (a token covers at most {self.max_token_chars}); shorten it", param=field,
+                           code="context_length_exceeded")
 
     async def start(self, body: ChatBody | CompletionBody) -> Started:
         """Validate the request and queue it on the engine; returns once admitted (APIError when refused)."""
@@ -665,12 +826,12 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-               engine_thread: bool = True) -> FastAPI:
+               engine_thread: bool = True, limits: Limits | None = None) -> FastAPI:
     """An app over `llm`; its engine loop runs while the app is up, on a thread of its own unless
     `engine_thread` is False and the caller runs `app.state.server.engine.run()` itself (one app per LLM:
     the engine is not thread-safe). With `api_key`, every route (/health and /metrics too: they tell what the
     server is doing) needs `Authorization: Bearer <key>`; probes and scrapers send it as well."""
-    server = OpenAIServer(llm, served_model_name)
+    server = OpenAIServer(llm, served_model_name, limits)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -685,19 +846,20 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
         return server.model_card()
 
     async def healthy() -> bool:
-        return server.engine.alive
+        return server.engine.ready
 
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app = api_app(server.generate, models, healthy, metrics, api_key, lifespan)
+    app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes)
     app.state.server = server
     return app
 
 
 def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
             models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
-            metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None) -> FastAPI:
+            metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
+            max_request_bytes: int = Limits.max_request_bytes) -> FastAPI:
     """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.replicas) share: the routes,
     the API key check and OpenAI-shaped errors; what answers a request is given."""
     def check_api_key(request: Request) -> None:
@@ -709,6 +871,7 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
                            code="invalid_api_key")
 
     app = FastAPI(title="specdec", lifespan=lifespan, dependencies=[Depends(check_api_key)])
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
     v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
@@ -753,9 +916,52 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
     return app
 
 
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length before anything is
+    read, else as soon as the bytes streamed in pass it; a body within the limit is read here and handed on
+    whole (nothing over the limit is ever held or parsed)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def refuse(self, scope, receive, send) -> None:
+        await APIError(413, f"the request body is over this server's limit of {self.limit} bytes",
+                       code="request_too_large").response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self.refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:  # the body once, then the real channel (disconnects)
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
+
+
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None) -> None:
-    """Run the server in the foreground until interrupted (Ctrl-C or SIGTERM).
+          served_model_name: str | None = None, limits: Limits | None = None, shutdown_timeout: float = 30.0) -> None:
+    """Run the server in the foreground until SIGTERM or Ctrl-C: then it refuses new requests (503), lets those
+    in flight finish for up to `shutdown_timeout` seconds, fails the rest (503) and returns; a second signal
+    stops it at once.
 
     The engine loop runs on the main thread and HTTP on a second one. The main thread loaded the model, so
     it already owns an OpenMP thread team (torch's and numba's kernels); when another thread computes,
@@ -765,7 +971,7 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
 
     import uvicorn
 
-    app = create_app(llm, served_model_name, api_key, engine_thread=False)
+    app = create_app(llm, served_model_name, api_key, engine_thread=False, limits=limits)
     engine = app.state.server.engine
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     thread = threading.Thread(target=http.run, name="specdec-http", daemon=True)
@@ -776,14 +982,19 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
         time.sleep(0.05)
 
     def interrupt(*_: Any) -> None:
-        raise KeyboardInterrupt
+        if engine.draining:
+            raise KeyboardInterrupt
+        print(f"specdec: shutting down: requests in flight have {shutdown_timeout:g} s to finish "
+              "(signal again to stop now)", file=sys.stderr, flush=True)
+        engine.drain(shutdown_timeout)
 
     signal.signal(signal.SIGTERM, interrupt)
+    signal.signal(signal.SIGINT, interrupt)
     print(f"specdec: serving {served_model_name or llm.model_name!r} at http://{host}:{port}/v1", file=sys.stderr)
     try:
         engine.run()
     except KeyboardInterrupt:  # requests still in flight get a 503 and their blocks back
-        engine._fail_all(APIError(503, "the server is shutting down", type="service_unavailable"))
+        engine._shutdown([])
     finally:
         http.should_exit = True
         thread.join(timeout=10)

@@ -149,3 +149,51 @@ def test_quantization_errors_name_the_choices(tiny_llama_dir):
         LLM(str(tiny_llama_dir), quantization="q4_0")  # intermediate_size 112
     with pytest.raises(SpecdecError, match="computes with float32 activations"):
         LLM(str(tiny_llama_dir), quantization="q8_0", dtype="bfloat16")
+
+
+# -- fault isolation (issue 18) ------------------------------------------------------------------------------
+FAULTY = 299  # a prompt ending in this token makes any step it takes part in raise (injected)
+
+
+def fail_on_marked(seqs):
+    if any(s.prompt_token_ids[-1] == FAULTY for s in seqs):
+        raise RuntimeError("injected fault")
+
+
+@pytest.mark.parametrize("config", ["off", {"method": "ngram", "num_speculative_tokens": 3}])
+def test_a_step_that_raises_fails_only_the_request_at_fault(tiny_llama_dir, config):
+    llm = LLM(str(tiny_llama_dir), speculative_config=config)
+    prompts = [{"prompt_token_ids": llm.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2", "def add(a, b):")]
+    alone = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
+    llm.engine.inject_fault = fail_on_marked
+    faulty = {"prompt_token_ids": [5, 6, 7, FAULTY]}
+    outs = llm.generate([prompts[0], faulty, prompts[1], prompts[2]], GREEDY)  # one batch: the fault hits all
+    assert [o.token_ids for o in outs[:1] + outs[2:]] == alone  # the others: as if nothing happened
+    assert outs[1].finish_reason == "error" and "injected fault" in outs[1].stop_reason
+    assert llm.engine.num_failed == 1 and llm.engine.stats()["requests_failed"] == 1
+    assert llm.engine.allocator.num_used == 0 and not llm.engine.scheduler.suspects
+    llm.engine.inject_fault = None
+    assert llm.generate(prompts[0], GREEDY)[0].token_ids == alone[0]
+
+
+def test_a_drafter_that_raises_turns_speculation_off_for_its_request_only(tiny_llama_dir):
+    from specdec.drafting.base import Draft, Drafter
+
+    class Fragile(Drafter):
+        """Proposes the last token again; raises on a marked request."""
+
+        def propose(self, requests):
+            if any(FAULTY in r.token_ids for r in requests):
+                raise ValueError("drafter broke")
+            return Draft.chains([[r.token_ids[-1]] * r.max_tokens for r in requests])
+
+    plain = LLM(str(tiny_llama_dir), speculative_config="off")
+    llm = plain.with_speculative_config({"method": "custom", "drafter": Fragile(), "num_speculative_tokens": 2})
+    prompts = [{"prompt_token_ids": plain.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2")]
+    faulty = {"prompt_token_ids": [5, 6, 7, FAULTY]}
+    want = [o.token_ids for o in plain.generate([prompts[0], faulty, prompts[1]], GREEDY)]
+    outs = llm.generate([prompts[0], faulty, prompts[1]], GREEDY)
+    assert [o.token_ids for o in outs] == want  # lossless either way
+    assert [o.finish_reason for o in outs] == ["length"] * 3
+    assert outs[1].metrics["num_drafts"] == 0 and outs[0].metrics["num_drafts"] > 0
+    assert llm.engine.stats()["spec_draft_failures"] == 1

@@ -12,6 +12,7 @@ import json
 import threading
 import time
 from collections.abc import Iterator
+from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
 
 import httpx
@@ -23,7 +24,7 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
-from specdec.server import create_app, streamable_length
+from specdec.server import Limits, create_app, streamable_length
 
 MODEL = "tiny"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -357,6 +358,18 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
     ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),
     ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
+    # issue 18: input the edge refuses, each naming its field
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
+    ("/v1/chat/completions", json.dumps(OK_CHAT | {"messages": [{"role": "user", "content": "a\ud800"}]}), 400,
+     "messages"),
+    ("/v1/completions", json.dumps(OK_COMPLETION | {"prompt": "x\udfff"}), 400, "prompt"),
+    ("/v1/chat/completions", json.dumps(OK_CHAT | {"stop": ["\ud800"]}), 400, "stop"),
+    ("/v1/chat/completions", OK_CHAT | {"stop": [f"s{i}" for i in range(17)]}, 400, "stop"),
+    ("/v1/chat/completions", OK_CHAT | {"stop": ["x" * 257]}, 400, "stop"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": "a" * 400_000}, 400, "prompt"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "user", "content": "a" * 400_000}]}, 400, "messages"),
+    ("/v1/chat/completions", OK_CHAT | {"guided_json": {"type": "array", "items": json.loads("[" * 80 + "]" * 80)}},
+     400, "guided_json"),
 ])
 def test_bad_requests_get_openai_errors_naming_the_field(plain, path, body, status, param):
     resp = plain.post(path, body)
@@ -486,14 +499,19 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
     assert main(["serve", str(tiny_llama_dir), "--speculative-config", "off"]) == 0
     llm, kw = calls[-1]
     assert llm.engine.speculator is None and kw == {"host": "127.0.0.1", "port": 8000, "api_key": None,
-                                                    "served_model_name": None}
+                                                    "served_model_name": None, "limits": Limits(),
+                                                    "shutdown_timeout": 30.0}
     assert main(["serve", "--model", str(tiny_llama_dir), "--port", "9001", "--api-key", "k", "--max-num-seqs", "3",
-                 "--served-model-name", "m", "--speculative-config", json.dumps(SPEC)]) == 0
+                 "--served-model-name", "m", "--speculative-config", json.dumps(SPEC), "--max-model-len", "256",
+                 "--default-max-tokens", "5", "--max-queue", "0", "--request-timeout", "2.5",
+                 "--max-request-bytes", "1000", "--shutdown-timeout", "5"]) == 0
     llm, kw = calls[-1]
-    assert llm.engine.speculator is not None and llm.engine.cfg.max_num_seqs == 3
-    assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "k", "served_model_name": "m"}
+    assert llm.engine.speculator is not None and llm.engine.cfg.max_num_seqs == 3 and llm.engine.max_model_len == 256
+    assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "k", "served_model_name": "m", "shutdown_timeout": 5.0,
+                  "limits": Limits(max_request_bytes=1000, default_max_tokens=5, max_queue=0, request_timeout_s=2.5)}
     assert main(["serve", str(tiny_llama_dir), "--model", "/elsewhere"]) == 2
-    assert main(["serve", str(tiny_llama_dir), "--max-num-seqs", "0"]) == 2
+    for bad in (["--max-num-seqs", "0"], ["--max-queue", "-1"], ["--request-timeout", "0"], ["--max-model-len", "0"]):
+        assert main(["serve", str(tiny_llama_dir), *bad]) == 2
     assert len(calls) == 2
 
 
@@ -512,3 +530,137 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_llama_dir):
         if not full.endswith("\ufffd"):
             assert text == full
     assert text == tok.decode(ids)
+
+
+# -- reliability: operator limits, faults, shutdown (issue 18) ---------------------------------------------
+def test_developer_messages_are_system_messages(plain, offline):
+    def ask(role: str) -> str:
+        body = OK_CHAT | {"messages": [{"role": role, "content": "Be brief."}] + CHAT, "max_tokens": 6, "temperature": 0}
+        return plain.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
+
+    assert ask("developer") == ask("system")
+
+
+def test_bodies_over_the_limit_get_413_before_they_are_read(tiny_llama_dir):
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL, limits=Limits(max_request_bytes=2000)) as s:
+        big = json.dumps(OK_COMPLETION | {"prompt": "x" * 3000})
+        resp = s.post("/v1/completions", big)  # with a Content-Length
+        assert resp.status_code == 413 and resp.json()["error"]["code"] == "request_too_large"
+
+        def chunks():  # no Content-Length: refused once the bytes pass the limit
+            for i in range(0, len(big), 500):
+                yield big[i:i + 500].encode()
+
+        resp = httpx.post(f"{s.url}/v1/completions", content=chunks(), headers={"content-type": "application/json"})
+        assert resp.status_code == 413 and "2000 bytes" in resp.json()["error"]["message"]
+        assert s.post("/v1/completions", OK_COMPLETION).status_code == 200
+
+
+def test_default_max_tokens_and_the_request_time_limit(tiny_llama_dir):
+    limits = Limits(default_max_tokens=5, request_timeout_s=0.5)
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL, limits=limits) as s:
+        body = {"model": MODEL, "prompt": "Hello", "temperature": 0, "ignore_eos": True}
+        out = s.post("/v1/completions", body).json()
+        assert out["usage"]["completion_tokens"] == 5 and out["choices"][0]["finish_reason"] == "length"
+
+        engine, step = s.llm.engine, s.llm.engine.step
+
+        def slow_step():
+            time.sleep(0.05)
+            return step()
+
+        engine.step = slow_step  # 20 tokens/s at most: 400 tokens would take 20 s
+        try:
+            start = time.monotonic()
+            out = s.post("/v1/completions", body | {"max_tokens": 400}).json()
+        finally:
+            del engine.step
+        assert time.monotonic() - start < 3
+        assert out["choices"][0]["finish_reason"] == "length" and 1 <= out["usage"]["completion_tokens"] < 400
+        m = s.wait_idle()
+        assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+
+
+def test_a_full_server_answers_429_with_retry_after(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), max_num_seqs=1)
+    with serving(llm, served_model_name=MODEL, limits=Limits(max_queue=1)) as s:
+        gate = threading.Event()
+        llm.engine.inject_fault = lambda seqs: gate.wait(10)  # hold every step until released
+        body = OK_COMPLETION | {"max_tokens": 3}
+        with ThreadPoolExecutor(2) as pool:
+            running = [pool.submit(s.post, "/v1/completions", body) for _ in range(2)]  # 1 runs, 1 waits
+            deadline = time.monotonic() + 10
+            while s.app.state.server.engine.in_system < 2:
+                assert time.monotonic() < deadline
+                time.sleep(0.02)
+            with pytest.raises(openai.RateLimitError) as e:
+                s.client(max_retries=0).completions.create(model=MODEL, prompt="Hello", max_tokens=3)
+            assert int(e.value.response.headers["retry-after"]) >= 1
+            assert e.value.response.json()["error"]["code"] == "server_full"
+            llm.engine.inject_fault = None
+            gate.set()
+            assert [f.result().status_code for f in running] == [200, 200]
+        assert s.post("/v1/completions", body).status_code == 200
+
+
+def test_an_injected_fault_fails_only_its_request(tiny_llama_dir, offline):
+    from test_llm import FAULTY, fail_on_marked
+
+    llm = LLM(str(tiny_llama_dir))
+    with serving(llm, served_model_name=MODEL) as s:
+        llm.engine.inject_fault = fail_on_marked
+        good = {"model": MODEL, "prompt": "Hello world", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
+        bad = good | {"prompt": [5, 6, 7, FAULTY]}
+        with ThreadPoolExecutor(4) as pool:
+            replies = list(pool.map(lambda b: s.post("/v1/completions", b), [good, bad, good, bad | {"stream": True}]))
+        want = offline.generate("Hello world", greedy(24))[0].text
+        assert [r.status_code for r in replies[:3]] == [200, 500, 200]
+        assert replies[0].json()["choices"][0]["text"] == replies[2].json()["choices"][0]["text"] == want
+        assert "injected fault" in replies[1].json()["error"]["message"]
+        assert '"error"' in replies[3].text and "injected fault" in replies[3].text  # streamed: an error event
+        m = s.wait_idle()
+        assert m["specdec_requests_failed_total"] == 2 and m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+        assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_health_says_not_ready_while_a_step_is_stuck(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir))
+    with serving(llm, served_model_name=MODEL, limits=Limits(stuck_after_s=0.3)) as s:
+        gate = threading.Event()
+        llm.engine.inject_fault = lambda seqs: gate.wait(10)
+        with ThreadPoolExecutor(1) as pool:
+            reply = pool.submit(s.post, "/v1/completions", OK_COMPLETION)
+            time.sleep(0.8)
+            assert httpx.get(f"{s.url}/health").status_code == 503
+            llm.engine.inject_fault = None
+            gate.set()
+            assert reply.result().status_code == 200
+        assert httpx.get(f"{s.url}/health").status_code == 200
+
+
+def test_draining_finishes_requests_in_flight_and_refuses_new_ones(tiny_llama_dir, offline):
+    llm = LLM(str(tiny_llama_dir))
+    with serving(llm, served_model_name=MODEL) as s:
+        engine = s.app.state.server.engine
+        step = llm.engine.step
+
+        def slow_step():
+            time.sleep(0.02)
+            return step()
+
+        llm.engine.step = slow_step
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 30, "temperature": 0, "ignore_eos": True}
+        with ThreadPoolExecutor(1) as pool:
+            in_flight = pool.submit(s.post, "/v1/completions", body)
+            while s.metrics()["specdec_requests_running"] < 1:
+                time.sleep(0.01)
+            engine.drain(timeout=30)
+            refused = s.post("/v1/completions", body)
+            assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
+            assert httpx.get(f"{s.url}/health").status_code == 503
+            done = in_flight.result()
+        assert done.status_code == 200 and done.json()["choices"][0]["text"] == offline.generate("Hello", greedy(30))[0].text
+        deadline = time.monotonic() + 10
+        while engine.alive:
+            assert time.monotonic() < deadline
+            time.sleep(0.02)

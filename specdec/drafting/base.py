@@ -135,6 +135,21 @@ class Draft:
                 draft.scores[i, : len(tokens)] = torch.tensor(row[2], dtype=torch.float32)
         return draft
 
+    def spread(self, rows: list[int], batch_size: int) -> "Draft":
+        """This draft's rows as rows `rows` of a batch of `batch_size`, the others empty."""
+        if rows == list(range(batch_size)):
+            return self
+        B, N = batch_size, self.tokens.shape[1]
+        out = Draft(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
+        out.tokens[rows], out.parents[rows] = self.tokens, self.parents
+        if self.probs is not None:
+            out.probs = self.probs.new_zeros(B, N, self.probs.shape[-1])
+            out.probs[rows] = self.probs
+        if self.scores is not None:
+            out.scores = self.scores.new_zeros(B, N)
+            out.scores[rows] = self.scores
+        return out
+
     def validate(self, batch_size: int, vocab_size: int) -> None:
         """Refuse a malformed draft (e.g. from a user's drafter) with a message naming what is wrong."""
         t, p = self.tokens, self.parents

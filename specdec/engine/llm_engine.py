@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import itertools
+import logging
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -21,6 +22,8 @@ from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import sample_requests
 from specdec.tree import SpecShape
+
+log = logging.getLogger("specdec.engine")
 
 
 @dataclass
@@ -104,6 +107,10 @@ class LLMEngine:
         self._texts: dict[int, str] = {}
         self._detok: dict[int, IncrementalText] = {}  # sequences whose text is read while they run
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
+        self.num_failed = 0  # requests failed by a step that raised with them alone
+        # Tests and `bench --soak` only: called with each step's sequences before it computes; raising from it
+        # is a fault in that step (how fault isolation is exercised without breaking a kernel).
+        self.inject_fault: Callable[[list[Sequence]], None] | None = None
 
     def grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """A fresh grammar state for a request's structured output (None without one); compiling a bad
@@ -133,9 +140,11 @@ class LLMEngine:
         self.scheduler.add(seq)
         return seq
 
-    def abort(self, seq: Sequence) -> None:
+    def abort(self, seq: Sequence, reason: str = "abort", stop_reason: str | None = None) -> None:
+        """End a request now (a client gone: "abort"; a server limit: "length", with why in stop_reason)."""
         if not seq.is_finished:
-            self._finish(seq, "abort")
+            seq.stop_reason = stop_reason
+            self._finish(seq, reason)
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
         self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
@@ -171,6 +180,8 @@ class LLMEngine:
             "spec_num_draft_tokens": totals.num_draft_tokens if totals else 0,
             "spec_num_accepted_tokens": totals.num_accepted_tokens if totals else 0,
             "spec_accepted_per_pos": list(totals.accepted_per_pos) if totals else [],
+            "spec_draft_failures": totals.num_draft_failures if totals else 0,
+            "requests_failed": self.num_failed,
         }
 
     def step(self) -> list[tuple[Sequence, list[int]]]:
@@ -178,12 +189,20 @@ class LLMEngine:
         batch = self.scheduler.schedule()
         if batch is None:
             return []
-        if self.speculator is not None and not batch.is_prefill and self.speculator.drafts(batch.seqs):
-            outputs = self.speculator.step(batch.seqs)
-        else:
-            # a prefill, plain decoding, or a batch size the dispatcher does not speculate at (and no forced
-            # text to draft); the plain step still gathers the target features a feature drafter will need
-            outputs = self._forward(batch)
+        try:
+            if self.inject_fault is not None:
+                self.inject_fault(batch.seqs)
+            if self.speculator is not None and not batch.is_prefill and self.speculator.drafts(batch.seqs):
+                outputs = self.speculator.step(batch.seqs)
+            else:
+                # a prefill, plain decoding, or a batch size the dispatcher does not speculate at (and no forced
+                # text to draft); the plain step still gathers the target features a feature drafter will need
+                outputs = self._forward(batch)
+        except SpecdecError:  # the engine's own failure (a tensor-parallel rank gone): every request's
+            raise
+        except Exception as e:  # noqa: BLE001  anything else: only the request at fault may fail
+            return self._isolate(batch, e)
+        self.scheduler.cleared(batch)
         self.scheduler.update(batch, outputs)
         events = []
         for seq, out in zip(batch.seqs, outputs):
@@ -195,6 +214,23 @@ class LLMEngine:
             if not seq.is_finished:
                 self._register_prefix(seq)
         return events
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[tuple[Sequence, list[int]]]:
+        """A step raised before any sequence kept anything from it. A sequence that ran alone fails (finish
+        reason "error", the cause in stop_reason); a batch's sequences are each run alone next (scheduler
+        `suspects`), so the others go on, and with greedy decoding their tokens are those of an unbroken run
+        (the kernels are batch-invariant)."""
+        if len(batch.seqs) > 1:
+            log.warning("a step of %d sequences failed (%s: %s); running each alone", len(batch.seqs),
+                        type(error).__name__, error)
+            self.scheduler.suspect(batch.seqs)
+            return []
+        seq = batch.seqs[0]
+        log.error("request %d failed: %s: %s", seq.seq_id, type(error).__name__, error,
+                  exc_info=(type(error), error, error.__traceback__))
+        self.num_failed += 1
+        self.abort(seq, "error", f"{type(error).__name__}: {error}")
+        return [(seq, [])]
 
     def _forward(self, batch: ScheduledBatch) -> list[StepOutput]:
         """A step without drafts (a prefill chunk, or plain decoding): feed the scheduled tokens, and sample

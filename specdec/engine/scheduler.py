@@ -52,6 +52,9 @@ class Scheduler:
         self.running: list[Sequence] = []
         self.num_preemptions = 0
         self.last_was_prefill = False
+        # After a step failed: its sequences, each to run alone until one step of its own works (then it
+        # rejoins the batch) or fails (then it alone fails). Nothing else runs meanwhile.
+        self.suspects: deque[Sequence] = deque()
 
     def add(self, seq: Sequence) -> None:
         self.waiting.append(seq)
@@ -59,7 +62,23 @@ class Scheduler:
     def has_unfinished(self) -> bool:
         return bool(self.waiting or self.running)
 
+    def suspect(self, seqs: list[Sequence]) -> None:
+        self.suspects.extend(s for s in seqs if s not in self.suspects)
+
+    def cleared(self, batch: ScheduledBatch) -> None:
+        """A step worked: a suspect that ran it alone is cleared."""
+        if len(batch.seqs) == 1 and self.suspects and self.suspects[0] is batch.seqs[0]:
+            self.suspects.popleft()
+
     def schedule(self) -> ScheduledBatch | None:
+        while self.suspects and self.suspects[0].is_finished:
+            self.suspects.popleft()
+        if self.suspects:  # the prefill or decode step of one suspect, alone (when it fits; else as usual)
+            seq = self.suspects[0]
+            alone = (self._schedule_prefill([seq]) if seq.status == Status.WAITING or seq.num_uncached > 1
+                     else self._schedule_decode([seq]))
+            if alone is not None:
+                return alone
         decodable = any(s.num_uncached == 1 for s in self.running)
         batch = None
         if not (self.last_was_prefill and decodable):
@@ -69,12 +88,12 @@ class Scheduler:
         self.last_was_prefill = batch is not None and batch.is_prefill
         return batch
 
-    def _schedule_prefill(self) -> ScheduledBatch | None:
+    def _schedule_prefill(self, only: list[Sequence] | None = None) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
         counts: list[int] = []
         budget = self.cfg.max_num_batched_tokens
         # Sequences part-way through a chunked prefill go first, then new arrivals.
-        candidates = [s for s in self.running if s.num_uncached > 1] + list(self.waiting)
+        candidates = only or [s for s in self.running if s.num_uncached > 1] + list(self.waiting)
         num_admitted = 0
         for seq in candidates:
             is_new = seq.status == Status.WAITING
@@ -103,9 +122,9 @@ class Scheduler:
                 self.running.append(seq)
         return ScheduledBatch(seqs, counts, True) if seqs else None
 
-    def _schedule_decode(self) -> ScheduledBatch | None:
+    def _schedule_decode(self, only: list[Sequence] | None = None) -> ScheduledBatch | None:
         seqs: list[Sequence] = []
-        for seq in list(self.running):
+        for seq in only or list(self.running):
             if seq.status != Status.RUNNING or seq.num_uncached != 1:
                 continue  # part-way through a chunked prefill: its next chunk comes in a prefill step
             ahead = self.lookahead if seq.grammar is None else self.structured_lookahead

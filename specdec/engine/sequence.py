@@ -24,6 +24,8 @@ class SpecStats:
     recent_acceptance: float = 1.0  # moving average of accepted / draft depth, optimistic at the start
     paused: int = 0  # steps left without drafting (the speculator's back-off)
     backoff: int = 0  # length of the latest pause
+    draft_error: str | None = None  # the drafter raised on this request: it decodes without drafts from then on
+    num_draft_failures: int = 0  # (the engine's totals) requests whose drafter raised
 
     def record(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
         """One verified draft of `num_draft` nodes, `depth` levels deep (a chain: its length), of which

@@ -11,6 +11,7 @@ first moved down to consecutive slots here).
 """
 from __future__ import annotations
 
+import logging
 import time
 
 import torch
@@ -24,6 +25,8 @@ from specdec.grammar import apply_bitmask, charge_grammar_time, mask_logits
 from specdec.sampling import SamplingTensors, greedy_tokens, logits_to_probs, sample
 from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
+
+log = logging.getLogger("specdec.engine")
 
 
 # Per-request back-off, from the moving acceptance rate of the request's drafts (SpecStats.recent_acceptance):
@@ -66,7 +69,7 @@ class Speculator:
         it is paused after its drafts kept failing (see `back_off`), and with `min_acceptance` a chain only
         as deep as this request's own acceptance per position stays above that cost (every PROBE_EVERY-th
         draft takes the full shape, so a position that starts to pay is seen)."""
-        if not (self.cfg.sampled or seq.params.greedy):
+        if not (self.cfg.sampled or seq.params.greedy) or seq.spec.draft_error is not None:
             return 0
         if seq.spec.paused:
             seq.spec.paused -= 1
@@ -116,9 +119,7 @@ class Speculator:
             for r, s in zip(requests, seqs):
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
-        draft = self.drafter.propose(requests) if shape.k else Draft.chains([[] for _ in seqs])
-        if self.cfg.method == "custom":  # a user's drafter: refuse a malformed draft by name (ours are built valid)
-            draft.validate(len(seqs), self.runner.model.config.vocab_size)
+        draft = self.propose(seqs, requests) if shape.k else Draft.chains([[] for _ in seqs])
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:  # within each request's budget after this, and structured chains may be extended
             draft = self.constrain(seqs, requests, draft)
@@ -144,7 +145,7 @@ class Speculator:
         for i, seq in enumerate(seqs):
             nodes = result.accepted_nodes[i]
             kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
-            if k_obs:  # the target's candidates after each kept token, for token recycling
+            if k_obs and seq.spec.draft_error is None:  # the target's candidates after each kept token (recycling)
                 fed = [seq.token_ids[seq.num_cached]] + [drafted[i][node] for node in nodes]
                 self.drafter.observe(seq.seq_id, fed, logits[kept].topk(k_obs, dim=-1).indices.tolist())
             if top1 is not None and counts[i]:  # the target's guess after every node (Jacobi iterations)
@@ -160,6 +161,32 @@ class Speculator:
             outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
                                       features[kept] if features is not None else None))
         return outputs
+
+    def propose(self, seqs: list[Sequence], requests: list[DraftRequest]) -> Draft:
+        """The drafter's proposals for the requests it still drafts for. A drafter that raises is asked again
+        request by request; a request it fails on alone decodes without drafts from then on (drafts never
+        decide the output, so it is unchanged), counted in /metrics; this step drafts nothing."""
+        live = [i for i, s in enumerate(seqs) if s.spec.draft_error is None]
+        if not live:
+            return Draft.chains([[] for _ in seqs])
+        try:
+            return self._proposals([requests[i] for i in live]).spread(live, len(seqs))
+        except Exception:  # noqa: BLE001  a drafter's failure costs speed, never a request
+            for i in live:
+                try:
+                    self._proposals([requests[i]])
+                except Exception as e:  # noqa: BLE001
+                    seqs[i].spec.draft_error = f"{type(e).__name__}: {e}"
+                    self.totals.num_draft_failures += 1
+                    log.warning("request %d: the drafter failed (%s); it decodes without drafts",
+                                seqs[i].seq_id, seqs[i].spec.draft_error)
+            return Draft.chains([[] for _ in seqs])
+
+    def _proposals(self, requests: list[DraftRequest]) -> Draft:
+        draft = self.drafter.propose(requests)
+        if self.cfg.method == "custom":  # a user's drafter: refuse a malformed draft by name (ours are built valid)
+            draft.validate(len(requests), self.runner.model.config.vocab_size)
+        return draft
 
     def constrain(self, seqs: list[Sequence], requests: list[DraftRequest], draft: Draft) -> Draft:
         """Structured requests: drop the draft nodes their grammar forbids (with their subtrees) and draft the
