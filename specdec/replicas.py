@@ -289,7 +289,7 @@ class Ingress:
 
     def __serve_build_asgi_app__(self):
         return api_app(self.generate, self.models, self.healthy, self.metrics, self.api_key,
-                       max_request_bytes=self.max_request_bytes)
+                       max_request_bytes=self.max_request_bytes, served_model=self.card["id"])
 
     async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
         for attempt in range(RETRIES + 1):

@@ -22,11 +22,12 @@ import time
 import uuid
 from collections.abc import AsyncIterator, Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
-from fastapi.responses import JSONResponse, Response, StreamingResponse
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
@@ -198,6 +199,93 @@ class ChatBody(_GenerationBody):
 
 class CompletionBody(_GenerationBody):
     prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# -- what the API answers, for its OpenAPI schema (clients and schemathesis read it) -------------------------
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: _ErrorDetail
+
+
+class _Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    acceptance_length: float | None
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class _Message(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class _ChatChoice(BaseModel):
+    index: int
+    message: _Message
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: _Usage
+
+
+class _TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[_TextChoice]
+    usage: _Usage
+
+
+class _ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[_ModelCard]
+
+
+_ERRORS = {400: "the request is invalid (the error names the field)", 401: "a missing or wrong API key",
+           404: "an unknown model", 413: "the body is over the server's limit",
+           429: "the server is full (see Retry-After)", 500: "the engine failed on this request",
+           503: "the engine is not running, or the server is shutting down"}
+
+
+def _responses(ok: type[BaseModel] | None, stream: bool = False) -> dict:
+    errors = {code: {"model": ErrorBody, "description": doc} for code, doc in _ERRORS.items()}
+    if ok is None:
+        return errors
+    content = {"text/event-stream": {"schema": {"type": "string"}}} if stream else {}
+    return errors | {200: {"model": ok, "content": content, "description": "the answer" +
+                           (" (with stream: server-sent events)" if stream else "")}}
 
 
 # -- the engine thread ---------------------------------------------------------------------------------
@@ -851,7 +939,8 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes)
+    app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes,
+                  server.model)
     app.state.server = server
     return app
 
@@ -859,7 +948,7 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
 def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
             models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
             metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
-            max_request_bytes: int = Limits.max_request_bytes) -> FastAPI:
+            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None) -> FastAPI:
     """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.replicas) share: the routes,
     the API key check and OpenAI-shaped errors; what answers a request is given."""
     def check_api_key(request: Request) -> None:
@@ -891,28 +980,50 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
         log.exception("unhandled error", exc_info=exc)
         return internal_error(f"internal error: {type(exc).__name__}").response()
 
-    @v1.post("/chat/completions")
+    @v1.post("/chat/completions", responses=_responses(ChatCompletion, stream=True))
     async def chat_completions(body: ChatBody, request: Request) -> Response:
         return await generate(body, request)
 
-    @v1.post("/completions")
+    @v1.post("/completions", responses=_responses(TextCompletion, stream=True))
     async def completions(body: CompletionBody, request: Request) -> Response:
         return await generate(body, request)
 
-    @v1.get("/models")
+    @v1.get("/models", response_model=ModelList, responses=_responses(None))
     async def list_models() -> dict:
         return {"object": "list", "data": [await models()]}
 
     app.include_router(v1)
 
-    @app.get("/health")
+    @app.get("/health", response_class=Response, responses={200: {"description": "ready"}, 401: _responses(None)[401],
+                                   503: {"description": "not ready: the engine stopped, is stuck in one step, or "
+                                                        "the server is shutting down"}})
     async def health() -> Response:
         return Response(status_code=200 if await healthy() else 503)
 
-    @app.get("/metrics")
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus metrics"},
+        401: _responses(None)[401]})
     async def get_metrics() -> Response:
         return await metrics()
 
+    def openapi() -> dict:
+        """FastAPI's schema, less its 422 (we answer 400 in OpenAI's shape), with `model` limited to the name
+        served when it is known."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            if served_model is not None:
+                for name in ("ChatBody", "CompletionBody"):
+                    schemas[name]["properties"]["model"]["enum"] = [served_model]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
     return app
 
 

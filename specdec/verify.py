@@ -71,8 +71,9 @@ def verify_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target_ids:
     first = torch.full((B, N + 1), N, device=node.device, dtype=torch.long)
     first = first.scatter_reduce(1, slot, torch.where(match, node, N), "amin")  # [B, N + 1] first match per parent
     good = match & (first.gather(1, slot) == node)
-    ok = torch.cat([torch.ones_like(good[:, :1]), good], 1)  # [B, N + 1], slot 0 = root, always ok
-    up = torch.cat([torch.zeros_like(slot[:, :1]), slot], 1)  # [B, N + 1] parent slot; root is its own parent
+    root = torch.zeros(B, 1, dtype=torch.long, device=slot.device)  # (a draft of no nodes is just the root)
+    ok = torch.cat([root == 0, good], 1)  # [B, N + 1], slot 0 = root, always ok
+    up = torch.cat([root, slot], 1)  # [B, N + 1] parent slot; root is its own parent
     for _ in range((N - 1).bit_length()):  # after k rounds ok covers 2^k path nodes, enough for depth <= N
         ok = ok & ok.gather(1, up)
         up = up.gather(1, up)

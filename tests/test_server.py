@@ -664,3 +664,38 @@ def test_draining_finishes_requests_in_flight_and_refuses_new_ones(tiny_llama_di
         while engine.alive:
             assert time.monotonic() < deadline
             time.sleep(0.02)
+
+
+# -- fuzzing the API from its own schema (schemathesis) ----------------------------------------------------
+def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_llama_dir):
+    """Every operation of the server's own OpenAPI schema, 40 generated requests each (valid and invalid
+    bodies), sent in-process to the app: no 5xx, and every status, content type and body as the schema says."""
+    import schemathesis
+    from hypothesis import HealthCheck, given, settings
+    from schemathesis.checks import not_a_server_error
+    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
+                                                   status_code_conformance)
+
+    app = create_app(LLM(str(tiny_llama_dir), max_num_seqs=4), served_model_name=MODEL, engine_thread=False,
+                     limits=Limits(default_max_tokens=8))
+    engine = app.state.server.engine
+    engine.start()
+    checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
+    tested = []
+    try:
+        for result in schemathesis.openapi.from_asgi("/openapi.json", app).get_all_operations():
+            operation = result.ok()
+
+            @settings(max_examples=40, derandomize=True, deadline=None, suppress_health_check=list(HealthCheck),
+                      database=None)
+            @given(operation.as_strategy())
+            def fuzz(case):
+                case.call_and_validate(checks=checks)
+
+            fuzz()
+            tested.append(f"{operation.method.upper()} {operation.path}")
+    finally:
+        engine.stop()
+    assert sorted(tested) == ["GET /health", "GET /metrics", "GET /v1/models", "POST /v1/chat/completions",
+                              "POST /v1/completions"]
+    assert engine.engine.allocator.num_used == 0
