@@ -233,8 +233,8 @@ class EngineReplica:
         head = {"status": 200, "replica": self.name, "stream": bool(body.stream)}
         try:
             started = await self.server.start(body)
-        except APIError as e:
-            yield head | {"status": e.status, "stream": False, "body": e.body()}
+        except APIError as e:  # refused (429 carries Retry-After)
+            yield head | {"status": e.status, "stream": False, "body": e.body(), "headers": e.headers or {}}
             return
         try:
             if not started.stream:
@@ -308,7 +308,7 @@ class Ingress:
                                    type="service_unavailable", code="replica_unavailable") from None
                 log.warning("a replica died before answering; sending the request again (%s)", type(e).__name__)
                 continue
-            headers = {"x-specdec-replica": head["replica"]}
+            headers = {"x-specdec-replica": head["replica"]} | head.get("headers", {})
             if "body" in head:
                 replies.cancel()
                 return JSONResponse(head["body"], status_code=head["status"], headers=headers)

@@ -699,3 +699,44 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
     assert sorted(tested) == ["GET /health", "GET /metrics", "GET /v1/models", "POST /v1/chat/completions",
                               "POST /v1/completions"]
     assert engine.engine.allocator.num_used == 0
+
+
+def test_sigterm_drains_the_server_and_exits_0(tiny_llama_dir):
+    """`specdec serve` in a subprocess: SIGTERM while a request streams; the server says it drains, that
+    request still gets its whole answer, and the process exits 0 (new requests meanwhile get 503: tested
+    in-process above, as the tiny model finishes too fast to race here)."""
+    import signal
+    import socket
+    import subprocess
+    import sys
+
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        port = sock.getsockname()[1]
+    proc = subprocess.Popen([sys.executable, "-m", "specdec.cli", "serve", str(tiny_llama_dir), "--port", str(port),
+                             "--served-model-name", MODEL, "--speculative-config", "off", "--shutdown-timeout", "60"],
+                            stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+    url = f"http://127.0.0.1:{port}"
+    try:
+        deadline = time.monotonic() + 120
+        while True:
+            assert proc.poll() is None and time.monotonic() < deadline, "the server did not start"
+            with contextlib.suppress(httpx.HTTPError):
+                if httpx.get(url + "/health", timeout=1).status_code == 200:
+                    break
+            time.sleep(0.2)
+        body = {"model": MODEL, "prompt": "Hello", "max_tokens": 400, "temperature": 0, "ignore_eos": True,
+                "stream": True}
+        with httpx.stream("POST", url + "/v1/completions", json=body, timeout=60) as r:
+            lines = r.iter_lines()
+            next(lines)  # the request runs
+            proc.send_signal(signal.SIGTERM)
+            rest = [x for x in lines if x]
+        finals = [json.loads(x[6:]) for x in rest if x.startswith("data: {")]
+        assert finals[-1]["choices"][0]["finish_reason"] == "length" and rest[-1] == "data: [DONE]"
+        assert not any("error" in f for f in finals)
+        assert proc.wait(timeout=60) == 0
+        assert "shutting down: requests in flight have 60 s to finish" in proc.stdout.read()
+    finally:
+        if proc.poll() is None:
+            proc.kill()
