@@ -101,3 +101,18 @@ def test_argmax_is_the_first_maximum_like_torch():
     logits[3] = 1.0  # all equal
     for rows in (logits, logits[:, :5], logits[:, :8], logits[:, :13]):
         assert torch.equal(native.ops().argmax_rows(rows.contiguous()), rows.argmax(-1))
+
+
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+    """torch's extension builder waits forever on its lock file; one left by a process killed mid-build
+    used to hang every later load. Under specdec's own lock (released by the kernel when a process dies)
+    such a leftover is removed, and a fresh process loads the kernels."""
+    import subprocess
+    import sys
+
+    native.ops()  # built, so the load below has nothing to compile
+    lock = native.cache_dir() / "lock"  # what torch's builder leaves when its process is killed
+    lock.touch()
+    done = subprocess.run([sys.executable, "-c", "from specdec.models import native; native.ops(); print('loaded')"],
+                          capture_output=True, text=True, timeout=120)
+    assert done.stdout.strip() == "loaded" and not lock.exists()

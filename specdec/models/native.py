@@ -10,6 +10,7 @@ the same instructions in every call: a row's bits do not depend on the batch.
 """
 from __future__ import annotations
 
+import fcntl
 import hashlib
 import os
 import platform
@@ -44,17 +45,33 @@ def build_key() -> str:
     return h.hexdigest()[:16]
 
 
+def cache_dir() -> Path:
+    """Where the build of these sources for this CPU lives."""
+    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels" / build_key()
+
+
 @lru_cache(maxsize=1)
 def ops():
     """The compiled module (`QMatrix`, `Layer`, `linear`, `dequantize_rows`, `isa`); raises KernelBuildError."""
     import torch.utils.cpp_extension as ext
 
-    key = build_key()
-    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels" / key
-    cache.mkdir(parents=True, exist_ok=True)
+    key, cache = build_key(), cache_dir()
+    (cache / "src").mkdir(parents=True, exist_ok=True)
     try:
-        return ext.load(name=f"specdec_quant_{key}", sources=[str(SOURCE)], extra_cflags=FLAGS, extra_ldflags=["-fopenmp"],
-                        build_directory=str(cache), verbose=False)
+        # One build at a time per cache, under a kernel-held lock that dies with its process. torch's own lock
+        # file does not: a process killed while building left it behind and every later load waited on it
+        # forever; under ours, a lock file still there is such a leftover and is removed.
+        with open(cache / "build.flock", "w") as held:
+            fcntl.flock(held, fcntl.LOCK_EX)
+            (cache / "lock").unlink(missing_ok=True)
+            # The sources are built from a copy in the cache, so that every checkout and install of this
+            # version writes the same build file (torch rebuilds whenever the source path changes).
+            for path in CSRC.iterdir():
+                copy = cache / "src" / path.name
+                if not copy.exists() or copy.read_bytes() != path.read_bytes():
+                    copy.write_bytes(path.read_bytes())
+            return ext.load(name=f"specdec_quant_{key}", sources=[str(cache / "src" / SOURCE.name)],
+                            extra_cflags=FLAGS, extra_ldflags=["-fopenmp"], build_directory=str(cache), verbose=False)
     except Exception as err:  # compiler missing, or a build error: say which and how to avoid the kernels
         raise KernelBuildError(
             f"could not build the native quantized kernels ({type(err).__name__}: {str(err)[-500:]}); "
