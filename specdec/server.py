@@ -339,7 +339,7 @@ class AsyncEngine:
         self.llm, self.engine, self.metrics = llm, llm.engine, metrics
         self.limits = limits or Limits()
         self.stats: dict = self.engine.stats()  # the latest snapshot, replaced whole after every step
-        self._admitting = 0  # submitted, not yet admitted (counted on the event loop's thread only)
+        self._submitted: set[EngineRequest] = set()  # awaiting admission (touched on the event loop's thread only)
         self._mean_e2e_s = 10.0  # running mean of finished requests' wall time, for Retry-After
         self._inbox: queue.Queue[tuple[str, EngineRequest | None]] = queue.Queue()
         self._active: dict[int, EngineRequest] = {}  # seq_id -> request; touched by the engine thread only
@@ -366,8 +366,9 @@ class AsyncEngine:
 
     @property
     def in_system(self) -> int:
-        """Requests admitted and not finished, plus those on their way in (read from any thread)."""
-        return len(self._active) + self._admitting
+        """Requests admitted and not finished, plus those on their way in. An admitted request leaves
+        `_submitted` only when its handler resumes, so it counts there only until the engine gave it a seq."""
+        return len(self._active) + sum(r.seq is None for r in list(self._submitted))
 
     @property
     def ready(self) -> bool:
@@ -398,14 +399,14 @@ class AsyncEngine:
         self.check_room()
         req = EngineRequest(prepare, stream, prompt_field)
         self._inbox.put(("add", req))
-        self._admitting += 1
+        self._submitted.add(req)
         try:
             await req.admitted
         except asyncio.CancelledError:
             self.abort(req)
             raise
         finally:
-            self._admitting -= 1
+            self._submitted.discard(req)
         return req
 
     def check_room(self) -> None:
