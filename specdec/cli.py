@@ -265,7 +265,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
-    from specdec.server import Limits, serve
+    from specdec.api import Limits
+    from specdec.server import serve
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")

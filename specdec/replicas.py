@@ -47,7 +47,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 
 from specdec.config import EngineConfig, SpecdecError, SpeculativeConfig, from_kwargs
 from specdec.models.loader import DEFAULT_MODEL, resolve
-from specdec.server import APIError, ChatBody, CompletionBody, Limits, api_app
+from specdec.api import APIError, ChatBody, CompletionBody, Limits, api_app
 
 log = logging.getLogger("specdec.replicas")
 
@@ -399,8 +399,7 @@ class ReplicaSpec:
         threads = max(1, int(cpus))
         engine = serve.deployment(EngineReplica).options(
             name="EngineReplica", num_replicas=self.replicas, ray_actor_options={"num_cpus": cpus},
-            max_ongoing_requests=EngineConfig(**{k: v for k, v in self.llm_kwargs.items()
-                                                  if k == "max_num_seqs"}).max_num_seqs,
+            max_ongoing_requests=self.llm_kwargs.get("max_num_seqs", EngineConfig.max_num_seqs),
             health_check_period_s=HEALTH_PERIOD_S,
             request_router_config=RequestRouterConfig(request_router_class=PrefixAffinityRouter,
                                                       request_routing_stats_period_s=STATS_PERIOD_S))
@@ -424,9 +423,9 @@ def build_app(args: dict[str, str]):
             llm_kwargs[name] = int(args.pop(name))
     spec = ReplicaSpec(model=args.pop("model", DEFAULT_MODEL), llm_kwargs=llm_kwargs,
                        replicas=int(args.pop("replicas", 2)), served_model_name=args.pop("served_model_name", None),
-                       api_key=args.pop("api_key", None),
-                       cpus_per_replica=float(args["cpus_per_replica"]) if "cpus_per_replica" in args else None)
-    args.pop("cpus_per_replica", None)
+                       api_key=args.pop("api_key", None))
+    if "cpus_per_replica" in args:
+        spec.cpus_per_replica = float(args.pop("cpus_per_replica"))
     if args:
         raise SpecdecError(f"unknown arguments {sorted(args)}; expected model, replicas, llm_kwargs, dtype, device, "
                            "quantization, speculative_config, tensor_parallel_size, max_num_seqs, "

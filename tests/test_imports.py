@@ -1,5 +1,5 @@
 """The package's imports follow runtime order: drafters never reach into the engine, models know nothing of
-drafting or the engine, and the leaves (server, replicas, train, distill, bench) are imported by the CLI alone."""
+drafting or the engine, and the leaves (api, server, replicas, train, distill, bench) are imported by the CLI alone."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
-LEAVES = ("specdec.server", "specdec.replicas", "specdec.train", "specdec.distill", "specdec.bench")
+LEAVES = ("specdec.api", "specdec.server", "specdec.replicas", "specdec.train", "specdec.distill", "specdec.bench")
 
 
 def module_name(path: Path) -> str:

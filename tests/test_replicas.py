@@ -22,7 +22,7 @@ from specdec.cli import main
 from specdec.config import SpecdecError
 from specdec.replicas import (APP_NAME, CHUNK_CHARS, PrefixTable, ReplicaSpec, build_app, preferred, prefix_keys,
                               routing_text)
-from specdec.server import ChatBody, CompletionBody
+from specdec.api import ChatBody, CompletionBody
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 SYSTEM = "You are a terse assistant. The quick brown fox jumps over the lazy dog. " * 6  # 438 characters

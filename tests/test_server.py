@@ -24,7 +24,8 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
-from specdec.server import Limits, create_app, streamable_length
+from specdec.api import Limits
+from specdec.server import create_app, streamable_length
 
 MODEL = "tiny"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}

@@ -233,6 +233,28 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
             "speedup": seconds["plain"] / seconds["speculative"]}
 
 
+def drive_sides(servers: dict[str, "ServerProcess"], level: dict, prompts: list[str], concurrency: int,
+                num_requests: int, max_tokens: int) -> dict[str, dict[int, str]]:
+    """One concurrency level on every server, in two rounds of half the requests each (order A B C, then
+    C B A, so drift over the run does not favour a side); each side's summary goes into `level`. Returns
+    each side's texts by prompt index."""
+    sides = list(servers)
+    results: dict[str, list[RequestResult]] = {side: [] for side in sides}
+    walls = dict.fromkeys(sides, 0.0)
+    halves = [range(0, num_requests // 2), range(num_requests // 2, num_requests)]
+    for half, order in zip(halves, (sides, sides[::-1])):
+        for side in order:
+            got, wall = asyncio.run(drive(servers[side].url, prompts, concurrency, half, max_tokens))
+            results[side] += got
+            walls[side] += wall
+    texts = {}
+    for side in sides:
+        level[side] = summarize_level(results[side], walls[side])
+        texts[side] = {r.prompt_index: r.text for r in results[side] if r.error is None}
+        print(f"concurrency {concurrency:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
+    return texts
+
+
 # ------------------------------------------------------------------------------------------ the runs
 def run_serve_bench(args: argparse.Namespace) -> dict:
     spec = args.speculative_config
@@ -262,20 +284,7 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         for c in levels:
             n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
             level: dict = {"concurrency": c, "num_requests": n}
-            # Two rounds, each side driven with the same half of the requests, in the order A B then B A.
-            results: dict[str, list[RequestResult]] = {"plain": [], "speculative": []}
-            walls = {"plain": 0.0, "speculative": 0.0}
-            halves = [range(0, n // 2), range(n // 2, n)]
-            for half, order in zip(halves, (["plain", "speculative"], ["speculative", "plain"])):
-                for side in order:
-                    got, wall = asyncio.run(drive(servers[side].url, prompts, c, half, args.max_tokens))
-                    results[side] += got
-                    walls[side] += wall
-            texts = {}
-            for side in ("plain", "speculative"):
-                level[side] = summarize_level(results[side], walls[side])
-                texts[side] = {r.prompt_index: r.text for r in results[side] if r.error is None}
-                print(f"concurrency {c:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
+            texts = drive_sides(servers, level, prompts, c, n, args.max_tokens)
             same = [texts["plain"][i] == texts["speculative"][i] for i in texts["plain"] if i in texts["speculative"]]
             level["identical"] = [sum(same), len(same)]
             p, s = level["plain"]["throughput_tok_s"], level["speculative"]["throughput_tok_s"]
@@ -332,18 +341,7 @@ def run_replica_bench(args: argparse.Namespace) -> dict:
         for c in levels:
             n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
             level: dict = {"concurrency": c, "num_requests": n}
-            results: dict[str, list[RequestResult]] = {side: [] for side in sides}
-            walls = dict.fromkeys(sides, 0.0)
-            for half, order in zip([range(0, n // 2), range(n // 2, n)], (sides, sides[::-1])):
-                for side in order:
-                    got, wall = asyncio.run(drive(servers[side].url, prompts, c, half, args.max_tokens))
-                    results[side] += got
-                    walls[side] += wall
-            texts = {}
-            for side in sides:
-                level[side] = summarize_level(results[side], walls[side])
-                texts[side] = {r.prompt_index: r.text for r in results[side] if r.error is None}
-                print(f"concurrency {c:>3} {side:<11} {level[side]['throughput_tok_s']:.1f} tok/s", flush=True)
+            texts = drive_sides(servers, level, prompts, c, n, args.max_tokens)
             base = level[sides[0]]["throughput_tok_s"]
             for side in sides[1:]:
                 same = [texts[sides[0]][i] == t for i, t in texts[side].items() if i in texts[sides[0]]]

@@ -200,7 +200,8 @@ def run_soak(args: argparse.Namespace) -> dict:
     import httpx
     import uvicorn
 
-    from specdec.server import Limits, create_app
+    from specdec.api import Limits
+    from specdec.server import create_app
 
     rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
     prompts = [row["turns"][0][:2000] for row in rows]

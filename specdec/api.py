@@ -1,0 +1,409 @@
+"""The OpenAI-compatible HTTP surface that `specdec serve` and the Ray Serve ingress (specdec.replicas) share:
+request and response shapes (the OpenAPI schema documents every status), OpenAI-shaped errors, the checks at
+the edge and the operator's limits, and the FastAPI app (routes, API key, body limit). What answers a
+request is given to `api_app`; nothing here touches an engine.
+"""
+from __future__ import annotations
+
+import logging
+import secrets
+from collections.abc import Awaitable, Callable
+from dataclasses import dataclass
+from typing import Any, Literal
+
+from fastapi import APIRouter, Depends, FastAPI, Request
+from fastapi.exceptions import RequestValidationError
+from fastapi.openapi.utils import get_openapi
+from fastapi.responses import JSONResponse, PlainTextResponse, Response
+from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from starlette.exceptions import HTTPException as StarletteHTTPException
+
+from specdec.config import SpecdecError, StructuredOutput, from_kwargs
+from specdec.llm import unicode_text
+
+log = logging.getLogger("specdec.server")
+
+
+class APIError(Exception):
+    """An error the client sees in OpenAI's shape; `param` names the request field at fault."""
+
+    def __init__(self, status: int, message: str, param: str | None = None, code: str | None = None,
+                 type: str = "invalid_request_error", headers: dict[str, str] | None = None) -> None:
+        super().__init__(message)
+        self.status, self.message, self.param, self.code, self.type = status, message, param, code, type
+        self.headers = headers
+
+    def body(self) -> dict:
+        return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
+
+    def response(self) -> JSONResponse:
+        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+
+
+def internal_error(message: str) -> APIError:
+    return APIError(500, message, type="internal_server_error", code="internal_error")
+
+
+# -- what an operator bounds ------------------------------------------------------------------------------
+@dataclass
+class Limits:
+    """Server-side bounds (`specdec serve` flags); a request past one gets a 4xx naming it, never a 5xx."""
+
+    max_request_bytes: int = 2 * 2**20  # a bigger body is refused (413) before it is read whole
+    max_stop: int = 16  # stop strings per request (each is checked on every token)
+    max_stop_chars: int = 256  # characters per stop string
+    default_max_tokens: int | None = None  # the cap of a request that gives no max_tokens (None: its context)
+    max_queue: int | None = None  # requests waiting to run beyond max_num_seqs; past it 429 + Retry-After
+    request_timeout_s: float | None = None  # wall time per request; past it the request ends, finish "length"
+    stuck_after_s: float = 60.0  # /health says 503 while one engine step has run longer than this
+
+    def __post_init__(self) -> None:
+        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "default_max_tokens", "max_queue"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or value < (0 if name == "max_queue" else 1)):
+                raise SpecdecError(f"invalid {name}={value!r}: must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
+        if self.request_timeout_s is not None and not self.request_timeout_s > 0:
+            raise SpecdecError(f"invalid request_timeout_s={self.request_timeout_s!r}: must be positive")
+
+
+def check_text(text: str, field: str) -> None:
+    """Text no tokenizer takes (a lone UTF-16 surrogate: valid JSON, not Unicode) is a 400 naming its field."""
+    try:
+        unicode_text(text, field)
+    except SpecdecError as e:
+        raise APIError(400, str(e), param=field.split("[")[0].split(".")[0]) from None
+
+
+# -- request bodies (extra fields are ignored: OpenAI clients send many we do not use) ----------------
+class _StreamOptions(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    include_usage: StrictBool = False
+
+
+def _is_set(value: Any) -> bool:
+    return value not in (None, False, 0, 0.0, "", [], {})
+
+
+# Fields a client may send whose effect we do not provide: refused rather than silently ignored, so a client
+# never takes an answer without logprobs, a tool call or a JSON format for one that honoured them.
+UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
+    "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set, "logit_bias": _is_set,
+    "best_of": lambda v: v not in (None, 1), "presence_penalty": _is_set, "frequency_penalty": _is_set,
+    "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": _is_set, "functions": _is_set,
+}
+
+# Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
+GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
+                 "guided_choice": "choice"}
+
+
+MAX_CONSTRAINT_DEPTH = 64  # nesting of a structured output constraint (schemas are compiled recursively)
+
+
+def _depth(value: Any, limit: int = MAX_CONSTRAINT_DEPTH + 1) -> int:
+    """Nesting depth of JSON-like data, counted no further than `limit`."""
+    if limit <= 0 or not isinstance(value, (dict, list)):
+        return 0
+    children = value.values() if isinstance(value, dict) else value
+    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
+
+
+def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
+    """The request's constraint and the field it came from, or (None, None); APIError 400 naming the field
+    when it is malformed or more than one is given."""
+    found: list[tuple[str, dict]] = []
+    fmt = extra.get("response_format")
+    if fmt is not None:
+        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
+            raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
+                           param="response_format")
+        if fmt["type"] == "json_object":
+            found.append(("response_format", {"json_object": True}))
+        elif fmt["type"] == "json_schema":
+            spec = fmt.get("json_schema")
+            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
+                raise APIError(400, "response_format.json_schema.schema must be given, a JSON schema object",
+                               param="response_format.json_schema.schema")
+            found.append(("response_format", {"json": spec["schema"]}))
+    for name, key in GUIDED_FIELDS.items():
+        if extra.get(name) is not None:
+            found.append((name, {key: extra[name]}))
+    if extra.get("structured_outputs") is not None:
+        so = extra["structured_outputs"]
+        if not isinstance(so, dict):
+            raise APIError(400, "structured_outputs must be an object such as {\"json\": {...}}",
+                           param="structured_outputs")
+        found.append(("structured_outputs", so))
+    if not found:
+        return None, None
+    for field, spec in found:
+        if _depth(spec) > MAX_CONSTRAINT_DEPTH:
+            raise APIError(400, f"{field} nests deeper than {MAX_CONSTRAINT_DEPTH} levels", param=field)
+    if len(found) > 1:
+        raise APIError(400, f"give one structured output constraint, not {[f for f, _ in found]}",
+                       param=found[1][0])
+    field, kwargs = found[0]
+    try:
+        return from_kwargs(StructuredOutput, kwargs), field
+    except SpecdecError as e:
+        raise APIError(400, f"{field}: {e}", param=field) from None
+
+
+class _GenerationBody(BaseModel):
+    model_config = ConfigDict(extra="allow")  # other fields (user, metadata, ...) are accepted and ignored
+    model: str
+    max_tokens: StrictInt | None = None
+    max_completion_tokens: StrictInt | None = None
+    temperature: StrictFloat | None = None
+    top_p: StrictFloat | None = None
+    top_k: StrictInt | None = None
+    min_p: StrictFloat | None = None
+    seed: StrictInt | None = None
+    stop: str | list[str] | None = None
+    n: StrictInt | None = None
+    ignore_eos: StrictBool = False
+    stream: StrictBool | None = False
+    stream_options: _StreamOptions | None = None
+
+
+class _ChatMessage(BaseModel):
+    model_config = ConfigDict(extra="ignore")
+    role: Literal["system", "developer", "user", "assistant"]  # developer: served as system
+    content: str | list[dict[str, Any]] | None = None
+
+
+class ChatBody(_GenerationBody):
+    messages: list[_ChatMessage]
+
+
+class CompletionBody(_GenerationBody):
+    prompt: str | list[str] | list[int] | list[list[int]]
+
+
+# -- what the API answers, for its OpenAPI schema (clients and schemathesis read it) -------------------------
+class _ErrorDetail(BaseModel):
+    message: str
+    type: str
+    param: str | None
+    code: str | None
+
+
+class ErrorBody(BaseModel):
+    error: _ErrorDetail
+
+
+class _Usage(BaseModel):
+    prompt_tokens: int
+    completion_tokens: int
+    total_tokens: int
+    acceptance_length: float | None
+    num_drafts: int
+    num_draft_tokens: int
+    num_accepted_tokens: int
+
+
+class _Message(BaseModel):
+    role: Literal["assistant"]
+    content: str
+
+
+class _ChatChoice(BaseModel):
+    index: int
+    message: _Message
+    logprobs: None
+    finish_reason: str | None
+
+
+class ChatCompletion(BaseModel):
+    id: str
+    object: Literal["chat.completion"]
+    created: int
+    model: str
+    choices: list[_ChatChoice]
+    usage: _Usage
+
+
+class _TextChoice(BaseModel):
+    index: int
+    text: str
+    logprobs: None
+    finish_reason: str | None
+
+
+class TextCompletion(BaseModel):
+    id: str
+    object: Literal["text_completion"]
+    created: int
+    model: str
+    choices: list[_TextChoice]
+    usage: _Usage
+
+
+class _ModelCard(BaseModel):
+    id: str
+    object: Literal["model"]
+    created: int
+    owned_by: str
+    max_model_len: int
+
+
+class ModelList(BaseModel):
+    object: Literal["list"]
+    data: list[_ModelCard]
+
+
+_ERRORS = {400: "the request is invalid (the error names the field)", 401: "a missing or wrong API key",
+           404: "an unknown model", 413: "the body is over the server's limit",
+           429: "the server is full (see Retry-After)", 500: "the engine failed on this request",
+           503: "the engine is not running, or the server is shutting down"}
+
+
+def _responses(ok: type[BaseModel] | None, stream: bool = False) -> dict:
+    errors = {code: {"model": ErrorBody, "description": doc} for code, doc in _ERRORS.items()}
+    if ok is None:
+        return errors
+    # each server-sent event (OpenAPI 3.2's reading of text/event-stream): a JSON chunk or [DONE] in `data`
+    event = {"type": "object", "properties": {"data": {"type": "string"}, "event": {"type": "string"}},
+             "required": ["data"]}
+    content = {"text/event-stream": {"schema": event}} if stream else {}
+    return errors | {200: {"model": ok, "content": content, "description": "the answer" +
+                           (" (with stream: server-sent events)" if stream else "")}}
+
+
+def _validation_error(exc: RequestValidationError) -> APIError:
+    """FastAPI would answer 422 with its own shape; OpenAI answers 400 naming the field."""
+    err = exc.errors()[0]
+    loc = [str(p) for p in err.get("loc", ()) if p != "body"]
+    if err.get("type") == "json_invalid":
+        return APIError(400, f"the request body is not valid JSON: {err.get('ctx', {}).get('error', err['msg'])}")
+    if not loc:  # no body, a body not sent as JSON (raw bytes reach us), or JSON that is not an object
+        raw = err.get("type") == "missing" or isinstance(err.get("input"), (bytes, str))
+        return APIError(400, "the request body must be a JSON object" +
+                        (", sent with Content-Type: application/json" if raw else ""))
+    where = ".".join(loc)
+    if err.get("type") == "missing":
+        return APIError(400, f"missing required field '{where}'", param=loc[0])
+    return APIError(400, f"invalid value for '{where}': {err['msg']}", param=loc[0])
+
+
+def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
+            models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
+            metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
+            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None) -> FastAPI:
+    """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.replicas) share: the routes,
+    the API key check and OpenAI-shaped errors; what answers a request is given."""
+    def check_api_key(request: Request) -> None:
+        if api_key is None:
+            return
+        scheme, _, given = request.headers.get("authorization", "").partition(" ")
+        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
+                           code="invalid_api_key")
+
+    app = FastAPI(title="specdec", lifespan=lifespan, dependencies=[Depends(check_api_key)])
+    app.add_middleware(BodyLimit, limit=max_request_bytes)
+    v1 = APIRouter(prefix="/v1")
+
+    @app.exception_handler(APIError)
+    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
+        return exc.response()
+
+    @app.exception_handler(RequestValidationError)
+    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response()
+
+    @app.exception_handler(StarletteHTTPException)
+    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response()
+
+    @app.exception_handler(Exception)
+    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+        log.exception("unhandled error", exc_info=exc)
+        return internal_error(f"internal error: {type(exc).__name__}").response()
+
+    @v1.post("/chat/completions", responses=_responses(ChatCompletion, stream=True))
+    async def chat_completions(body: ChatBody, request: Request) -> Response:
+        return await generate(body, request)
+
+    @v1.post("/completions", responses=_responses(TextCompletion, stream=True))
+    async def completions(body: CompletionBody, request: Request) -> Response:
+        return await generate(body, request)
+
+    @v1.get("/models", response_model=ModelList, responses=_responses(None))
+    async def list_models() -> dict:
+        return {"object": "list", "data": [await models()]}
+
+    app.include_router(v1)
+
+    @app.get("/health", response_class=Response, responses={200: {"description": "ready"}, 401: _responses(None)[401],
+                                   503: {"description": "not ready: the engine stopped, is stuck in one step, or "
+                                                        "the server is shutting down"}})
+    async def health() -> Response:
+        return Response(status_code=200 if await healthy() else 503)
+
+    @app.get("/metrics", response_class=PlainTextResponse, responses={
+        200: {"content": {"text/plain": {"schema": {"type": "string"}}}, "description": "Prometheus metrics"},
+        401: _responses(None)[401]})
+    async def get_metrics() -> Response:
+        return await metrics()
+
+    def openapi() -> dict:
+        """FastAPI's schema, less its 422 (we answer 400 in OpenAI's shape), with `model` limited to the name
+        served when it is known."""
+        if app.openapi_schema is None:
+            schema = get_openapi(title=app.title, version=app.version, routes=app.routes)
+            for path in schema["paths"].values():
+                for operation in path.values():
+                    operation.get("responses", {}).pop("422", None)
+            schemas = schema.get("components", {}).get("schemas", {})
+            for name in ("HTTPValidationError", "ValidationError"):
+                schemas.pop(name, None)
+            if served_model is not None:
+                for name in ("ChatBody", "CompletionBody"):
+                    schemas[name]["properties"]["model"]["enum"] = [served_model]
+            app.openapi_schema = schema
+        return app.openapi_schema
+
+    app.openapi = openapi
+    return app
+
+
+class BodyLimit:
+    """ASGI middleware: 413 for a request body over `limit` bytes, by its Content-Length before anything is
+    read, else as soon as the bytes streamed in pass it; a body within the limit is read here and handed on
+    whole (nothing over the limit is ever held or parsed)."""
+
+    def __init__(self, app: Any, limit: int) -> None:
+        self.app, self.limit = app, limit
+
+    async def refuse(self, scope, receive, send) -> None:
+        await APIError(413, f"the request body is over this server's limit of {self.limit} bytes",
+                       code="request_too_large").response()(scope, receive, send)
+
+    async def __call__(self, scope, receive, send) -> None:
+        if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
+            return await self.app(scope, receive, send)
+        length = dict(scope.get("headers") or []).get(b"content-length", b"")
+        if length.isdigit() and int(length) > self.limit:
+            return await self.refuse(scope, receive, send)
+        chunks, size = [], 0
+        while True:
+            message = await receive()
+            if message["type"] != "http.request":  # the client left while sending
+                return
+            chunks.append(message.get("body", b""))
+            size += len(chunks[-1])
+            if size > self.limit:
+                return await self.refuse(scope, receive, send)
+            if not message.get("more_body", False):
+                break
+        whole = {"type": "http.request", "body": b"".join(chunks), "more_body": False}
+
+        async def replay() -> dict:  # the body once, then the real channel (disconnects)
+            nonlocal whole
+            if whole is None:
+                return await receive()
+            message, whole = whole, None
+            return message
+
+        await self.app(scope, replay, send)
