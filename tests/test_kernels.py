@@ -5,10 +5,11 @@ import pytest
 import torch
 import torch.nn.functional as F
 
+from conftest import MISSING
 from specdec.models import kernels
 from specdec.models.attention import AttentionMetadata, paged_attention
 
-pytestmark = pytest.mark.skipif(kernels.numba is None, reason="numba not installed")
+pytestmark = pytest.mark.skipif(kernels.numba is None, reason=f"{MISSING} numba")
 
 
 @pytest.mark.parametrize("m", [1, 2, 3, 4, 5, 9, 16])

@@ -138,3 +138,31 @@ def test_chunked_prefill_gives_the_same_tokens(tiny_llama_dir):
     chunked = chunked_llm.generate([prompt, "Hello world"], params)
     assert chunked[0].token_ids == whole.token_ids
     assert chunked[0].metrics["num_steps"] == 8  # chunks that produce no token are not counted as steps
+
+
+def test_blocks_are_filled_when_handed_out_under_the_debug_fill(monkeypatch):
+    """SPECDEC_KV_FILL (on for the whole suite): a new block holds the fill value in every pool over the
+    blocks, including blocks freed by an earlier sequence; blocks reused from the prefix cache keep their K/V."""
+    class Geometry:
+        num_key_value_heads, head_dim, num_hidden_layers = 1, 2, 2
+
+    monkeypatch.setenv("SPECDEC_KV_FILL", "nan")
+    alloc = BlockAllocator(num_blocks=4, block_size=2, enable_prefix_caching=True)
+    pools = [KVPool(Geometry, 4, 2, torch.float16, "cpu"), KVPool(Geometry, 4, 2, torch.float32, "cpu")]
+    alloc.pools.extend(pools)
+    for pool in pools:
+        for t in pool.k + pool.v:
+            t[2:] = 1.0  # what an earlier sequence left (the null block, slots 0-1, stays 0)
+    first = BlockTable()
+    alloc.allocate(first, 3)  # blocks 1, 2
+    assert all(t[2:6].isnan().all() and not t[6:].isnan().any() and (t[:2] == 0).all()
+               for pool in pools for t in pool.k + pool.v)
+    for pool in pools:
+        for t in pool.k + pool.v:
+            t[2:6] = 3.0  # the sequence writes its slots
+    alloc.register(first, [5, 6, 7], 3)  # block 1 (tokens 5, 6) is cached
+    alloc.free(first)
+    second = BlockTable()
+    assert alloc.admit(second, [5, 6, 8, 9], 4) == 2
+    new = second.blocks[1] * 2
+    assert second.blocks[0] == 1 and all((t[2:4] == 3).all() and t[new:new + 2].isnan().all() for t in pools[0].k)

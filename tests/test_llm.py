@@ -50,8 +50,7 @@ def test_stop_strings_cut_the_text(llm):
     free = llm.generate("Hello world", GREEDY)[0]
     text = free.text
     stop = text[3:5] if len(text.strip()) >= 5 else None
-    if stop is None or not stop.strip():
-        pytest.skip("random model produced no printable text")  # pragma: no cover
+    assert stop is not None and stop.strip(), f"the test needs printable text from the tiny model, got {text!r}"
     out = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=10, ignore_eos=True, stop=[stop]))[0]
     assert out.finish_reason == "stop" and out.stop_reason == stop
     assert out.text == text[: text.find(stop)]

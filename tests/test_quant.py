@@ -1,5 +1,6 @@
-"""The native quantized kernels: every block format against gguf's reference dequantizer, batch invariance
-bit for bit, and quantization on load."""
+"""The native quantized kernels: every block format against gguf's reference dequantizer and batch invariance
+bit for bit, on every instruction-set path this CPU runs (TESTED_ISAS); the paths against each other;
+quantization on load."""
 from __future__ import annotations
 
 import numpy as np
@@ -7,10 +8,13 @@ import pytest
 import torch
 from gguf.quants import quantize as gguf_quantize
 
+from conftest import needs_native
 from specdec.models import native
 from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
 
-pytestmark = pytest.mark.skipif(not native.available(), reason="the native kernels need g++ and ninja")
+pytestmark = needs_native
+# every code path this CPU runs (the native build's, then AVX2 and the portable scalar one where they differ)
+TESTED_ISAS = native.distinct_isas() if native.available() else ["native"]
 
 
 def f16_bytes(values: np.ndarray) -> np.ndarray:
@@ -36,6 +40,15 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     return raw.reshape(rows, nb * fmt.bytes)
 
 
+def kernel_linear(w: QuantWeight, x: torch.Tensor, isa: str) -> torch.Tensor:
+    """x @ w.T by instruction set isa's kernels (w.linear is the default build's)."""
+    return native.ops(isa).linear(x, kernel_matrix(w, isa))
+
+
+def kernel_matrix(w: QuantWeight, isa: str):
+    return native.ops(isa).QMatrix([d for d, _ in w.parts], [f.kernel_id for _, f in w.parts], w.in_features)
+
+
 def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     """What the kernels multiply: each row rounded to int8 per block of 32 (d = max|x| / 127), as float64."""
     xb = x.double().reshape(x.shape[0], -1, 32)
@@ -44,9 +57,10 @@ def quantized_activations(x: torch.Tensor) -> torch.Tensor:
     return (q * d).reshape(x.shape)
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("name", list(FORMATS))
 @pytest.mark.parametrize("rows", [43, 8])  # 43: groups of 8 interleaved rows plus 3 rows done one at a time
-def test_kernels_match_the_reference_dequantization(name, rows):
+def test_kernels_match_the_reference_dequantization(name, rows, isa):
     """y = x @ W.T against float64 math on gguf's dequantized W and the int8-rounded x: the kernels' only
     difference is float32 accumulation over 512 products (relative 1e-5 of the largest output is generous
     for that; a wrong nibble, scale or minimum gives errors of order 1)."""
@@ -57,30 +71,104 @@ def test_kernels_match_the_reference_dequantization(name, rows):
     for m in (1, 2, 3, 4, 5, 16, 64):
         x = torch.randn(m, cols) * torch.logspace(-2, 1, m)[:, None]
         x[0, :32] = 0.0  # an all-zero activation block
-        y = w.linear(x)
+        y = kernel_linear(w, x, isa)
         ref = quantized_activations(x) @ ref_w.T
         err = ((y.double() - ref).abs() / ref.abs().amax(-1, keepdim=True).clamp(min=1e-30)).max().item()
         assert err < 1e-5, (name, m, err)
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_dequantized_rows_equal_gguf_reference(name):
+def test_dequantized_rows_equal_gguf_reference(name, isa):
     w = QuantWeight.from_gguf(random_blocks(name, 11, 256, seed=1), FORMATS[name].ggml, 256)
     rows = torch.tensor([10, 0, 3, 3])
-    assert torch.equal(w[rows], w.dequantize()[rows])
+    assert torch.equal(native.ops(isa).dequantize_rows(kernel_matrix(w, isa), rows), w.dequantize()[rows])
+    assert torch.equal(w[rows], w.dequantize()[rows])  # the model's lookup (the default build)
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS)
 @pytest.mark.parametrize("name", list(FORMATS))
-def test_a_row_has_the_same_bits_alone_or_in_any_batch(name):
+def test_a_row_has_the_same_bits_alone_or_in_any_batch(name, isa):
     """Rows 1..64 in one call equal each row computed alone, and draft rows appended after a row do not
     change it: verification computes exactly what plain decoding computes."""
     w = QuantWeight.from_gguf(random_blocks(name, 45, 1024, seed=2), FORMATS[name].ggml, 1024)
+    m_ops, matrix = native.ops(isa), kernel_matrix(w, isa)
     torch.manual_seed(1)
     x = torch.randn(64, 1024)
-    alone = torch.cat([w.linear(x[i:i + 1]) for i in range(64)])
+    alone = torch.cat([m_ops.linear(x[i:i + 1], matrix) for i in range(64)])
     for m in (1, 2, 3, 4, 7, 9, 16, 33, 64):
-        assert torch.equal(w.linear(x[:m]), alone[:m]), m
-    assert torch.equal(w.linear(x[5:12])[0], alone[5])
+        assert torch.equal(m_ops.linear(x[:m], matrix), alone[:m]), m
+    assert torch.equal(m_ops.linear(x[5:12], matrix)[0], alone[5])
+
+
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_vector_paths_agree_bit_for_bit_and_the_scalar_path_within_rounding(name):
+    """simd.h promises VNNI gives exactly the AVX2 integers (and the float steps after them are the same), so
+    every vector build computes the same bits. The portable scalar path adds the same products in another
+    order (one float sum over the blocks where AVX2 keeps 8 lane sums and adds them at the end): not the same bits, but
+    within 2e-6 of each row's largest output (seen: 5e-7)."""
+    w = QuantWeight.from_gguf(random_blocks(name, 45, 1024, seed=4), FORMATS[name].ggml, 1024)
+    torch.manual_seed(2)
+    x = torch.randn(17, 1024)
+    ys = {isa: kernel_linear(w, x, isa) for isa in TESTED_ISAS}
+    vector = [isa for isa in TESTED_ISAS if native.ops(isa).isa() != "portable"]
+    for isa in vector[1:]:
+        assert torch.equal(ys[isa], ys[vector[0]]), (isa, vector[0])
+    base = ys[vector[0] if vector else "native"]
+    for isa in TESTED_ISAS:
+        err = ((ys[isa] - base).abs() / base.abs().amax(-1, keepdim=True)).max().item()
+        assert err < 2e-6, (isa, err)
+
+
+def test_every_path_quantizes_activations_to_the_same_integers():
+    """The AVX2 activation quantizer computes the scalar definition's values (quant.cpp), bit for bit: with a
+    Q8_0 identity matrix (d = 1, one 1 per row) y is each activation's int8 times its block scale, exactly."""
+    k = 256
+    raw = np.zeros((k, k // 32, 34), np.uint8)
+    raw[..., :2] = f16_bytes(np.ones((k, k // 32)))
+    raw.reshape(k, -1)[np.arange(k), (np.arange(k) // 32) * 34 + 2 + np.arange(k) % 32] = 1
+    w = QuantWeight.from_gguf(raw.reshape(k, -1), FORMATS["q8_0"].ggml, k)
+    torch.manual_seed(3)
+    x = torch.randn(9, k) * torch.logspace(-3, 2, 9)[:, None]
+    x[0, 0], x[0, 1:32] = 127.0, torch.arange(31) - 15.5  # 1 / d = 1: exact ties, to even on every path
+    x[1, 32:64] = 0.0  # d = 0
+    ys = [kernel_linear(w, x, isa) for isa in TESTED_ISAS]
+    assert torch.allclose(ys[0].double(), quantized_activations(x), rtol=1e-6, atol=0)
+    for isa, y in zip(TESTED_ISAS, ys):
+        assert torch.equal(y, ys[0]), isa
+
+
+def test_each_build_reports_its_path():
+    """`isa()` names the path a build takes: every ISA its own, "native" the best this CPU runs."""
+    paths = {isa: native.ops(isa).isa() for isa in TESTED_ISAS}
+    assert paths["native"] in native.runnable_isas() and "portable" in native.runnable_isas()
+    assert all(path == isa for isa, path in paths.items() if isa != "native"), paths
+    assert native.ops() is native.ops(native.resolve_isa())
+
+
+def test_specdec_isa_picks_the_build_the_model_layers_use(monkeypatch):
+    """$SPECDEC_ISA (read by a process's first default call) routes every default call, QuantWeight's too."""
+    monkeypatch.setattr(native, "ops", native.ops.__wrapped__)  # as in a fresh process: the default not yet read
+    monkeypatch.setenv(native.ISA_ENV, "portable")
+    assert native.ops() is native.ops("portable") and native.ops().isa() == "portable"
+    w = QuantWeight.from_gguf(random_blocks("q4_1", 16, 256), FORMATS["q4_1"].ggml, 256)
+    x = torch.randn(3, 256)
+    assert torch.equal(w.linear(x), kernel_linear(w, x, "portable"))
+
+
+def test_an_isa_the_cpu_cannot_run_is_refused_naming_the_missing_flags(monkeypatch):
+    monkeypatch.setattr(native, "_cpu_flags", lambda: "fpu sse2 avx avx2 fma")  # an AVX2 CPU without F16C
+    monkeypatch.setattr(native, "ops", native.ops.__wrapped__)  # nothing cached
+    assert native.runnable_isas() == ["native", "portable"]
+    with pytest.raises(native.KernelBuildError, match=r"'avx512vnni': /proc/cpuinfo lacks f16c avx512_vnni "
+                                                       r"avx512vl; choose one of \['native', 'portable'\]"):
+        native.ops("avx512vnni")
+    assert not native.available("avx2")
+    with pytest.raises(ValueError, match=r"unknown instruction set 'avx3'.*choose one of \['native', 'avx2'"):
+        native.ops("avx3")
+    monkeypatch.setenv(native.ISA_ENV, "sse")
+    with pytest.raises(ValueError, match=r"unknown instruction set 'sse'.*\$SPECDEC_ISA"):
+        native.ops()
 
 
 def test_fused_matrices_keep_each_part_format():

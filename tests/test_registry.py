@@ -2,14 +2,18 @@
 registration, nothing else) works end to end; drafters see plain data, never the engine."""
 from __future__ import annotations
 
+import ast
 import dataclasses
 from dataclasses import dataclass
+from pathlib import Path
+from types import SimpleNamespace
 
 import pytest
 import torch
 
+import specdec
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.config import SpeculativeConfig, register_method, registered_methods
+from specdec.config import EngineConfig, SpeculativeConfig, method_info, register_method, registered_methods
 from specdec.drafting import Draft, DraftEnv, DraftRequest, Drafter
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.model_runner import ModelRunner
@@ -114,3 +118,137 @@ def test_a_custom_drafter_must_be_a_drafter(tiny_llama_dir):
 
     with pytest.raises(SpecdecError, match="must be a specdec.drafting.Drafter .* got Almost"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "drafter": Almost()})
+
+
+# ---- a closed registry: what a method can do is declared with it, and the engine never names one -------------
+
+ROOT = Path(specdec.__file__).parent
+NO_METHOD_NAMES = sorted([*(ROOT / "engine").glob("*.py"), ROOT / "llm.py", ROOT / "server.py",
+                          ROOT / "bench" / "tune.py"])  # not api.py: OpenAI's request has a "suffix" field
+NO_DRAFTER_REACH = sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "bench").glob("*.py"), ROOT / "llm.py",
+                           ROOT / "server.py", ROOT / "api.py", ROOT / "replicas.py"])
+
+
+def builtin_methods() -> list[str]:
+    """The methods specdec's own files register (not those a test module adds)."""
+    return [n for n in registered_methods() if method_info(n).build.__module__.startswith("specdec.drafting.")]
+
+
+def test_the_engine_names_no_drafting_method():
+    """Per-method behaviour is a MethodInfo field, never a string compared in the engine (or the server, or
+    `specdec tune`); string literals only, so prose in comments and docstrings may name methods."""
+    names = set(builtin_methods())
+    assert {"ngram", "eagle3", "custom", "layer_skip", "hybrid"} <= names
+    found = []
+    for path in NO_METHOD_NAMES:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if isinstance(node, ast.Constant) and node.value in names:
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {node.value!r}")
+    assert not found, found
+
+
+def test_only_the_speculator_holds_the_drafter():
+    """The engine, server and benchmarks talk to the speculator (`release`, `forget`, `cached_prefix`, ...);
+    only the speculator touches its own `self.drafter`."""
+    found = []
+    for path in NO_DRAFTER_REACH:
+        for node in ast.walk(ast.parse(path.read_text(), str(path))):
+            if not (isinstance(node, ast.Attribute) and node.attr == "drafter"):
+                continue
+            own = path.name == "speculator.py" and isinstance(node.value, ast.Name) and node.value.id == "self"
+            if not own:
+                found.append(f"{path.relative_to(ROOT.parent)}:{node.lineno}: {ast.unparse(node)}")
+    assert not found, found
+
+
+# name: (trees, dynamic_trees, head, runs_target_layers, validate_drafts, verify_cost_keys)
+CAPABILITIES = {
+    "custom": (False, False, None, False, True, ()),
+    "draft_model": (True, True, None, False, False, ()),
+    "eagle": (True, False, "EagleHead", False, False, ()),
+    "eagle3": (True, False, "Eagle3Head", False, False, ()),
+    "hybrid": (False, False, None, False, False, ("min_score",)),
+    "layer_skip": (True, True, None, True, False, ()),
+    "lookahead": (True, False, None, False, False, ()),
+    "medusa": (True, False, "MedusaHeads", False, False, ()),
+    "mtp": (True, False, "EagleHead", False, False, ()),
+    "ngram": (False, False, None, False, False, ()),
+    "quantized_self": (True, True, None, True, False, ()),
+    "recycle": (False, False, None, False, False, ()),
+    "retrieval": (False, False, None, False, False, ()),
+    "suffix": (False, False, None, False, False, ()),
+}
+
+
+def test_the_builtin_methods_declare_these_capabilities():
+    def row(info):
+        return (info.trees, info.dynamic_trees, info.head and info.head.__name__, info.runs_target_layers,
+                info.validate_drafts, info.verify_cost_keys)
+
+    assert {name: row(method_info(name)) for name in builtin_methods()} == CAPABILITIES
+
+
+@dataclass
+class SelfOptions:
+    pass
+
+
+@register_method("self_layers_test", SelfOptions, runs_target_layers=True)
+class SelfLayersDrafter(EchoDrafter):
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "SelfLayersDrafter":
+        return cls(cfg.num_speculative_tokens, 1)
+
+
+def test_a_method_that_runs_the_target_layers_is_refused_under_tensor_parallelism(tiny_llama_dir):
+    """The engine refuses whatever method declares `runs_target_layers`, before a rank allocates anything
+    (a stand-in for the workers: the check needs only their number; test_parallel refuses layer_skip on real
+    ranks)."""
+    info = method_info("self_layers_test")
+    info.check_tensor_parallel(1)
+    with pytest.raises(SpecdecError, match="'self_layers_test' runs the target's own layers.*tensor_parallel_size=1"):
+        info.check_tensor_parallel(2)
+    llm = LLM(str(tiny_llama_dir), speculative_config="off")
+    cfg = SpeculativeConfig.parse({"method": "self_layers_test", "num_speculative_tokens": 2})
+    two_ranks = SimpleNamespace(tp=SimpleNamespace(world=2))
+    with pytest.raises(SpecdecError, match="'self_layers_test' runs the target's own layers.*tensor_parallel_size=1"):
+        LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_kv_blocks=16), cfg, two_ranks)
+    engine = LLMEngine(llm.engine.model, llm.tokenizer, EngineConfig(num_kv_blocks=16), cfg)  # one process: fine
+    assert isinstance(engine.speculator.drafter, SelfLayersDrafter)
+
+
+def test_a_hybrid_source_that_runs_the_target_layers_is_refused_under_tensor_parallelism():
+    """A method that nests others (hybrid) checks each source against the same declaration."""
+    cfg = SpeculativeConfig.parse({"method": "hybrid", "num_speculative_tokens": 4, "min_score": 0.1,
+                                   "sources": [{"method": "self_layers_test", "num_speculative_tokens": 2}]})
+    env = DraftEnv(None, None, None, 4, 4, None, tensor_parallel_size=2)  # refused before anything is built
+    with pytest.raises(SpecdecError, match="'self_layers_test' runs the target's own layers"):
+        cfg.info.build(cfg, env)
+
+
+def test_declared_keys_must_be_the_methods_own():
+    with pytest.raises(TypeError, match=r"verify_cost_keys \['min_score'\] of method 'bad_test' are not keys"):
+        register_method("bad_test", SelfOptions, verify_cost_keys=("min_score",))
+    assert "bad_test" not in registered_methods()
+
+
+class OutOfVocab(Drafter):
+    def propose(self, requests):
+        return Draft.chains([[10**6] for _ in requests])
+
+
+register_method("checked_test", SelfOptions, validate_drafts=True)(lambda cfg, env: OutOfVocab())
+
+
+def test_drafts_are_checked_where_the_method_declares_it(tiny_llama_dir, monkeypatch):
+    """A method registered with `validate_drafts` has a malformed draft refused by name (its request goes on
+    without drafts, output unchanged); one registered without it is trusted and never checked."""
+    plain = LLM(str(tiny_llama_dir), speculative_config="off")
+    checked = plain.with_speculative_config({"method": "checked_test", "num_speculative_tokens": 1})
+    out = checked.generate(PROMPTS[:1], GREEDY)[0]
+    assert out.token_ids == plain.generate(PROMPTS[:1], GREEDY)[0].token_ids
+    assert out.metrics["num_drafts"] == 0 and checked.engine.stats()["spec_draft_failures"] == 1
+    checks = []
+    monkeypatch.setattr(Draft, "validate", lambda self, *args: checks.append(args))
+    trusted = plain.with_speculative_config({"method": "echo_test", "num_speculative_tokens": 2})
+    assert trusted.generate(PROMPTS[:1], GREEDY)[0].metrics["num_drafts"] > 0 and not checks

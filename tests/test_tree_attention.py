@@ -205,3 +205,32 @@ def test_engine_tree_layouts_split_into_prefix_and_suffix_match_the_full_mask():
     meta.tree_starts = None
     full = paged_attention(q, k, v, pools[0].clone(), pools[1].clone(), meta, D ** -0.5)
     assert torch.allclose(split, full, atol=1e-5)
+
+
+@pytest.mark.parametrize("fed", [[1, 2], [3], [4, 5]])
+def test_a_tree_level_never_reads_slots_not_fed_yet(fed):
+    """A drafter grows a tree level by level: level d attends over the nodes fed before it, while the slots of
+    later levels (and of leaves nobody expands) still hold whatever the pool held, NaN included. They must
+    add exactly nothing: the result equals attention over a pool where those slots hold zeros."""
+    from specdec.kv_cache import paged_inputs
+    from specdec.models.attention import paged_attention
+    from specdec.tree import TreeFeed
+
+    gen = torch.Generator().manual_seed(5)
+    parents = [-1, -1, 0, 0, 1, 2, 3]  # nodes 1-6 expanded level by level from the roots 0 and 1
+    start, Hq, Hkv, D = 6, 6, 2, 16
+    written = set(range(start)) | {start + n for n in range(7) if n < min(fed)}  # the prefix, earlier levels
+    _, _, meta = paged_inputs([[1, 2, 3, 4]], [start], [[1] * len(fed)], [TreeFeed.level(parents, fed)],
+                              block_size=4)
+    q = torch.randn(len(fed), Hq, D, generator=gen)
+    k, v = torch.randn(len(fed), Hkv, D, generator=gen), torch.randn(len(fed), Hkv, D, generator=gen)
+    outs = []
+    for fill in (float("nan"), 0.0):
+        pools = [torch.full((5 * 4, Hkv, D), fill) for _ in range(2)]
+        for p in pools:
+            p[:4] = 0  # the null block
+            for pos in written:
+                p[4 + pos] = torch.randn(Hkv, D, generator=torch.Generator().manual_seed(pos))
+        outs.append(paged_attention(q, k, v, pools[0], pools[1], meta, D ** -0.5))
+    assert torch.isfinite(outs[0]).all()
+    assert torch.equal(outs[0], outs[1])

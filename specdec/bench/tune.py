@@ -10,8 +10,9 @@
    {"dispatch": "tune.json"}.
 4. Given several methods (a JSON list), each is tuned so, and the default is the one fastest against plain
    decoding over the batch sizes; `--write-default` ships it as the built-in model's default config.
-A hybrid tree given without `min_score` gets it from the measured cost of verifying one more token, in plain
-steps (`specdec.bench.verify_cost`): a node is worth verifying only while it is likelier to be accepted than that.
+A method's keys registered as `verify_cost_keys` (a hybrid tree's `min_score`), when the user leaves them out, get
+the measured cost of verifying one more token, in plain steps (`specdec.bench.verify_cost`): a node is worth
+verifying only while it is likelier to be accepted than that.
 """
 from __future__ import annotations
 
@@ -145,8 +146,11 @@ def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingPar
     """One method's dispatch table over the plain engine `base`'s weights: acceptance statistics (trees), then
     every candidate shape timed per batch size."""
     cfg = SpeculativeConfig.parse(user)
-    if cfg.method == "hybrid" and "min_score" not in user:
-        user = {**user, "min_score": hybrid_min_score(base, prompts, cfg.num_speculative_tokens, params)}
+    missing = [key for key in cfg.info.verify_cost_keys if key not in user]
+    if missing:
+        cost = verify_cost_threshold(base, prompts, cfg.num_speculative_tokens, params)
+        print(f"{cfg.method}: {', '.join(missing)} {cost}", file=sys.stderr)
+        user = {**user, **dict.fromkeys(missing, cost)}
     tree_method = cfg.info.trees
     llm = base.with_speculative_config({**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})})
     rates = acceptance_table(llm, prompts, params) if tree_method else None
@@ -172,14 +176,14 @@ def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingPar
             "candidates": {str(s): s.to_json() for s in shapes}}
 
 
-def hybrid_min_score(base, prompts: list, nodes: int, params: SamplingParams) -> float:
+def verify_cost_threshold(base, prompts: list, nodes: int, params: SamplingParams) -> float:
     """The extra cost of verifying one more token, in plain steps, at the prompts' median context halfway
-    through their answers: the least acceptance chance that pays for a node of a hybrid tree."""
+    through their answers: the least acceptance chance that pays for a draft node (at most 1)."""
     context = sorted(len(p.token_ids) for p in prompts)[len(prompts) // 2] + params.max_tokens // 2
     context = min(context, base.engine.max_model_len - nodes - 2)
     cost = token_cost(base.engine, context, nodes)
-    print(f"hybrid: verifying one more token costs {cost:.3f} plain steps (context {context}, {nodes} nodes): "
-          f"min_score {min(round(cost, 3), 1.0)}", file=sys.stderr)
+    print(f"verifying one more token costs {cost:.3f} plain steps (context {context}, {nodes} nodes)",
+          file=sys.stderr)
     return min(round(cost, 3), 1.0)
 
 

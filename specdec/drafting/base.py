@@ -18,7 +18,7 @@ from __future__ import annotations
 
 from abc import ABC, abstractmethod
 from collections.abc import Callable
-from dataclasses import dataclass
+from dataclasses import dataclass, field
 from typing import Any, ClassVar
 
 import torch
@@ -50,11 +50,15 @@ class DraftEnv:
     num_blocks: int
     block_size: int
     inputs: Inputs
+    pools: list[KVPool] = field(default_factory=list)  # every pool over the shared blocks (the allocator's)
+    tensor_parallel_size: int = 1  # processes the target is split over (a method that nests others checks them)
 
     def kv_pool(self, config: ModelConfig, dtype: torch.dtype) -> KVPool:
         """A KV pool of the drafter's own over the shared blocks, addressed by the target's block tables, so
         blocks are reserved, rewound and freed for both at once."""
-        return KVPool(config, self.num_blocks, self.block_size, dtype, self.target.device)
+        pool = KVPool(config, self.num_blocks, self.block_size, dtype, self.target.device)
+        self.pools.append(pool)
+        return pool
 
     def run(self, model: LlamaModel, kv: KVPool, tables: list[list[int]], starts: list[int],
             feeds: list[list[int]], trees: list[TreeFeed | None] | None = None,

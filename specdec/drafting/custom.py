@@ -18,7 +18,7 @@ class CustomOptions:
             raise SpecdecError("method 'custom' needs a 'drafter' object implementing specdec.drafting.Drafter")
 
 
-@register_method("custom", CustomOptions)
+@register_method("custom", CustomOptions, validate_drafts=True)  # a user's drafts are checked
 def custom_drafter(cfg: SpeculativeConfig, env: DraftEnv) -> Drafter:
     drafter = cfg.options.drafter
     if not isinstance(drafter, Drafter):  # the engine also calls release, cached_prefix, feature_layers

@@ -78,7 +78,7 @@ class _Pending:
     beliefs: list[dict[int, float]]  # per node: source index -> b
 
 
-@register_method("hybrid", HybridOptions)
+@register_method("hybrid", HybridOptions, verify_cost_keys=("min_score",))  # `specdec tune` measures min_score
 class HybridDrafter(Drafter):
     MAX_DEPTH = 16
     PROBE_EVERY = 8  # a source whose g(1) is under min_score drafts only this one step in so many
@@ -88,6 +88,8 @@ class HybridDrafter(Drafter):
         sources = []
         for src in cfg.options.sources:
             sub = SpeculativeConfig.parse(src)
+            if env is not None:
+                sub.info.check_tensor_parallel(env.tensor_parallel_size)
             if sub.shape.dynamic:
                 raise SpecdecError(f"hybrid source {sub.method!r}: dynamic trees are not merged; give a chain or "
                                    "a static tree")

@@ -23,7 +23,8 @@ class LayerSkipOptions:
             raise SpecdecError("method 'layer_skip' needs 'num_layers': how many of the target's layers draft")
 
 
-@register_method("layer_skip", LayerSkipOptions, trees=True, dynamic_trees=True)
+@register_method("layer_skip", LayerSkipOptions, trees=True, dynamic_trees=True,
+                 runs_target_layers=True)  # the target's first layers: sharded under tensor parallelism
 class LayerSkipDrafter(TreeDrafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "LayerSkipDrafter":

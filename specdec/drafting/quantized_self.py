@@ -24,7 +24,8 @@ class QuantizedSelfOptions:
         check_quantization_name(self.quantization, "quantized_self")
 
 
-@register_method("quantized_self", QuantizedSelfOptions, trees=True, dynamic_trees=True)
+@register_method("quantized_self", QuantizedSelfOptions, trees=True, dynamic_trees=True,
+                 runs_target_layers=True)  # a copy of the target's own (under tensor parallelism, sharded) layers
 class QuantizedSelfDrafter(TreeDrafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "QuantizedSelfDrafter":

@@ -13,10 +13,10 @@ import torch
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.drafting import DraftEnv, build_drafter
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.parallel import REFUSED_METHODS, TPRunner, Workers
+from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
-from specdec.engine.speculator import Speculator, draft_request
+from specdec.engine.speculator import Speculator
 from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
@@ -75,6 +75,8 @@ class LLMEngine:
         """workers: the other tensor-parallel ranks, when `model` is rank 0's shard (see engine.parallel)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()
         self.speculative = speculative
+        if speculative is not None and workers is not None:  # before any rank allocates for this engine
+            speculative.info.check_tensor_parallel(workers.tp.world)
         mcfg = model.config
         self.max_model_len = min(self.cfg.max_model_len or mcfg.max_position_embeddings, mcfg.max_position_embeddings)
         bs = self.cfg.block_size
@@ -88,20 +90,18 @@ class LLMEngine:
         if (num_blocks - 1) * bs < self.max_model_len:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(model.kv_config, num_blocks, bs, model.kv_dtype, model.device)
+        self.allocator.pools.append(self.kv)
         lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead, speculative.num_slots if speculative else 0)
         self.runner = ModelRunner(model, self.kv, bs) if workers is None else TPRunner(model, self.kv, bs, workers)
         self.speculator = None
-        if speculative is not None and workers is not None and speculative.method in REFUSED_METHODS:
-            raise SpecdecError(f"speculative method {speculative.method!r} runs the target's own layers, which "
-                               "tensor parallelism splits across processes; use another method, or "
-                               "tensor_parallel_size=1")
         if speculative is not None:
-            env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs)
+            env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs, self.allocator.pools,
+                           workers.tp.world if workers is not None else 1)
             self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative, tokenizer)
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         if self.speculator is not None:
-            self.allocator.match_next_token = self.speculator.drafter.cache_reads_next_token
+            self.allocator.match_next_token = self.speculator.cache_reads_next_token
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
         self._texts: dict[int, str] = {}
@@ -151,14 +151,14 @@ class LLMEngine:
         self._detok.pop(seq.seq_id, None)
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
-            self.speculator.drafter.release(seq.seq_id)
+            self.speculator.release(seq.seq_id)
 
     def forget_finished(self) -> None:
         """Make the drafter drop what it learnt from finished requests (see `Drafter.forget`)."""
         if self.has_unfinished():
             raise SpecdecError("forget_finished() while requests run: their drafter state would be lost")
         if self.speculator is not None:
-            self.speculator.drafter.forget()
+            self.speculator.forget()
 
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
@@ -280,7 +280,7 @@ class LLMEngine:
             return
         n = min(seq.num_cached, len(seq.token_ids))
         if self.speculator is not None:
-            drafted = self.speculator.drafter.cached_prefix(draft_request(seq))
+            drafted = self.speculator.cached_prefix(seq)
             n = n if drafted is None else min(n, drafted)
         self.allocator.register(seq.block_table, seq.token_ids, n)
 

@@ -8,8 +8,8 @@ share of the same forward (`models.parallel`), meeting the others in two all-red
 gather of the logits, so the logits, and every decision rank 0 makes from them, are the same everywhere.
 Block tables come from rank 0's allocator, so each rank's share of the paged KV cache is addressed by the
 same slots. Drafters run on rank 0 only (an n-gram index, a suffix tree, a draft model or an EAGLE head
-over the replicated features); drafters that run the target's own layers (layer_skip, quantized_self)
-would need every rank and are refused.
+over the replicated features); a method registered as running the target's own layers
+(`MethodInfo.runs_target_layers`: self-speculation) would need every rank and is refused.
 
 `LLM(..., tensor_parallel_size=N)` spawns ranks 1..N-1 (`Workers`), or, under `torchrun`, the ranks
 other than 0 call `serve_rank()` and wait for rank 0's commands. Every collective has the process group's
@@ -33,7 +33,6 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.kv_cache import KVPool
 from specdec.models.parallel import SharedExchange, TPGroup, shard_model
 
-REFUSED_METHODS = ("layer_skip", "quantized_self")  # they run the target's own (sharded) layers
 DEFAULT_TIMEOUT_S = 120.0
 SHARED_SLOT_FLOATS = 1 << 20  # 4 MB a rank and half: all-reduces of up to 1,820 tokens of 576, 42 rows of logits
 

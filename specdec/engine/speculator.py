@@ -184,7 +184,7 @@ class Speculator:
 
     def _proposals(self, requests: list[DraftRequest]) -> Draft:
         draft = self.drafter.propose(requests)
-        if self.cfg.method == "custom":  # a user's drafter: refuse a malformed draft by name (ours are built valid)
+        if self.cfg.info.validate_drafts:  # a user's drafter: refuse a malformed draft by name (ours are built valid)
             draft.validate(len(requests), self.runner.model.config.vocab_size)
         return draft
 
@@ -257,3 +257,22 @@ class Speculator:
         probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
         q = draft.probs[:, :N] if draft.probs is not None else None
         return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)
+
+    # ---- what the engine asks of the drafter (it talks to the speculator only) --------------------------
+    @property
+    def cache_reads_next_token(self) -> bool:
+        """Whether the drafter's K/V at slot t also encode token t + 1 (the prefix cache must then match it)."""
+        return self.drafter.cache_reads_next_token
+
+    def release(self, seq_id: int) -> None:
+        """The sequence finished or was aborted: the drafter drops what it kept for it."""
+        self.drafter.release(seq_id)
+
+    def forget(self) -> None:
+        """The drafter drops what it learnt from finished requests (none may be running)."""
+        self.drafter.forget()
+
+    def cached_prefix(self, seq: Sequence) -> int | None:
+        """How many leading tokens of `seq` have final K/V in the drafter's own pool over the shared blocks;
+        None when it keeps none there (see `Drafter.cached_prefix`)."""
+        return self.drafter.cached_prefix(draft_request(seq))

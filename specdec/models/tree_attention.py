@@ -65,8 +65,11 @@ def attention_with_lse(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, mask: 
     vf = v.transpose(1, 2).float()  # [B, Hkv, L, D]
     scores = torch.matmul(qf, kf.transpose(-1, -2)) * scale  # [B, Hkv, G*S, L]
     if mask is not None:
-        m = mask.expand(B, S, L)[:, None, None]  # [B, 1, 1, S, L]
-        m = m.expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
+        m = mask.expand(B, S, L)
+        # A key no query sees may be a slot nobody wrote (a tree node not fed yet): it must add exactly 0, but
+        # probability 0 x a NaN value is NaN, so its value is zeroed (its score is replaced by -inf below).
+        vf = vf.masked_fill(~m.any(1)[:, None, :, None], 0.0)
+        m = m[:, None, None].expand(B, 1, G, S, L).reshape(B, 1, G * S, L)
         scores = scores.masked_fill(~m, NEG_INF)
     lse = torch.logsumexp(scores, dim=-1)  # [B, Hkv, G*S]; -inf where nothing is visible
     safe_lse = lse.masked_fill(torch.isneginf(lse), 0.0)  # exp(-inf - 0) = 0 instead of NaN

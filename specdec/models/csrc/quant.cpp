@@ -838,15 +838,8 @@ void mask_rows(torch::Tensor& logits, const torch::Tensor& bitmask) {
   }
 }
 
-std::string isa() {
-#ifdef SPECDEC_VNNI
-  return "avx2+vnni";
-#elif defined(SPECDEC_AVX2)
-  return "avx2";
-#else
-  return "scalar";
-#endif
-}
+// The path this build takes, named as native.py's ISAS names the instruction sets.
+std::string isa() { return SPECDEC_ISA_NAME; }
 
 }  // namespace
 

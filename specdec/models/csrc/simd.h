@@ -1,5 +1,6 @@
-// What every kernel file shares: the instruction set chosen at build time (`-march=native`), f16 conversions,
-// and the few vector helpers whose fixed operation order the batch invariance relies on.
+// What every kernel file shares: the instruction set chosen at build time (`-march=native`, or the flags of
+// native.py's ISAS; SPECDEC_ISA_NAME names the path taken, as ISAS does), f16 conversions, and the few vector helpers
+// whose fixed operation order the batch invariance relies on.
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
@@ -20,10 +21,16 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPECDEC_VNNI 1
 #define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
+#define SPECDEC_ISA_NAME "avx512vnni"
 #elif defined(__AVXVNNI__)
 #define SPECDEC_VNNI 1
 #define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_avx_epi32(acc, u, s)
+#define SPECDEC_ISA_NAME "avxvnni"
+#else
+#define SPECDEC_ISA_NAME "avx2"
 #endif
+#else
+#define SPECDEC_ISA_NAME "portable"  // the scalar code everywhere
 #endif
 
 namespace {
