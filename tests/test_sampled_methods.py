@@ -11,19 +11,20 @@ first tree has 4 nodes.
 
 The target. A random tiny model spreads its top-k over tokens that random draft heads almost never propose
 (an EAGLE head drafting for one had 6 of 6000 draft tokens accepted): a test on it checks little more than
-that rejected drafts cost nothing. And its next-token distribution hardly depends on the context: a
-verification that read the target's p after the wrong node passed every case. So the target here is given a
-preference for four tokens, LIKELY, and within them for a successor (40 -> 41 -> 42 -> 43 -> 40), carried
-by five hidden dimensions that no layer writes to (their rows of o_proj and down_proj are zero), so they
-reach the final norm as the embedding put them there: PRIOR_DIM, PRIOR_LEVEL in every embedding, which the
-LM head reads for LIKELY (PRIOR_LOGIT), and SUCCESSOR_DIMS[i], SUCCESSOR_LEVEL in the embedding of LIKELY[i]
-only, which the LM head reads for its successor (SUCCESSOR_LOGIT). After a LIKELY token the target's top-8
-puts about 0.87 on LIKELY and 0.47 on the successor; all other weights stay random. Each head carries the
-same dimensions to the target's LM head (EAGLE-3: to a copy of its rows), shifted to the token it predicts,
-so heads with otherwise random weights draft the target's likely tokens: 20-90% of the draft tokens of a
-chain are accepted. The prompt cycles through LIKELY so that n-gram and suffix matching draft from the first
-step on. A verification bug that reads p after the wrong node now fails every case by far (chi-square
-120-360 on about 21 dof for tokens 1 and 2).
+that rejected drafts cost nothing. Giving it a context-free preference for a few tokens fixes that, but not
+the other weakness: its next-token distribution hardly depends on the context, so a verification that read
+the target's p after the wrong node still passed every case. So the target here is given a preference for
+four tokens, LIKELY, and within them for a successor (40 -> 41 -> 42 -> 43 -> 40), carried by five hidden
+dimensions that no layer writes to (their rows of o_proj and down_proj are zero), so they reach the final
+norm as the embedding put them there: PRIOR_DIM, PRIOR_LEVEL in every embedding, which the LM head reads for
+LIKELY (PRIOR_LOGIT), and SUCCESSOR_DIMS[i], SUCCESSOR_LEVEL in the embedding of LIKELY[i] only, which the LM
+head reads for its successor (SUCCESSOR_LOGIT). After a LIKELY token the target's top-8 puts about 0.86 on
+LIKELY and 0.4-0.5 on the successor; all other weights stay random. Each head carries the same dimensions to
+the target's LM head (EAGLE-3: to a copy of its rows), shifted to the token it predicts, so heads with
+otherwise random weights draft the target's likely tokens: 18-87% of a chain's draft tokens are accepted,
+10-27% of a tree's nodes. The prompt cycles through LIKELY so that n-gram and suffix matching draft from the
+first step on. A verification that reads p after the wrong node now fails every case (chi-square 120-440 on
+13-23 dof for tokens 1 and 2).
 """
 from __future__ import annotations
 
@@ -36,7 +37,7 @@ from specdec import LLM, SamplingParams
 from test_eagle import random_head as eagle_head
 from test_eagle3 import random_head as eagle3_head
 from test_medusa import random_heads as medusa_heads
-from test_speculative import chi_square_two_sample
+from test_speculative import MIN_P_VALUE, significance
 
 N = 1500  # requests per run
 LIKELY = [40, 41, 42, 43]
@@ -45,7 +46,6 @@ PRIOR_DIM, PRIOR_LEVEL, PRIOR_LOGIT = 0, 0.5, 2.5
 SUCCESSOR_DIMS, SUCCESSOR_LEVEL, SUCCESSOR_LOGIT = [1, 2, 3, 4], 0.5, 1.2
 CARRIED = [PRIOR_DIM, *SUCCESSOR_DIMS]
 PLAIN_SEEDS = 10**6  # plain requests take seeds PLAIN_SEEDS + i, speculative ones i: independent samples
-MIN_P_VALUE = 1e-4  # see `significance`
 
 TOP_K = dict(temperature=1.0, top_k=8)
 TOP_P = dict(temperature=0.7, top_p=0.9)
@@ -152,22 +152,6 @@ def plain_tokens(models):
 def params(sampling: dict, max_tokens: int, first_seed: int = 0) -> list[SamplingParams]:
     return [SamplingParams(max_tokens=max_tokens, ignore_eos=True, seed=first_seed + i, **sampling)
             for i in range(N)]
-
-
-def significance(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, float]:
-    """(chi2, dof, p-value) of the two-sample chi-square test that samples a and b come from one distribution
-    (`chi_square_two_sample`: categories under 20 samples pooled). The p-value is the chi-square survival
-    function Q(dof / 2, chi2 / 2); a comparison fails under MIN_P_VALUE = 1e-4, i.e. above the 0.9999
-    quantile. Why that threshold: a correct engine fails one comparison in 10^4 seed sets, so the 93
-    comparisons here fail a fresh seed set (after a change to how the engine draws its random numbers) with
-    probability about 1%, while the lossy verifications tried on this file give p-values of 1e-9 and far
-    below. It is the quantile the suite's usual bound, dof + 4 sqrt(2 dof), is meant to approximate; but the
-    chi-square is skewed, so at the 5-25 dof seen here that bound is only its 0.997-0.999 quantile (at 8 dof
-    24.0, against 31.8 for the 0.9999 quantile)."""
-    chi2, dof = chi_square_two_sample(a, b)
-    p = torch.special.gammaincc(torch.tensor(dof / 2, dtype=torch.float64),
-                                torch.tensor(chi2 / 2, dtype=torch.float64)).item()
-    return chi2, dof, p
 
 
 CASES = [  # (method, its keys, sampling, max_tokens)
