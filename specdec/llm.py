@@ -82,8 +82,8 @@ class LLM:
     built-in model drafts with the head we ship for it, other models do not speculate; "off": no speculation.
     dtype: 'auto' computes a GGUF on its own quantized blocks (native int8 kernels on CPU) and a Hugging Face
     model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
-    quantization: 'gguf' (insist on a GGUF's own blocks), or 'q8_0' / 'q4_0' / 'q4_1' to quantize float weights
-    on load.
+    quantization: 'gguf' (insist on a GGUF's own blocks), or a block format to quantize float weights into on
+    load ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'iq4_nl', 'iq4_xs': `quant.FORMATS`).
     tensor_parallel_size: split the target over this many processes (torch.distributed; see
     specdec.engine.parallel): this one is rank 0 and spawns the others, or, under torchrun, every rank calls
     LLM(...) and the ranks other than 0 serve rank 0 until it shuts down, then exit.

@@ -688,7 +688,7 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
     stops it at once.
 
     The engine loop runs on the main thread and HTTP on a second one. The main thread loaded the model, so
-    it already owns an OpenMP thread team (torch's and numba's kernels); when another thread computes,
+    it already owns an OpenMP thread team (torch's and the C++ kernels'); when another thread computes,
     libgomp manages more threads than there are cores and stops spin-waiting, and decoding ran ~1.6x
     slower on our 2-core machines."""
     import signal

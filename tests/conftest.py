@@ -125,11 +125,11 @@ def top2_gap(llm, token_ids: list[int]) -> float:
 NEAR_TIE = 1e-3  # float32 paths that sum in another order differ by ~1e-6 in a logit; 1e-3 leaves a wide margin
 
 
-def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = NEAR_TIE) -> None:
-    """Speculative greedy output equals plain greedy output, where both computed every token on row-invariant
-    kernels. A float model's step of more than `kernels.SMALL_M` rows goes through torch's GEMM instead, which
-    sums in another order, so there a sequence may part from the reference, but only at a near tie: the first
-    differing token must be one where the target's two best logits are within `tie` (computed again here)."""
+def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = 0.0) -> None:
+    """Speculative greedy output equals plain greedy output. Every CPU step (quantized or float weights, any row
+    count) is row-invariant by construction, so by default token for token. Comparing two numerical paths (one
+    process against two tensor-parallel ranks, whose partial sums add in another order), pass `tie`: a sequence
+    may then part from the reference only where the target's two best logits are within it (computed again)."""
     assert len(outs) == len(reference)
     for out, ref in zip(outs, reference):
         got = list(out.token_ids)
@@ -138,32 +138,21 @@ def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = NEAR
         j = next((i for i, (a, b) in enumerate(zip(got, ref)) if a != b), min(len(got), len(ref)))
         assert j < min(len(got), len(ref)), f"lengths differ without a differing token: {got} vs {ref}"
         gap = top2_gap(llm, list(out.prompt_token_ids) + ref[:j])
-        assert gap <= tie, f"token {j} differs ({got[j]} vs {ref[j]}) where the target's top-2 gap is {gap:.2e}"
+        assert tie > 0 and gap <= tie, \
+            f"token {j} differs ({got[j]} vs {ref[j]}) where the target's top-2 gap is {gap:.2e} (allowed: {tie})"
 
 
 # ---- isolation --------------------------------------------------------------------------------------------
 
-def _numba_threads() -> int | None:
-    try:
-        import numba
-    except ImportError:
-        return None
-    return numba.get_num_threads()
-
-
 @pytest.fixture(autouse=True)
 def isolated_state():
     """Seeds set, thread counts and environment restored: a test's outcome does not depend on the order."""
-    threads, numba_threads, environ = torch.get_num_threads(), _numba_threads(), dict(os.environ)
+    threads, environ = torch.get_num_threads(), dict(os.environ)
     torch.manual_seed(0)
     random.seed(0)
     np.random.seed(0)
     yield
     torch.set_num_threads(threads)
-    if numba_threads is not None:
-        import numba
-
-        numba.set_num_threads(numba_threads)
     if dict(os.environ) != environ:
         os.environ.clear()
         os.environ.update(environ)

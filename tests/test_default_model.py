@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import json
+import sys
 from pathlib import Path
 
 import pytest
@@ -133,6 +134,35 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
     if method == "draft_model_tree":  # ... along the rank-0 path of its tree
         assert all(o.metrics["accepted_per_pos"][0] == o.metrics["num_drafts"] for o in batched)
     assert spec.engine.allocator.num_used == 0
+
+
+REQUANTIZED = {"Q4_K_M": {"q4_k", "q5_0", "q6_k", "q8_0"}, "Q5_0": {"q5_0"}}  # the decoder's formats
+
+
+@pytest.fixture(scope="module", params=list(REQUANTIZED))
+def requantized(request, tmp_path_factory) -> LLM:
+    """The default model re-quantized as people download it (tools/synth_gguf.py --from default: Q4_K_M is Q4_K and
+    Q6_K where a row is a multiple of 256, Q5_0 and Q8_0 elsewhere), every matrix on its native kernels."""
+    sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+    import synth_gguf
+
+    path = tmp_path_factory.mktemp("requantized") / f"smollm2-135m-{request.param}.gguf"
+    synth_gguf.main(["--from", "default", "--type", request.param, "--out", str(path)])
+    llm = LLM(str(path), speculative_config="off")
+    assert set(llm.engine.model.quantization.split("+")) == REQUANTIZED[request.param]
+    return llm
+
+
+@pytest.mark.parametrize("method", ["ngram", "layer_skip_dynamic_tree", "draft_model_tree"])
+def test_greedy_speculation_on_a_requantized_file_is_token_identical(requantized, method):
+    config = dict(SPEC_CONFIGS[method]) | ({"model": requantized.model_name} if "model" in SPEC_CONFIGS[method]
+                                           else {})
+    params = SamplingParams(temperature=0, max_tokens=96)
+    plain = [o.token_ids for o in requantized.chat(SPEC_PROMPTS, params)]
+    spec = requantized.with_speculative_config(config)
+    outs = spec.chat(SPEC_PROMPTS, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0 and spec.engine.allocator.num_used == 0
 
 
 def test_the_default_model_speculates_with_the_tuned_default_unless_off():

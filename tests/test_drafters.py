@@ -343,7 +343,7 @@ def test_quantized_self_drafts_with_a_low_bit_copy_of_the_target(tmp_path_factor
 def test_quantized_self_refuses_what_the_target_cannot_take(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="112 inputs, not a multiple of q4_0's block of 32"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self"})
-    with pytest.raises(SpecdecError, match=r"unknown quantization 'q2'; choose one of \['q4_0', 'q4_1', 'q8_0'\]"):
+    with pytest.raises(SpecdecError, match=r"unknown quantization 'q2'; choose one of \['iq4_nl', 'iq4_xs', 'q4_0', 'q4_1', 'q4_k'"):
         LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self", "quantization": "q2"})
 
 
@@ -380,3 +380,18 @@ def test_a_draft_model_step_where_nobody_drafts_claims_no_draft_cache(target_dir
     drafting = DraftRequest(7, [5, 6, 7, 8, 9], 5, 2, params=GREEDY, block_table=[1, 2])
     assert drafter.propose([drafting]).num_nodes() == [2]
     assert drafter.cached_prefix(drafting) == 5  # the committed tokens were fed
+
+
+@pytest.mark.parametrize("batch", [1, 4, 16])
+@pytest.mark.parametrize("tree", [{"topk": 4, "num_steps": 4, "num_draft_tokens": 20}, "D2-BF4"])
+def test_trees_of_20_nodes_are_lossless_at_1_4_and_16_sequences(target_dir, other_draft_dir, batch, tree):
+    """A float target verifying trees of 20 nodes for up to 16 sequences at once (steps of up to 336 rows) gives
+    plain greedy output token for token: every row count runs through the same row-invariant kernels."""
+    prompts = [f"{i} {PROMPTS[i % 3]} {i * 7}" for i in range(16)]
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    reference = [o.token_ids for o in LLM(str(target_dir)).generate(prompts, params)]
+    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
+                                                   "tree": tree})
+    outs = [o for i in range(0, 16, batch) for o in llm.generate(prompts[i:i + batch], params)]
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["num_drafts"] for o in outs) > 0 and llm.engine.allocator.num_used == 0

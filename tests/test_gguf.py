@@ -22,7 +22,7 @@ SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Types gguf-py can quantize in numpy, cycled over the 2-D tensors of the synthetic models.
 QUANTIZABLE = (Q.F32, Q.F16, Q.BF16, Q.Q8_0, Q.Q4_0, Q.Q4_1, Q.Q5_0, Q.Q5_1)
 # K-quants can only be dequantized in numpy; ffn_down gets random but valid blocks of these.
-K_QUANT_SCALE_BYTES = {Q.Q4_K: slice(0, 4), Q.Q6_K: slice(208, 210)}  # where each block keeps its f16 scales
+K_QUANT_SCALE_BYTES = {Q.Q4_K: slice(0, 4), Q.Q6_K: slice(208, 210), Q.Q3_K: slice(108, 110)}  # the f16 scales
 
 
 def _smollm2_dir() -> Path:
@@ -97,7 +97,7 @@ def write_model(path: Path, arch: str, *, layers: int = 2, heads: int = 4, kv_he
                 hidden: int = 64, inter: int = 256, vocab: int = 64, rope_theta: float = 10000.0, tied: bool = False,
                 omit: str | None = None, extra_tensors: dict[str, np.ndarray] | None = None,
                 metadata: Callable[[gguf.GGUFWriter], None] | None = None,
-                types: tuple = QUANTIZABLE) -> dict[str, torch.Tensor]:
+                types: tuple = QUANTIZABLE, down_types: tuple = (Q.Q4_K, Q.Q6_K)) -> dict[str, torch.Tensor]:
     """Write a tiny GGUF the way llama.cpp lays one out; return the HF state dict load_gguf must produce.
 
     Expected values are dequantize(quantize(W)) in HF layout: quantization is per row and the Q/K permutation
@@ -147,7 +147,7 @@ def write_model(path: Path, arch: str, *, layers: int = 2, heads: int = 4, kv_he
     for name, (hf_name, shape) in specs.items():
         w = rng.standard_normal(shape, dtype=np.float32)
         if name.endswith("ffn_down.weight"):
-            qtype = (Q.Q4_K, Q.Q6_K)[int(name.split(".")[1]) % 2]
+            qtype = down_types[int(name.split(".")[1]) % len(down_types)]
             data = random_k_quant(rng, shape, qtype)
             expected[hf_name] = torch.from_numpy(dequantize(data, qtype).reshape(shape))
         else:
@@ -204,10 +204,11 @@ def test_native_load_keeps_the_files_blocks(tmp_path: Path, arch: str) -> None:
     assert_state_dicts_equal({n: t.dequantize() if n in kept else t for n, t in state_dict.items()}, expected)
 
 
-def test_native_load_names_a_type_it_cannot_compute_on(tmp_path: Path) -> None:
-    write_model(tmp_path / "m.gguf", "llama", layers=1)  # its matrices cycle through Q5_0 and Q5_1 too
-    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.\w+\.weight' is Q5_[01], which the native quantized "
-                                         r"runtime does not compute on.*dtype='float32'"):
+def test_native_load_names_a_type_it_cannot_compute_on_and_the_cost_of_dequantizing(tmp_path: Path) -> None:
+    write_model(tmp_path / "m.gguf", "llama", layers=1, down_types=(Q.Q3_K,))
+    with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_down\.weight' is Q3_K, which the native quantized "
+                                         r"runtime does not compute on \(it does Q8_0, Q4_0, .*IQ4_XS\); dequantizing "
+                                         r"the whole model instead costs 0\.00 GB in float32 \(\d+\.\dx the file's"):
         load_gguf(tmp_path / "m.gguf", keep_blocks=True)
 
 

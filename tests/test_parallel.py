@@ -6,7 +6,7 @@ import time
 import pytest
 import torch
 
-from conftest import assert_greedy_equal, needs_default_model
+from conftest import NEAR_TIE, assert_greedy_equal, needs_default_model
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.loader import shipped_head
@@ -113,8 +113,8 @@ def test_two_ranks_give_the_logits_of_one_on_a_tiny_model(tiny):
 @pytest.mark.parametrize("config", [{"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1},
                                     {"method": "ngram", "num_speculative_tokens": 6, "ngram_branches": 2}])
 def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
-    """Against plain decoding on the same two ranks (one process sums each row-parallel matmul in another
-    order: a different numerical path, compared up to near ties; so are float steps of over 16 rows)."""
+    """Against plain decoding on the same two ranks, token for token (every step row-invariant); one process sums
+    each row-parallel matmul in another order: a different numerical path, compared up to near ties."""
     one, two = tiny
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
@@ -124,7 +124,7 @@ def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
         outs = [o for i in range(0, len(prompts), batch) for o in spec.generate(prompts[i:i + batch], params)]
         assert_greedy_equal(two, outs, [e.token_ids for e in expected])
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
-    assert_greedy_equal(one, one.generate(prompts, params), [e.token_ids for e in expected])
+    assert_greedy_equal(one, one.generate(prompts, params), [e.token_ids for e in expected], tie=NEAR_TIE)
 
 
 def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):
@@ -169,7 +169,8 @@ def test_torchrun_launches_the_ranks(tiny, tmp_path):
     torchrun = Path(sys.executable).with_name("torchrun")
     done = subprocess.run([str(torchrun), "--standalone", "--nproc-per-node", "2", str(script)],
                           capture_output=True, text=True, timeout=240)
-    assert done.returncode == 0, done.stderr[-2000:]
+    # what killed a rank is near the top of its output, torchrun's own report at the bottom: show both
+    assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     expected = tiny[0].generate([{"prompt_token_ids": p} for p in PROMPTS],
                                 SamplingParams(temperature=0, max_tokens=24, ignore_eos=True))
     import json

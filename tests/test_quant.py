@@ -6,11 +6,11 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-from gguf.quants import quantize as gguf_quantize
 
 from conftest import needs_native
 from specdec.models import native
 from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
+from specdec.models.quantizers import quantize
 
 pytestmark = needs_native
 # every code path this CPU runs (the native build's, then AVX2 and the portable scalar one where they differ)
@@ -30,13 +30,16 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     raw = rng.integers(0, 256, size=(rows, nb, fmt.bytes), dtype=np.uint8)
     d = (rng.uniform(-1, 1, size=(rows, nb)) * 10.0 ** rng.integers(-4, 0, size=(rows, nb))).astype(np.float16)
     d[0, 0] = 0.0  # a zero scale
-    scale_at = {"q8_0": 0, "q4_0": 0, "q4_1": 0, "q4_k": 0, "q6_k": 208}[name]
+    scale_at = 208 if name == "q6_k" else 0
     raw[..., scale_at:scale_at + 2] = f16_bytes(d)
-    if name in ("q4_1", "q4_k"):  # the minimum (Q4_K: dmin), of either sign
+    if name in ("q4_1", "q5_1", "q4_k", "q5_k"):  # the minimum (K-quants: dmin), of either sign
         raw[..., 2:4] = f16_bytes(rng.uniform(-0.05, 0.05, size=(rows, nb)))
-    if name in ("q4_0", "q4_1"):
-        raw[1, 0, -16:] = 0xFF  # every nibble 15
-        raw[2, 0, -16:] = 0x00  # every nibble 0
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"):
+        raw[1, 0, -16:] = 0xFF  # every nibble 15 (the largest quant or level)
+        raw[2, 0, -16:] = 0x00  # every nibble 0 (the smallest)
+    if name in ("q5_0", "q5_1"):  # every fifth bit set / clear
+        raw[1, 0, fmt.bytes - 20:fmt.bytes - 16] = 0xFF
+        raw[2, 0, fmt.bytes - 20:fmt.bytes - 16] = 0x00
     return raw.reshape(rows, nb * fmt.bytes)
 
 
@@ -183,14 +186,17 @@ def test_fused_matrices_keep_each_part_format():
     assert torch.equal(fused.linear(x), torch.cat([a.linear(x), b.linear(x), c.linear(x)], dim=1))
 
 
-@pytest.mark.parametrize("name", ["q8_0", "q4_0", "q4_1"])
-def test_quantize_on_load_matches_gguf_quantizer(name):
+@pytest.mark.parametrize("name", list(FORMATS))
+def test_quantize_on_load_writes_ggml_blocks_the_kernels_compute_on(name):
     torch.manual_seed(0)
-    weight = torch.randn(24, 96)
+    weight = torch.randn(24, 512)
     w = QuantWeight.quantize(weight, name)
-    assert np.array_equal(w.parts[0][0].numpy(), gguf_quantize(weight.numpy(), FORMATS[name].ggml))
-    bound = {"q8_0": 0.01, "q4_0": 0.2, "q4_1": 0.15}[name]  # a step of the format's grid, relative
+    assert np.array_equal(w.parts[0][0].numpy(), quantize(weight.numpy(), FORMATS[name].ggml))
+    bound = {"q8_0": 0.01, "q4_0": 0.2, "q4_1": 0.15, "q5_0": 0.1, "q5_1": 0.08, "q4_k": 0.15, "q5_k": 0.08,
+             "q6_k": 0.04, "iq4_nl": 0.2, "iq4_xs": 0.2}[name]  # a step of the format's grid, relative
     assert ((w.dequantize() - weight).abs().max() / weight.abs().max()).item() < bound
+    x = torch.randn(3, 512)
+    assert torch.allclose(w.linear(x), quantized_activations(x).float() @ w.dequantize().T, rtol=1e-4, atol=1e-3)
 
 
 def test_quantization_that_a_matrix_cannot_take_is_refused_with_the_choices():

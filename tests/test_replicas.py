@@ -8,6 +8,7 @@ import json
 import socket
 import time
 from concurrent.futures import ThreadPoolExecutor
+from pathlib import Path
 from types import SimpleNamespace
 
 import httpx
@@ -17,6 +18,7 @@ import ray
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
+from conftest import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.config import SpecdecError
@@ -106,14 +108,23 @@ def test_cli_serve_replicas_deploys_the_spec_it_is_asked_for(tiny_llama_dir, mon
 
 # -- two replicas on a local Ray cluster ------------------------------------------------------------------------
 @pytest.fixture(scope="module")
-def cluster(tiny_llama_dir):
+def replica_model_dir(tmp_path_factory) -> Path:
+    """A small model that still takes seconds for 4000 tokens (8 layers, 4096 positions): a request a client
+    leaves is surely still running when the leaving reaches the replica, however loaded the machine is."""
+    return save_tiny_model(tmp_path_factory.mktemp("replica_model"), "llama", hidden_size=256, intermediate_size=768,
+                           num_hidden_layers=8, num_attention_heads=8, num_key_value_heads=4,
+                           max_position_embeddings=4096)
+
+
+@pytest.fixture(scope="module")
+def cluster(replica_model_dir):
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 2**20)
     from specdec import replicas
 
-    spec = ReplicaSpec(str(tiny_llama_dir), {"speculative_config": json.dumps(SPEC), "max_num_seqs": 8},
+    spec = ReplicaSpec(str(replica_model_dir), {"speculative_config": json.dumps(SPEC), "max_num_seqs": 8},
                        replicas=2, served_model_name="tiny")
     try:
         replicas.start(spec, port=port)
@@ -125,8 +136,8 @@ def cluster(tiny_llama_dir):
 
 
 @pytest.fixture(scope="module")
-def offline(tiny_llama_dir):
-    return LLM(str(tiny_llama_dir), speculative_config="off")
+def offline(replica_model_dir):
+    return LLM(str(replica_model_dir), speculative_config="off")
 
 
 def chat(cluster, messages, **kw):
@@ -196,7 +207,7 @@ def test_metrics_cover_every_replica(cluster):
 
 
 def test_clients_that_leave_free_their_requests_on_the_replicas(cluster):
-    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 480,
+    body = {"model": "tiny", "messages": [{"role": "user", "content": "go on"}], "max_tokens": 4000,
             "temperature": 0, "ignore_eos": True}
     with pytest.raises(httpx.ReadTimeout):  # not streamed: gone before the answer
         httpx.post(cluster.url + "/v1/chat/completions", json=body, timeout=httpx.Timeout(10, read=0.05))

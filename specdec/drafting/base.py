@@ -183,7 +183,7 @@ class Draft:
 @dataclass
 class HeadOptions:
     """The keys of every draft-head method: the head's directory, and optionally a block format to quantize
-    its matrices into on load ('q8_0', 'q4_0', 'q4_1': the native int8 kernels on CPU)."""
+    its matrices into on load (one of `quant.FORMATS`, e.g. 'q8_0', 'q4_0', 'q4_k': the native int8 kernels on CPU)."""
 
     model: str | None = None
     quantization: str | None = None

@@ -18,7 +18,7 @@ from specdec.models.loader import QUANTIZATIONS
 class DraftModelOptions:
     model: str | None = None  # the draft LM: alias, Hugging Face directory or .gguf
     # None: as the target (a quantized target runs a GGUF draft on its own blocks, anything else in the target's
-    # dtype); 'gguf' or a format to quantize the draft on load ('q8_0', 'q4_0', 'q4_1').
+    # dtype); 'gguf' or a format to quantize the draft on load (one of `quant.FORMATS`, e.g. 'q8_0', 'q4_0').
     quantization: str | None = None
 
     def __post_init__(self) -> None:

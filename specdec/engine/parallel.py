@@ -128,15 +128,9 @@ def main(argv: list[str] | None = None) -> None:
 
 
 def share_threads(threads: int) -> None:
-    """This rank's share of the cores, for torch's and numba's pools alike (ranks on one machine that each
-    used every core would fight over them: measured 10x slower steps on 2 cores)."""
+    """This rank's share of the cores for torch's OpenMP pool, which the C++ kernels share (ranks on one machine
+    that each used every core would fight over them: measured 10x slower steps on 2 cores)."""
     torch.set_num_threads(threads)
-    try:
-        import numba
-
-        numba.set_num_threads(min(threads, numba.config.NUMBA_NUM_THREADS))
-    except ImportError:
-        pass
 
 
 def _die_with_parent() -> None:

@@ -1,7 +1,9 @@
 """Load llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict.
 
-Two ways: matrices kept in their own block formats (`keep_blocks`, the native quantized runtime: Q8_0,
-Q4_0, Q4_1, Q4_K, Q6_K, see `quant.FORMATS`), or every weight dequantized to floats at load time, for which
+Two ways: matrices kept in their own block formats (`keep_blocks`, the native quantized runtime: Q4_0, Q4_1,
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, see `quant.FORMATS`; a file with another type, such as
+Q2_K, Q3_K or the smaller IQ types, is refused naming the tensor, its type and what dequantizing costs), or
+every weight dequantized to floats at load time, for which
 any type that `gguf.quants.dequantize` handles works: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
 Q2_K..Q6_K, the IQ*/TQ* families and MXFP4.
 """
@@ -114,9 +116,12 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
         heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
         if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES:
             if tensor.tensor_type not in BY_GGML:
-                raise ValueError(f"tensor {name!r} is {tensor.tensor_type.name}, which the native quantized runtime "
-                                 f"does not compute on (it does {[f.upper() for f in FORMATS]}); load with "
-                                 "dtype='float32' or 'bfloat16' to dequantize it")
+                f32, size = float32_bytes(reader), os.path.getsize(path)
+                raise ValueError(
+                    f"tensor {name!r} is {tensor.tensor_type.name}, which the native quantized runtime does not "
+                    f"compute on (it does {', '.join(f.upper() for f in FORMATS)}); dequantizing the whole model "
+                    f"instead costs {f32 / 1e9:.2f} GB in float32 ({f32 / size:.1f}x the file's {size / 1e9:.2f} GB "
+                    "read per token; dtype='bfloat16' halves it)")
             weights = QuantWeight.from_gguf(tensor.data, tensor.tensor_type, shape[1])
             if permuted:
                 order = _unpermute_qk(np.arange(shape[0]), heads)
@@ -130,6 +135,11 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
     return config, state_dict
+
+
+def float32_bytes(reader: GGUFReader) -> int:
+    """What the file's weights take dequantized to float32 (the cost of computing a type we have no kernels for)."""
+    return sum(int(t.n_elements) * 4 for t in reader.tensors)
 
 
 def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:

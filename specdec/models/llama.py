@@ -1,8 +1,9 @@
 """One Llama-family decoder for Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
 
-Performance notes (CPU decode is memory-bound): small-batch matmuls go through our own GEMV kernel
-(`kernels.linear`), which streams weights about twice as fast as torch's; q/k/v and gate/up are fused so
-each layer does four matmuls; logits are only computed for the rows that ask for them.
+On CPU (inference) every layer runs as one C++ call (`native`: norm, fused q/k/v, RoPE, paged attention, o,
+fused gate/up, SiLU, down), whatever the weights are stored in (GGUF blocks or float32/bfloat16/float16), and
+all layers as one stack; the torch code below is the path for CUDA and for training, and the reference.
+Logits are only computed for the rows that ask for them.
 """
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from torch import nn
 from specdec.config import ModelConfig
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models import kernels, native
-from specdec.models.kernels import linear, rms_norm
+from specdec.models.kernels import linear, on_native, rms_norm
 from specdec.models.quant import QuantWeight
 
 if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
@@ -69,11 +70,10 @@ class RMSNorm(nn.Module):
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-        self.row_invariant = False  # True: every row count through the same per-row kernel (tensor parallel)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         if x.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps, rows=self.row_invariant)
+            return rms_norm(x, self.weight, self.eps)
         h = x.float()
         h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
         return self.weight * h.to(x.dtype)  # as transformers does: normalize in fp32, scale in x's dtype
@@ -135,8 +135,7 @@ class DecoderLayer(nn.Module):
         self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
         self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
         self.scale = D ** -0.5
-        self._kernel_weights: tuple | None = None  # numpy views of the weights, built on first fused call
-        self._native: object | None = None  # the C++ layer over quantized weights, built on first fused call
+        self._native: object | None = None  # the C++ layer over this layer's weights, built on first CPU call
         self.tp = None  # a `parallel.TPGroup` once sharded: this rank's heads and units, all-reduced outputs
 
     @property
@@ -144,15 +143,22 @@ class DecoderLayer(nn.Module):
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
     def native_layer(self):
-        """The C++ decoder layer when every matrix is block-quantized (the fused decode path), else None."""
-        if self._native is None and self.tp is None and all(lin.quantized for lin in self.linears) \
-                and isinstance(self.input_layernorm, RMSNorm):
-            qkv_b, q_norm, k_norm = (t.detach() for t in self._optional_weights())
+        """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16), None where it
+        cannot run: a tensor-parallel shard (all-reduces between its halves), weights off the CPU, or an input
+        norm other than RMSNorm or none."""
+        if self._native is None:
+            if self.tp is not None or not native.available() or not isinstance(
+                    self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
+                    lin.quantized or (lin.weight.device.type == "cpu" and lin.weight.dtype in kernels.FLOAT_KERNEL_IDS)
+                    for lin in self.linears):
+                return None
+            qkv_b, q_norm, k_norm = (t.detach().float() for t in self._optional_weights())
+            ln1 = self.input_layernorm.weight.detach() if isinstance(self.input_layernorm, RMSNorm) else torch.empty(0)
             self._native = native.ops().Layer(
-                self.input_layernorm.weight.detach(), self.qkv_proj.weight.matrix(), qkv_b, q_norm, k_norm,
-                self.o_proj.weight.matrix(), self.post_attention_layernorm.weight.detach(),
-                self.gate_up_proj.weight.matrix(), self.down_proj.weight.matrix(), self.num_heads,
-                self.num_kv_heads, self.head_dim, self.input_layernorm.eps)
+                ln1, kernels.matrix(self.qkv_proj.weight), qkv_b, q_norm, k_norm, kernels.matrix(self.o_proj.weight),
+                self.post_attention_layernorm.weight.detach(), kernels.matrix(self.gate_up_proj.weight),
+                kernels.matrix(self.down_proj.weight), self.num_heads, self.num_kv_heads, self.head_dim,
+                self.post_attention_layernorm.eps)
         return self._native
 
     def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -162,42 +168,28 @@ class DecoderLayer(nn.Module):
                 self.q_norm.weight if self.q_norm is not None else none,
                 self.k_norm.weight if self.k_norm is not None else none)
 
-    def kernel_weights(self) -> tuple:
-        """The weights as numpy views, in the fused kernel's argument order (absent ones empty)."""
-        if self._kernel_weights is None:
-            qkv_b, q_norm, k_norm = self._optional_weights()
-            tensors = (self.input_layernorm.weight, self.qkv_proj.weight, qkv_b, q_norm, k_norm, self.o_proj.weight,
-                       self.post_attention_layernorm.weight, self.gate_up_proj.weight, self.down_proj.weight)
-            self._kernel_weights = tuple(kernels.as_numpy(t) for t in tensors)
-        return self._kernel_weights
-
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
         if self.tp is not None:  # a shard: the row-parallel outputs are all-reduced between the fused halves
             q, k, v = self.project(self.input_layernorm(x), cos, sin)
             return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
-        if self.qkv_proj.quantized:
+        if on_native(x) and k_pool.device.type == "cpu" and (layer := self.native_layer()) is not None:
             # Every row count (decode, verification, prefill) through the one C++ layer: a token's bits then
             # never depend on how its step was batched, so a self-draft is always accepted.
-            if x.device.type == "cpu" and kernels.no_grad(x) and (layer := self.native_layer()) is not None:
-                out = x.contiguous().clone()
-                layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
-                              meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
-                              self.scale)
-                return out
-        elif isinstance(self.input_layernorm, RMSNorm) and kernels.can_fuse_layer(x, meta.query_lens):
-            return kernels.decoder_layer(x, self.kernel_weights(), cos[:, 0], sin[:, 0], k_pool, v_pool,
-                                         meta.slot_mapping, meta.context_slots, meta.mask, meta.query_lens,
-                                         self.num_heads, self.num_kv_heads, self.input_layernorm.eps, self.scale)
+            out = x.contiguous().clone()
+            layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
+                          meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
+                          self.scale)
+            return out
         q, k, v = self.project(self.input_layernorm(x), cos, sin)
-        return self.finish(x, paged_attention(q, k, v, k_pool, v_pool, meta, self.scale))
+        return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
         """paged_attention, through the fused layers' own C++ attention on CPU: a query's result then does not
         depend on the other queries of its step (torch's attention picks kernels by shape)."""
-        if q.device.type != "cpu" or q.dtype != torch.float32 or not native.available():
+        if not on_native(q, k, v) or k_pool.device.type != "cpu":
             return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale)
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
@@ -313,7 +305,7 @@ class LlamaModel(nn.Module):
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         """
         x = self.embed(tokens)
-        if x.device.type == "cpu" and (stack := self.native_stack()) is not None:  # all layers in one C++ call
+        if on_native(x) and (stack := self.native_stack()) is not None:  # all layers in one C++ call
             n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
             wanted = sorted({i for i in output_layers if i < n})
             x = x.contiguous()
@@ -332,12 +324,14 @@ class LlamaModel(nn.Module):
 
     @property
     def kv_dtype(self) -> torch.dtype:
-        """The element type of this model's K/V cache: float16 where the native runtime computes every layer
-        (attention then reads half the bytes per key; the kernels widen to float32), else the activation dtype."""
-        return torch.float16 if self.device.type == "cpu" and self.native_stack() is not None else self.act_dtype
+        """The element type of this model's K/V cache: float16 where the native runtime computes every layer of a
+        block-quantized model (attention then reads half the bytes per key; the kernels widen to float32), else the
+        activation dtype (a float model stays the float32 reference)."""
+        native_blocks = self.device.type == "cpu" and self.quantization is not None and self.native_stack() is not None
+        return torch.float16 if native_blocks else self.act_dtype
 
     def native_stack(self):
-        """Every decoder layer as one C++ stack when all are block-quantized (the whole forward in one call)."""
+        """Every decoder layer as one C++ stack (the whole forward in one call), None where a layer has no C++ layer."""
         if self.tp is not None:
             return None
         if self._stack is None:
@@ -392,7 +386,7 @@ class LlamaModel(nn.Module):
     def weights_changed(self) -> None:
         """Forget the kernels' views of the weights (the fused layers, the stack); rebuilt on the next forward."""
         for layer in self.layers:
-            layer._native = layer._kernel_weights = None
+            layer._native = None
         self._stack = None
 
     def set_matrix(self, attr: str, value: QuantWeight) -> None:

@@ -247,9 +247,6 @@ def shard_model(model, tp: TPGroup) -> None:
     v0, v1 = shares.vocab[tp.rank]
     model.lm_shard = take_rows(_data(model.lm_head), [(v0, v1)])
     model.vocab_sizes = [b - a for a, b in shares.vocab]
-    for norm in model.modules():  # the per-matrix path must not depend on the batch either
-        if hasattr(norm, "row_invariant"):
-            norm.row_invariant = True
     model.tp, model.kv_config = tp, local
     model.weights_changed()
 

@@ -1,11 +1,12 @@
 """Weights kept in GGUF block formats, and the linear layer that computes on them.
 
-A `QuantWeight` is a matrix [out, in] stored as the GGUF file stores it: each row a run of blocks (Q8_0,
-Q4_0, Q4_1: 32 weights; Q4_K, Q6_K: 256), in one format per range of rows ("parts": q/k/v or gate/up
-fused from tensors a GGUF may quantize differently). The bytes are the file's own, not a repacking, so
-what we multiply is exactly what llama.cpp multiplies. The C++ kernels (`native`) unpack the blocks in
-registers and take integer dot products with activations quantized per row to int8 blocks of 32;
-`dequantize` (gguf's reference) gives the float32 matrix the tests compare against.
+A `QuantWeight` is a matrix [out, in] stored as the GGUF file stores it: each row a run of blocks (Q4_0,
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: 32 weights; Q4_K, Q5_K, Q6_K, IQ4_XS: 256), in one format per range of rows
+("parts": q/k/v or gate/up fused from tensors a GGUF may quantize differently). The C++ kernels (`native`)
+regroup each 8 rows' blocks once at load into interleaved records holding the same scales and quants
+(csrc/formats.h), unpack them in registers and take integer dot products with activations quantized per row
+to int8 blocks of 32, so what we multiply is exactly what the file holds; `dequantize` (gguf's reference)
+gives the float32 matrix the tests compare against.
 
 Numerics: weights are exactly the file's (f16 scales read as f16). Activations are rounded to 8 bits per
 block of 32 (relative error about 0.4% of the block's largest value), as llama.cpp does on CPU, so logits
@@ -19,17 +20,17 @@ from dataclasses import dataclass, field
 import numpy as np
 import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
-from gguf.quants import dequantize as gguf_dequantize, quantize as gguf_quantize
+from gguf.quants import dequantize as gguf_dequantize
 
 from specdec.models import native
+from specdec.models.quantizers import quantize as ggml_quantize
 
 
 @dataclass(frozen=True)
 class BlockFormat:
     name: str
     ggml: GGMLQuantizationType
-    kernel_id: int  # the format's id in csrc/quant.cpp
-    can_quantize: bool  # gguf can quantize float weights into it (for quantization on load)
+    kernel_id: int  # the format's id in csrc/formats.h
 
     @property
     def block(self) -> int:
@@ -41,14 +42,19 @@ class BlockFormat:
 
 
 FORMATS = {f.name: f for f in (
-    BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 0, True),
-    BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 1, True),
-    BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 2, True),
-    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 3, False),
-    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 4, False),
+    BlockFormat("q8_0", GGMLQuantizationType.Q8_0, 0),
+    BlockFormat("q4_0", GGMLQuantizationType.Q4_0, 1),
+    BlockFormat("q4_1", GGMLQuantizationType.Q4_1, 2),
+    BlockFormat("q4_k", GGMLQuantizationType.Q4_K, 3),
+    BlockFormat("q6_k", GGMLQuantizationType.Q6_K, 4),
+    BlockFormat("q5_0", GGMLQuantizationType.Q5_0, 5),
+    BlockFormat("q5_1", GGMLQuantizationType.Q5_1, 6),
+    BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 7),
+    BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8),
+    BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9),
 )}
 BY_GGML = {f.ggml: f for f in FORMATS.values()}
-QUANTIZE_ON_LOAD = sorted(n for n, f in FORMATS.items() if f.can_quantize)
+QUANTIZE_ON_LOAD = sorted(FORMATS)  # every format can also be made from float weights on load (`quantizers`)
 
 
 @dataclass
@@ -85,9 +91,9 @@ class QuantWeight:
 
     @classmethod
     def quantize(cls, weight: torch.Tensor, name: str) -> "QuantWeight":
-        """Quantize a float matrix [out, in] into format `name` with gguf's reference quantizer."""
+        """Quantize a float matrix [out, in] into format `name` (ggml's reference quantizers, `quantizers`)."""
         fmt = FORMATS[name]
-        data = gguf_quantize(weight.detach().float().cpu().numpy(), fmt.ggml)
+        data = ggml_quantize(weight.detach().float().cpu().numpy(), fmt.ggml)
         return cls([(torch.from_numpy(np.ascontiguousarray(data)), fmt)], weight.shape[1])
 
     @classmethod
@@ -155,7 +161,7 @@ class QuantWeight:
 
 def check_quantizable(name: str, shape: tuple[int, ...], what: str) -> None:
     """Refuse a quantization that a matrix cannot take, naming the valid choices."""
-    if name not in FORMATS or not FORMATS[name].can_quantize:
+    if name not in FORMATS:
         raise ValueError(f"unknown quantization {name!r}; choose one of {QUANTIZE_ON_LOAD}")
     block = FORMATS[name].block
     if shape[-1] % block:

@@ -7,140 +7,12 @@
 // tokens, a different thread split), so a row has the same bits alone or in a batch: greedy speculative
 // output equals plain greedy output by construction.
 //
-// The only code that knows a block format is its `Format` struct below (layout, scales, unpacking); the
-// GEMM, the fused decoder layer and the dequantizer are written once over it.
-#include "simd.h"
+// The only code that knows a block format is its struct in formats.h (layout, scales, unpacking); the GEMM,
+// the fused decoder layer and the dequantizer are written once over it.
+#include "formats.h"
 #include "attention.h"
 
 namespace {
-
-constexpr int QK = 32;  // activation block (and the unit every weight format is unpacked in)
-
-uint16_t read_u16(const uint8_t* p) { uint16_t v; std::memcpy(&v, p, 2); return v; }
-
-// ---------------------------------------------------------------------------------------------------------
-// Block formats. Each gives, for sub-block `sub` (32 weights) of a block starting at `b`:
-//   quants(b, sub, q)      the 32 integers, as int8 (SIGNED) or as uint8 0..63 (not SIGNED);
-//   scales(b, sub, sc, mn) w[i] = sc[i / 16] * q[i] + mn (two scales: Q6_K scales 16 weights at a time).
-// BLOCK elements take BYTES bytes; BLOCK / 32 sub-blocks per block.
-// ---------------------------------------------------------------------------------------------------------
-
-struct Q8_0 {  // {f16 d; int8 q[32]}: w = d * q
-  static constexpr int BLOCK = 32, BYTES = 34;
-  static constexpr bool SIGNED = true;
-  static void scales(const uint8_t* b, int, float sc[2], float& mn) {
-    sc[0] = sc[1] = half_to_float(read_u16(b));
-    mn = 0.f;
-  }
-  static void quants(const uint8_t* b, int, uint8_t q[32]) { std::memcpy(q, b + 2, 32); }
-#ifdef SPECDEC_AVX2
-  static __m256i quants(const uint8_t* b, int) { return _mm256_loadu_si256((const __m256i*)(b + 2)); }
-#endif
-};
-
-// {f16 d; u8 qs[16]} or {f16 d; f16 m; u8 qs[16]}: nibble j of byte i is weight i + 16 j.
-template <bool HAS_MIN>
-struct Q4Legacy {
-  static constexpr int BLOCK = 32, BYTES = HAS_MIN ? 20 : 18, OFF = HAS_MIN ? 4 : 2;
-  static constexpr bool SIGNED = false;
-  static void scales(const uint8_t* b, int, float sc[2], float& mn) {
-    float d = half_to_float(read_u16(b));
-    sc[0] = sc[1] = d;
-    mn = HAS_MIN ? half_to_float(read_u16(b + 2)) : -8.f * d;  // Q4_0: w = d * (q - 8)
-  }
-  static void quants(const uint8_t* b, int, uint8_t q[32]) {
-    for (int i = 0; i < 16; i++) { q[i] = b[OFF + i] & 15; q[i + 16] = b[OFF + i] >> 4; }
-  }
-#ifdef SPECDEC_AVX2
-  static __m256i quants(const uint8_t* b, int) {
-    __m128i raw = _mm_loadu_si128((const __m128i*)(b + OFF)), low = _mm_set1_epi8(15);
-    return _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
-  }
-#endif
-};
-using Q4_0 = Q4Legacy<false>;
-using Q4_1 = Q4Legacy<true>;
-
-// {f16 d; f16 dmin; u8 scales[12] (8 x 6-bit scale, 8 x 6-bit min); u8 qs[128]} over 256 weights:
-// sub-block s (32 weights) is nibble s % 2 of bytes 32 (s / 2) .. 32 (s / 2) + 31; w = d sc_s q - dmin m_s.
-struct Q4_K {
-  static constexpr int BLOCK = 256, BYTES = 144;
-  static constexpr bool SIGNED = false;
-  static void scale_min(const uint8_t* s, int j, int& sc, int& m) {
-    if (j < 4) {
-      sc = s[j] & 63; m = s[j + 4] & 63;
-    } else {
-      sc = (s[j + 4] & 15) | ((s[j - 4] >> 6) << 4); m = (s[j + 4] >> 4) | ((s[j] >> 6) << 4);
-    }
-  }
-  static void scales(const uint8_t* b, int sub, float sc[2], float& mn) {
-    int s, m;
-    scale_min(b + 4, sub, s, m);
-    sc[0] = sc[1] = half_to_float(read_u16(b)) * (float)s;
-    mn = -half_to_float(read_u16(b + 2)) * (float)m;
-  }
-  static void quants(const uint8_t* b, int sub, uint8_t q[32]) {
-    const uint8_t* qs = b + 16 + 32 * (sub / 2);
-    for (int i = 0; i < 32; i++) q[i] = (sub & 1) ? qs[i] >> 4 : qs[i] & 15;
-  }
-#ifdef SPECDEC_AVX2
-  static __m256i quants(const uint8_t* b, int sub) {
-    __m256i raw = _mm256_loadu_si256((const __m256i*)(b + 16 + 32 * (sub / 2)));
-    if (sub & 1) raw = _mm256_srli_epi16(raw, 4);
-    return _mm256_and_si256(raw, _mm256_set1_epi8(15));
-  }
-#endif
-};
-
-// {u8 ql[128]; u8 qh[64]; i8 scales[16]; f16 d} over 256 weights, 6-bit q - 32 with a scale per 16.
-// Half h (128 weights) uses ql[64 h ..], qh[32 h ..]; its sub-block k takes low nibbles (k < 2) or high
-// nibbles of ql[64 h + 32 (k % 2) + i] and bits 2k, 2k + 1 of qh[32 h + i]; scales 8 h + 2 k (+1).
-struct Q6_K {
-  static constexpr int BLOCK = 256, BYTES = 210;
-  static constexpr bool SIGNED = true;
-  static void scales(const uint8_t* b, int sub, float sc[2], float& mn) {
-    float d = half_to_float(read_u16(b + 208));
-    const int8_t* s = (const int8_t*)(b + 192) + 8 * (sub / 4) + 2 * (sub % 4);
-    sc[0] = d * (float)s[0];
-    sc[1] = d * (float)s[1];
-    mn = 0.f;
-  }
-  static void quants(const uint8_t* b, int sub, uint8_t q[32]) {
-    int h = sub / 4, k = sub % 4;
-    const uint8_t* ql = b + 64 * h + 32 * (k % 2);
-    const uint8_t* qh = b + 128 + 32 * h;
-    for (int i = 0; i < 32; i++) {
-      int low = k < 2 ? ql[i] & 15 : ql[i] >> 4;
-      q[i] = (uint8_t)(int8_t)((low | (((qh[i] >> (2 * k)) & 3) << 4)) - 32);
-    }
-  }
-#ifdef SPECDEC_AVX2
-  static __m256i quants(const uint8_t* b, int sub) {
-    int h = sub / 4, k = sub % 4;
-    __m256i ql = _mm256_loadu_si256((const __m256i*)(b + 64 * h + 32 * (k % 2)));
-    __m256i qh = _mm256_loadu_si256((const __m256i*)(b + 128 + 32 * h));
-    if (k >= 2) ql = _mm256_srli_epi16(ql, 4);
-    __m256i low = _mm256_and_si256(ql, _mm256_set1_epi8(15));
-    __m256i high = _mm256_and_si256(_mm256_srl_epi16(qh, _mm_cvtsi32_si128(2 * k)), _mm256_set1_epi8(3));
-    __m256i q = _mm256_or_si256(low, _mm256_slli_epi16(high, 4));  // 0..63, no bit crosses a byte
-    return _mm256_sub_epi8(q, _mm256_set1_epi8(32));
-  }
-#endif
-};
-
-enum FormatId { F_Q8_0 = 0, F_Q4_0 = 1, F_Q4_1 = 2, F_Q4_K = 3, F_Q6_K = 4 };
-
-template <class Fn>
-auto with_format(int64_t fmt, Fn&& fn) {
-  switch (fmt) {
-    case F_Q8_0: return fn(Q8_0{});
-    case F_Q4_0: return fn(Q4_0{});
-    case F_Q4_1: return fn(Q4_1{});
-    case F_Q4_K: return fn(Q4_K{});
-    case F_Q6_K: return fn(Q6_K{});
-  }
-  TORCH_CHECK(false, "unknown block format id ", fmt);
-}
 
 // ---------------------------------------------------------------------------------------------------------
 // Activations: rows of K floats -> int8 blocks of 32 with scale d and s = d * sum(q).
@@ -156,15 +28,17 @@ inline T* grow(std::vector<T>& v, size_t n) {
 struct QAct {
   std::vector<int8_t> q;  // [M, K]
   std::vector<float> d, s;  // [M, K / 32]
+  std::vector<int32_t> h;  // [M, K / 16] sum(q) over each half block (the integer offsets of Q4_0, Q5_0, Q6_K)
   int64_t M = 0, K = 0;
   const int8_t* row(int64_t m) const { return q.data() + m * K; }
   const float* dr(int64_t m) const { return d.data() + m * (K / QK); }
   const float* sr(int64_t m) const { return s.data() + m * (K / QK); }
+  const int32_t* hr(int64_t m) const { return h.data() + m * (K / 16); }
 };
 
 // One block of 32: the scalar definition; the AVX2 path below computes the same values (the multiply by 1/d is
 // the same float multiply, and cvtps rounds to nearest even as nearbyint does in the default rounding mode).
-inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_out) {
+inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_out, int32_t h_out[2]) {
 #ifdef SPECDEC_AVX2
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
@@ -177,39 +51,42 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
   const __m256 idv = _mm256_set1_ps(id);
   __m256i q[4];
   for (int i = 0; i < 4; i++) q[i] = _mm256_cvtps_epi32(_mm256_mul_ps(v[i], idv));
-  __m256i sum = _mm256_add_epi32(_mm256_add_epi32(q[0], q[1]), _mm256_add_epi32(q[2], q[3]));
-  __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
-  s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+  for (int half = 0; half < 2; half++) {
+    const __m256i sum = _mm256_add_epi32(q[2 * half], q[2 * half + 1]);
+    __m128i s4 = _mm_add_epi32(_mm256_castsi256_si128(sum), _mm256_extracti128_si256(sum, 1));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0x4e));
+    s4 = _mm_add_epi32(s4, _mm_shuffle_epi32(s4, 0xb1));
+    h_out[half] = _mm_cvtsi128_si32(s4);
+  }
   // int32 -> int16 -> int8 (no value leaves [-127, 127]); packs interleave 128-bit lanes, the permute undoes it
   __m256i p16a = _mm256_packs_epi32(q[0], q[1]), p16b = _mm256_packs_epi32(q[2], q[3]);
   __m256i p8 = _mm256_packs_epi16(p16a, p16b);
   p8 = _mm256_permutevar8x32_epi32(p8, _mm256_setr_epi32(0, 4, 1, 5, 2, 6, 3, 7));
   _mm256_storeu_si256((__m256i*)qb, p8);
   d_out = d;
-  s_out = d * (float)_mm_cvtsi128_si32(s4);
+  s_out = d * (float)(h_out[0] + h_out[1]);
 #else
   float amax = 0.f;
   for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
   float d = amax / 127.f, id = amax > 0.f ? 127.f / amax : 0.f;
-  int sum = 0;
+  h_out[0] = h_out[1] = 0;
   for (int i = 0; i < QK; i++) {
     int v = (int)std::nearbyint(xb[i] * id);
     qb[i] = (int8_t)v;
-    sum += v;
+    h_out[i / 16] += v;
   }
   d_out = d;
-  s_out = d * (float)sum;
+  s_out = d * (float)(h_out[0] + h_out[1]);
 #endif
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out) {
   out.M = M; out.K = K;
-  grow(out.q, M * K); grow(out.d, M * K / QK); grow(out.s, M * K / QK);
+  grow(out.q, M * K); grow(out.d, M * K / QK); grow(out.s, M * K / QK); grow(out.h, M * K / 16);
   for (int64_t m = 0; m < M; m++)
     for (int64_t b = 0; b < K / QK; b++)
       quantize_block(x + m * ldx + b * QK, out.q.data() + m * K + b * QK, out.d[m * (K / QK) + b],
-                     out.s[m * (K / QK) + b]);
+                     out.s[m * (K / QK) + b], out.h.data() + m * (K / 16) + 2 * b);
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -301,163 +178,196 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, fl
 }
 
 // ---------------------------------------------------------------------------------------------------------
-// Interleaved layout for the common 32-weight formats (Q4_0, Q4_1, Q8_0): the same values, regrouped at load
-// so that 8 weight rows sit in the 8 lanes of a vector. Per group of 8 rows and sub-block of 32 weights a
-// record holds the 8 f16 scales (and the 8 f16 minimums for 4-bit) and the quants, 4 consecutive weights
-// of row i at bytes 4i..4i+3 of each 32-byte vector (for 4-bit, vector e < 4 in low nibbles, e + 4 in high).
-// One broadcast of 4 activation bytes then multiplies all 8 rows, and the 8 results land in 8 lanes: about
-// a third of the instructions of the row-at-a-time loop, and no horizontal sums.
+// Interleaved rows (each format's X8 view, formats.h): 8 weight rows in the 8 lanes of a vector. One broadcast of
+// 4 activation bytes multiplies all 8 rows and the 8 sums land in 8 lanes, no horizontal sums; a sub-block is
+// unpacked once for up to 4 activation rows. Every output element still gets one fixed sequence of operations
+// (integer sums are exact in any order), so tiling and batch never change a bit.
 // ---------------------------------------------------------------------------------------------------------
 
-template <bool FOUR_BIT>
-struct Interleaved {
-  static constexpr int64_t REC = FOUR_BIT ? 32 + 128 : 16 + 256;
-  static constexpr int64_t PREFETCH = 8;  // records ahead
-
-  template <class F>
-  static torch::Tensor pack(const torch::Tensor& data, int64_t K) {
-    const int64_t groups = data.size(0) / 8, nsub = K / QK, row_bytes = data.size(1);
-    auto out = torch::empty({groups, nsub * REC}, torch::kUInt8);
-    const uint8_t* src = data.data_ptr<uint8_t>();
-    std::atomic<bool> representable{true};
-    at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
-      uint8_t q[8][32];
-      for (int64_t g = g0; g < g1; g++) {
-        for (int64_t j = 0; j < nsub; j++) {
-          uint8_t* rec = out.data_ptr<uint8_t>() + g * nsub * REC + j * REC;
-          for (int i = 0; i < 8; i++) {
-            const uint8_t* blk = src + (g * 8 + i) * row_bytes + j * F::BYTES;
-            float sc[2], mn;
-            F::scales(blk, 0, sc, mn);
-            F::quants(blk, 0, q[i]);
-            std::memcpy(rec + 2 * i, blk, 2);  // d, as the file has it
-            if (FOUR_BIT) {
-              uint16_t m = F::BYTES == 20 ? read_u16(blk + 2) : float_to_half(mn);  // Q4_0: -8 d, exact
-              if (!std::isfinite(half_to_float(m))) representable = false;  // -8 d beyond f16's range
-              std::memcpy(rec + 16 + 2 * i, &m, 2);
-            }
-          }
-          uint8_t* qs = rec + (FOUR_BIT ? 32 : 16);
-          for (int e = 0; e < (FOUR_BIT ? 4 : 8); e++)
-            for (int i = 0; i < 8; i++)
-              for (int b = 0; b < 4; b++)
-                qs[32 * e + 4 * i + b] = FOUR_BIT ? (uint8_t)(q[i][4 * e + b] | (q[i][4 * (e + 4) + b] << 4))
-                                                  : q[i][4 * e + b];
-        }
-      }
-    });
-    return representable ? out : torch::Tensor();  // undefined: the part keeps the row-at-a-time path
-  }
-
-  // y[m0 + r, n0 .. n0 + 7] for NR activation rows against one group of 8 weight rows.
-  template <int NR>
-  static void tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t ldy, int64_t n0) {
-    const int64_t nsub = x.K / QK;
 #ifdef SPECDEC_AVX2
-    const int8_t* xq[NR];
-    const float *xd[NR], *xs[NR];
-    for (int r = 0; r < NR; r++) { xq[r] = x.row(m0 + r); xd[r] = x.dr(m0 + r); xs[r] = x.sr(m0 + r); }
-    __m256 acc[NR];
-    for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
-    const __m256i ones = _mm256_set1_epi16(1);
-    for (int64_t j = 0; j < nsub; j++) {
-      const uint8_t* rec = recs + j * REC;
-      _mm_prefetch((const char*)(rec + PREFETCH * REC), _MM_HINT_T0);
-      _mm_prefetch((const char*)(rec + PREFETCH * REC + 64), _MM_HINT_T0);
-      _mm_prefetch((const char*)(rec + PREFETCH * REC + 128), _MM_HINT_T0);
-      if (!FOUR_BIT) {
-        _mm_prefetch((const char*)(rec + PREFETCH * REC + 192), _MM_HINT_T0);
-        _mm_prefetch((const char*)(rec + PREFETCH * REC + 256), _MM_HINT_T0);
+template <class F>
+torch::Tensor x8_pack(const torch::Tensor& data, int64_t K) {
+  const int64_t groups = data.size(0) / 8, nrec = K / F::BLOCK, row_bytes = data.size(1);
+  torch::Tensor out = torch::empty({groups, nrec * F::REC}, torch::kUInt8);
+  const uint8_t* src = data.data_ptr<uint8_t>();
+  uint8_t* dst = out.data_ptr<uint8_t>();
+  at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
+    for (int64_t g = g0; g < g1; g++)
+      for (int64_t s = 0; s < nrec; s++) {
+        const uint8_t* blk[8];
+        for (int i = 0; i < 8; i++) blk[i] = src + (g * 8 + i) * row_bytes + s * F::BYTES;
+        F::pack(blk, dst + (g * nrec + s) * F::REC);
       }
-      const __m256 d = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)rec));
-      if (FOUR_BIT) {
-        const __m256 mn = _mm256_cvtph_ps(_mm_loadu_si128((const __m128i*)(rec + 16)));
-        const __m256i low = _mm256_set1_epi8(15);
-        __m256i u[8];
-        for (int e = 0; e < 4; e++) {
-          __m256i raw = _mm256_loadu_si256((const __m256i*)(rec + 32 + 32 * e));
-          u[e] = _mm256_and_si256(raw, low);
-          u[e + 4] = _mm256_and_si256(_mm256_srli_epi16(raw, 4), low);
-        }
+  });
+  return out;
+}
+
+// The largest unsigned value of F's interleaved quants (0: signed int8), and the integer offset its weights
+// subtract (under VNNI signed values are biased by 128 into u8, so 128 more).
+template <class F>
+constexpr int x8_umax() {
+  if constexpr (F::KIND == K_SIGNED) return 0; else return F::UMAX;
+}
+template <class F>
+constexpr int x8_offset() {
+#ifdef SPECDEC_VNNI
+  if constexpr (F::KIND == K_SIGNED) return 128;
+#endif
+  if constexpr (F::KIND == K_OFFSET || F::KIND == K_HALVES) return F::OFFSET; else return 0;
+}
+
+// sum over e in [E0, E1) of the 8 rows' 4-weight products with activation word xw[e]: 8 exact int32 lanes.
+// VNNI: one u8 x s8 instruction per word. AVX2: maddubs into int16, as many summed before widening as cannot
+// saturate (2 * UMAX * 127 per instruction); signed weights (UMAX 0) move their signs onto the activations.
+template <int UMAX, int E0, int E1>
+inline __m256i dot_words(const __m256i* u, const __m256i* au, const int32_t* xw) {
+  __m256i s = _mm256_setzero_si256();
+#ifdef SPECDEC_VNNI
+  (void)au;
+  for (int e = E0; e < E1; e++) s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
+#else
+  const __m256i ones = _mm256_set1_epi16(1);
+  if constexpr (UMAX == 0) {
+    for (int e = E0; e < E1; e++) {
+      const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(xw[e]), u[e]);
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(_mm256_maddubs_epi16(au[e], xv), ones));
+    }
+  } else {
+    constexpr int CHAIN = 32767 / (2 * 127 * UMAX);  // UMAX 15: 8, 31: 4, 63: 2
+    for (int e = E0; e < E1; e += CHAIN) {
+      __m256i p = _mm256_maddubs_epi16(u[e], _mm256_set1_epi32(xw[e]));
+      for (int k = e + 1; k < E1 && k < e + CHAIN; k++)
+        p = _mm256_add_epi16(p, _mm256_maddubs_epi16(u[k], _mm256_set1_epi32(xw[k])));
+      s = _mm256_add_epi32(s, _mm256_madd_epi16(p, ones));
+    }
+  }
+#endif
+  return s;
+}
+
+// y[m0 + r, n0 .. n0 + 7] for NR activation rows against one group of 8 weight rows (its records `recs`).
+template <class F, int NR>
+void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+  constexpr int SUBS = F::BLOCK / QK, U = x8_umax<F>(), OFF = x8_offset<F>();
+  constexpr int64_t AHEAD = F::BLOCK == QK ? 8 * F::REC : F::REC;  // prefetch distance, bytes
+  const int8_t* xq[NR];
+  const float *xd[NR], *xs[NR];
+  const int32_t* xh[NR];
+  for (int r = 0; r < NR; r++) { xq[r] = x.row(m0 + r); xd[r] = x.dr(m0 + r); xs[r] = x.sr(m0 + r); xh[r] = x.hr(m0 + r); }
+  __m256 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
+  const int64_t nrec = x.K / F::BLOCK;
+  for (int64_t s = 0; s < nrec; s++) {
+    const uint8_t* rec = recs + s * F::REC;
+    for (int64_t o = 0; o < F::REC; o += 64) _mm_prefetch((const char*)(rec + AHEAD + o), _MM_HINT_T0);
+    const typename F::Head head(rec);
+    for (int sub = 0; sub < SUBS; sub++) {
+      const int64_t j = s * SUBS + sub;
+      __m256i u[8], au[8];
+      F::unpack(rec, sub, u);
+#ifndef SPECDEC_VNNI
+      if constexpr (U == 0)
+        for (int e = 0; e < 8; e++) au[e] = _mm256_sign_epi8(u[e], u[e]);  // |w| as u8 (-128 -> 128)
+#endif
+      if constexpr (F::KIND == K_HALVES) {  // a scale per 16 weights: two integer sums, scaled exactly
+        const __m256i sc_lo = head.scale_lo(rec, sub), sc_hi = head.scale_hi(rec, sub);
         for (int r = 0; r < NR; r++) {
           const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
-#ifdef SPECDEC_VNNI
-          __m256i s = _mm256_setzero_si256();
-          for (int e = 0; e < 8; e++) s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
-          __m256 p = _mm256_cvtepi32_ps(s);
-#else
-          // int16 sums stay below 8 * 2 * 15 * 127 = 30480: no saturation
-          __m256i s = _mm256_maddubs_epi16(u[0], _mm256_set1_epi32(xw[0]));
-          for (int e = 1; e < 8; e++) s = _mm256_add_epi16(s, _mm256_maddubs_epi16(u[e], _mm256_set1_epi32(xw[e])));
-          __m256 p = _mm256_cvtepi32_ps(_mm256_madd_epi16(s, ones));
-#endif
-          acc[r] = _mm256_fmadd_ps(p, _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
-          acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r][j]), acc[r]);
+          const __m256i lo = _mm256_sub_epi32(dot_words<U, 0, 4>(u, au, xw), _mm256_set1_epi32(OFF * xh[r][2 * j]));
+          const __m256i hi = _mm256_sub_epi32(dot_words<U, 4, 8>(u, au, xw), _mm256_set1_epi32(OFF * xh[r][2 * j + 1]));
+          const __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(head.d, _mm256_set1_ps(xd[r][j])), acc[r]);
         }
-      } else {  // signed weights: |w| once per vector for all rows, its signs moved onto each row's activations
-        __m256i s[NR];
-        for (int r = 0; r < NR; r++) s[r] = _mm256_setzero_si256();
-        for (int e = 0; e < 8; e++) {
-          const __m256i w = _mm256_loadu_si256((const __m256i*)(rec + 16 + 32 * e));
-          const __m256i aw = _mm256_sign_epi8(w, w);  // |w|, as u8 (-128 -> 128)
-          for (int r = 0; r < NR; r++) {
-            const __m256i xv = _mm256_sign_epi8(_mm256_set1_epi32(((const int32_t*)(xq[r] + j * QK))[e]), w);
-#ifdef SPECDEC_VNNI
-            s[r] = SPECDEC_DPBUSD(s[r], aw, xv);
-#else
-            s[r] = _mm256_add_epi32(s[r], _mm256_madd_epi16(_mm256_maddubs_epi16(aw, xv), ones));
-#endif
-          }
+      } else {
+        const __m256 sc = head.scale(rec, sub);
+        __m256 mn = _mm256_setzero_ps();
+        if constexpr (F::KIND == K_MIN) mn = head.minimum(rec, sub);
+        for (int r = 0; r < NR; r++) {
+          const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
+          __m256i sum = dot_words<U, 0, 8>(u, au, xw);
+          if constexpr (OFF != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFF * (xh[r][2 * j] + xh[r][2 * j + 1])));
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sc, _mm256_set1_ps(xd[r][j])), acc[r]);
+          if constexpr (F::KIND == K_MIN) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r][j]), acc[r]);
         }
-        for (int r = 0; r < NR; r++)
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(s[r]), _mm256_mul_ps(d, _mm256_set1_ps(xd[r][j])), acc[r]);
       }
     }
-    for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (m0 + r) * ldy + n0, acc[r]);
-#else
+  }
+  for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (m0 + r) * ldy + n0, acc[r]);
+}
+
+template <class F>
+void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, int64_t g, int64_t n0) {
+  const uint8_t* recs = packed.data_ptr<uint8_t>() + g * packed.size(1);
+  int64_t m = 0;
+  for (; m + 4 <= x.M; m += 4) x8_tile<F, 4>(recs, x, m, y, ldy, n0);
+  switch (x.M - m) {
+    case 3: x8_tile<F, 3>(recs, x, m, y, ldy, n0); break;
+    case 2: x8_tile<F, 2>(recs, x, m, y, ldy, n0); break;
+    case 1: x8_tile<F, 1>(recs, x, m, y, ldy, n0); break;
+  }
+}
+#endif
+
+// ---------------------------------------------------------------------------------------------------------
+// Float weights: y[m, n] = 8 lane sums of w[n, k] x[m, k] over k in steps of 8, one fixed horizontal sum, then
+// the K % 8 tail in order; NW weight rows x NR activation rows per tile share their loads, and no tile changes
+// an element's sequence. Float32 activations: nothing is rounded but the sums.
+// ---------------------------------------------------------------------------------------------------------
+
+template <class W, int NW, int NR>
+void float_tile(const typename W::T* w, int64_t K, const float* x, int64_t ldx, int64_t m0, float* y, int64_t ldy,
+                int64_t n0) {
+  int64_t k = 0;
+  float s[NW][NR] = {};
+#ifdef SPECDEC_AVX2
+  __m256 acc[NW][NR];
+  for (int i = 0; i < NW; i++)
+    for (int r = 0; r < NR; r++) acc[i][r] = _mm256_setzero_ps();
+  for (; k + 8 <= K; k += 8) {
+    __m256 wv[NW];
+    for (int i = 0; i < NW; i++) wv[i] = W::load8(w + i * K + k);
     for (int r = 0; r < NR; r++) {
-      const int8_t* xq = x.row(m0 + r);
-      float acc[8] = {};
-      for (int64_t j = 0; j < nsub; j++) {
-        const uint8_t* rec = recs + j * REC;
-        const uint8_t* qs = rec + (FOUR_BIT ? 32 : 16);
-        for (int i = 0; i < 8; i++) {
-          int sum = 0;
-          for (int e = 0; e < 8; e++)
-            for (int b = 0; b < 4; b++) {
-              int v = FOUR_BIT ? (e < 4 ? qs[32 * e + 4 * i + b] & 15 : qs[32 * (e - 4) + 4 * i + b] >> 4)
-                               : (int)(int8_t)qs[32 * e + 4 * i + b];
-              sum += v * xq[j * QK + 4 * e + b];
-            }
-          float d = half_to_float(read_u16(rec + 2 * i));
-          acc[i] += (float)sum * (d * x.dr(m0 + r)[j]);
-          if (FOUR_BIT) acc[i] += half_to_float(read_u16(rec + 16 + 2 * i)) * x.sr(m0 + r)[j];
-        }
-      }
-      for (int i = 0; i < 8; i++) y[(m0 + r) * ldy + n0 + i] = acc[i];
+      const __m256 xv = _mm256_loadu_ps(x + (m0 + r) * ldx + k);
+      for (int i = 0; i < NW; i++) acc[i][r] = _mm256_fmadd_ps(wv[i], xv, acc[i][r]);
     }
+  }
+  for (int i = 0; i < NW; i++)
+    for (int r = 0; r < NR; r++) s[i][r] = hsum(acc[i][r]);
 #endif
-  }
-
-  static void rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, int64_t g, int64_t n0) {
-    const uint8_t* recs = packed.data_ptr<uint8_t>() + g * packed.size(1);
-    int64_t m = 0;
-    for (; m + 4 <= x.M; m += 4) tile<4>(recs, x, m, y, ldy, n0);
-    switch (x.M - m) {
-      case 3: tile<3>(recs, x, m, y, ldy, n0); break;
-      case 2: tile<2>(recs, x, m, y, ldy, n0); break;
-      case 1: tile<1>(recs, x, m, y, ldy, n0); break;
+  for (int i = 0; i < NW; i++)
+    for (int r = 0; r < NR; r++) {
+      for (int64_t kk = k; kk < K; kk++) s[i][r] += W::at(w + i * K, kk) * x[(m0 + r) * ldx + kk];
+      y[(m0 + r) * ldy + n0 + i] = s[i][r];
     }
-  }
-};
+}
 
-// A weight matrix: consecutive row ranges ("parts"), each in one block format (q, k and v, or gate and up,
-// fused into one matrix may come in different formats from a GGUF).
+template <class W, int NW>
+void float_rows(const typename W::T* w, int64_t K, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy,
+                int64_t n) {
+  int64_t m = 0;
+  for (; m + 2 <= M; m += 2) float_tile<W, NW, 2>(w, K, x, ldx, m, y, ldy, n);
+  if (m < M) float_tile<W, NW, 1>(w, K, x, ldx, m, y, ldy, n);
+}
+
+template <class W>
+void float_part(const torch::Tensor& data, const float* x, int64_t M, int64_t ldx, float* y, int64_t ldy, int64_t n0,
+                int64_t n1, int64_t off) {
+  using T = typename W::T;
+  const T* base = (const T*)data.data_ptr();
+  const int64_t K = data.size(1);
+  int64_t n = n0;
+  for (; n + 4 <= n1; n += 4) float_rows<W, 4>(base + (n - off) * K, K, x, M, ldx, y, ldy, n);
+  for (; n < n1; n++) float_rows<W, 1>(base + (n - off) * K, K, x, M, ldx, y, ldy, n);
+}
+
+// A weight matrix: consecutive row ranges ("parts"), each in one format (q, k and v, or gate and up, fused into
+// one matrix, may come in different formats from a GGUF): block-quantized, or float (F32, F16, BF16).
 struct QMatrix {
-  std::vector<torch::Tensor> data;  // uint8 [rows, row_bytes] per part: the file's blocks
+  std::vector<torch::Tensor> data;  // per part: uint8 [rows, row_bytes], the file's blocks; or float [rows, K]
   std::vector<int64_t> formats, first;  // format id and first output row per part; first has parts + 1
-  std::vector<torch::Tensor> x8;  // per part: its first rows / 8 * 8 rows interleaved (see Interleaved), or undefined
+  std::vector<torch::Tensor> x8;  // per part: its first rows / 8 * 8 rows interleaved (X8), or undefined
   int64_t K = 0;
+  bool quantized = false;  // some part is block-quantized: the activations are quantized for it
   int64_t N() const { return first.back(); }
 };
 
@@ -484,22 +394,33 @@ void gemm_part(const torch::Tensor& data, const QAct& x, float* y, int64_t ldy, 
   for (; n < n1; n++) gemm_rows<F, 1>(base + (n - off) * row_bytes, row_bytes, x, y, ldy, n);
 }
 
-// y [M, ldy] (columns 0..N) = x @ W.T for quantized x.
-void qgemm(const QMatrix& W, const QAct& x, float* y, int64_t ldy) {
+// y [M, ldy] (columns 0..N) = x @ W.T for x [M, ldx] float32; qx holds x quantized (done here when W needs it).
+void matmul(const QMatrix& W, const float* xf, int64_t M, int64_t ldx, QAct& x, float* y, int64_t ldy) {
+  if (W.quantized) quantize_rows(xf, M, W.K, ldx, x);
   const int64_t N = W.N();
   int64_t grain = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * at::get_num_threads()) + 1));
   at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
     for (size_t p = 0; p + 1 < W.first.size(); p++) {
       int64_t a = std::max(n0, W.first[p]), b = std::min(n1, W.first[p + 1]);
       if (a >= b) continue;
+#ifdef SPECDEC_AVX2
       if (W.x8[p].defined()) {  // groups of 8 rows, each done by the chunk holding its first row
         const int64_t off = W.first[p], packed = W.x8[p].size(0) * 8;
-        for (int64_t g = (a - off + 7) / 8; g * 8 < std::min(b - off, packed); g++) {
-          if (W.formats[p] == F_Q8_0) Interleaved<false>::rows(W.x8[p], x, y, ldy, g, off + 8 * g);
-          else Interleaved<true>::rows(W.x8[p], x, y, ldy, g, off + 8 * g);
-        }
+        with_format(W.formats[p], [&](auto f) {
+          for (int64_t g = (a - off + 7) / 8; g * 8 < std::min(b - off, packed); g++)
+            x8_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
+          return 0;
+        });
         a = std::max(a, off + packed);
         if (a >= b) continue;
+      }
+#endif
+      if (is_float_format(W.formats[p])) {
+        with_float(W.formats[p], [&](auto f) {
+          float_part<decltype(f)>(W.data[p], xf, M, ldx, y, ldy, a, b, W.first[p]);
+          return 0;
+        });
+        continue;
       }
       with_format(W.formats[p], [&](auto f) {
         gemm_part<decltype(f)>(W.data[p], x, y, ldy, a, b, W.first[p]);
@@ -515,8 +436,19 @@ QMatrix make_matrix(std::vector<torch::Tensor> data, std::vector<int64_t> format
   W.K = K;
   W.first.push_back(0);
   for (size_t p = 0; p < data.size(); p++) {
-    TORCH_CHECK(data[p].dtype() == torch::kUInt8 && data[p].dim() == 2 && data[p].is_contiguous(),
-                "quantized data must be contiguous uint8 [rows, row_bytes]");
+    TORCH_CHECK(data[p].dim() == 2 && data[p].is_contiguous(), "part ", p, " must be a contiguous matrix");
+    if (is_float_format(formats[p])) {
+      const auto want = formats[p] == F_F32 ? torch::kFloat32 : formats[p] == F_F16 ? torch::kHalf : torch::kBFloat16;
+      TORCH_CHECK(formats[p] <= F_BF16 && data[p].scalar_type() == want && data[p].size(1) == K, "float part ", p,
+                  " must be ", c10::toString(want), " [rows, ", K, "], got ", data[p].scalar_type(), " ", data[p].sizes());
+      W.data.push_back(data[p]);
+      W.formats.push_back(formats[p]);
+      W.x8.emplace_back();
+      W.first.push_back(W.first.back() + data[p].size(0));
+      continue;
+    }
+    W.quantized = true;
+    TORCH_CHECK(data[p].dtype() == torch::kUInt8, "quantized data must be contiguous uint8 [rows, row_bytes]");
     int64_t bytes = with_format(formats[p], [&](auto f) {
       using F = decltype(f);
       TORCH_CHECK(K % F::BLOCK == 0, "row length ", K, " is not a multiple of the block size ", F::BLOCK);
@@ -526,11 +458,10 @@ QMatrix make_matrix(std::vector<torch::Tensor> data, std::vector<int64_t> format
     W.data.push_back(data[p]);
     W.formats.push_back(formats[p]);
     torch::Tensor x8;
-    if (data[p].size(0) >= 8 && interleave) {
-      if (formats[p] == F_Q8_0) x8 = Interleaved<false>::pack<Q8_0>(data[p], K);
-      if (formats[p] == F_Q4_0) x8 = Interleaved<true>::pack<Q4_0>(data[p], K);
-      if (formats[p] == F_Q4_1) x8 = Interleaved<true>::pack<Q4_1>(data[p], K);
-    }
+#ifdef SPECDEC_AVX2
+    if (data[p].size(0) >= 8 && interleave)
+      x8 = with_format(formats[p], [&](auto f) { return x8_pack<decltype(f)>(data[p], K); });
+#endif
     W.x8.push_back(x8);
     W.first.push_back(W.first.back() + data[p].size(0));
   }
@@ -545,9 +476,8 @@ torch::Tensor linear(const torch::Tensor& x, const QMatrix& W) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.size(1) == W.K, "x must be float32 [M, ", W.K, "]");
   auto xc = x.contiguous();
   QAct qx;
-  quantize_rows(xc.data_ptr<float>(), xc.size(0), W.K, W.K, qx);
   auto y = torch::empty({xc.size(0), W.N()}, x.options());
-  qgemm(W, qx, y.data_ptr<float>(), W.N());
+  matmul(W, xc.data_ptr<float>(), xc.size(0), W.K, qx, y.data_ptr<float>(), W.N());
   return y;
 }
 
@@ -561,8 +491,17 @@ torch::Tensor dequantize_rows(const QMatrix& W, const torch::Tensor& rows) {
     TORCH_CHECK(n >= 0 && n < W.N(), "row ", n, " out of range [0, ", W.N(), ")");
     size_t p = 0;
     while (W.first[p + 1] <= n) p++;
-    const uint8_t* w = W.data[p].data_ptr<uint8_t>() + (n - W.first[p]) * W.data[p].size(1);
     float* o = out.data_ptr<float>() + t * W.K;
+    if (is_float_format(W.formats[p])) {
+      with_float(W.formats[p], [&](auto f) {
+        using F = decltype(f);
+        const auto* w = (const typename F::T*)W.data[p].data_ptr() + (n - W.first[p]) * W.K;
+        for (int64_t k = 0; k < W.K; k++) o[k] = F::at(w, k);
+        return 0;
+      });
+      continue;
+    }
+    const uint8_t* w = W.data[p].data_ptr<uint8_t>() + (n - W.first[p]) * W.data[p].size(1);
     with_format(W.formats[p], [&](auto f) {
       using F = decltype(f);
       uint8_t q[32];
@@ -597,7 +536,7 @@ void rms_norm_rows(const float* x, const float* w, float eps, int64_t T, int64_t
 }
 
 struct Layer {
-  torch::Tensor ln1, qkv_b, q_norm, k_norm, ln2;  // float32 (absent ones empty)
+  torch::Tensor ln1, qkv_b, q_norm, k_norm, ln2;  // float32 (absent ones empty: ln1 for a layer without input norm)
   QMatrix qkv, o, gate_up, down;
   int64_t n_heads, n_kv, head_dim;
   double eps;
@@ -679,9 +618,9 @@ void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float*
   float* attn = grow(attn_buf, T * Hq * D);
   float* out = grow(out_buf, T * std::max(H, 2 * inter));
 
-  rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
-  quantize_rows(h, T, H, H, qx);
-  qgemm(L.qkv, qx, qkv, W);
+  if (L.ln1.numel() > 0) rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+  else std::memcpy(h, xp, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
+  matmul(L.qkv, h, T, H, qx, qkv, W);
   if (L.qkv_b.numel() > 0) {
     const float* bias = L.qkv_b.data_ptr<float>();
     for (int64_t t = 0; t < T; t++)
@@ -697,16 +636,13 @@ void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float*
     return 0;
   });
 
-  quantize_rows(attn, T, Hq * D, Hq * D, qx);
-  qgemm(L.o, qx, out, H);
+  matmul(L.o, attn, T, Hq * D, qx, out, H);
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 
   rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
-  quantize_rows(h, T, H, H, qx);
-  qgemm(L.gate_up, qx, out, 2 * inter);
+  matmul(L.gate_up, h, T, H, qx, out, 2 * inter);
   for (int64_t t = 0; t < T; t++) silu_mul(out + t * 2 * inter, inter, h + t * inter);
-  quantize_rows(h, T, inter, inter, qx);
-  qgemm(L.down, qx, out, H);
+  matmul(L.down, h, T, inter, qx, out, H);
   for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
 }
 
@@ -861,7 +797,15 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         return Stack{std::move(layers), norm, eps};
       }))
       .def("forward", &Stack::forward);
-  m.def("linear", &linear, "y = x @ W.T with x float32 [M, K] quantized per row to int8 blocks");
+  m.def("linear", &linear, "y = x @ W.T for x float32 [M, K] (quantized per row to int8 blocks for block formats)");
+  m.def("rms_norm", [](const torch::Tensor& x, const torch::Tensor& w, double eps) {
+    TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && w.dtype() == torch::kFloat32 && w.dim() == 1 &&
+                w.size(0) == x.size(1), "rms_norm takes float32 x [T, H] and weight [H]");
+    auto xc = x.contiguous(), wc = w.contiguous();
+    auto out = torch::empty_like(xc);
+    rms_norm_rows(xc.data_ptr<float>(), wc.data_ptr<float>(), (float)eps, xc.size(0), xc.size(1), out.data_ptr<float>());
+    return out;
+  }, "RMSNorm of each row of x [T, H], the layers' own (a row's bits do not depend on T)");
   m.def("dequantize_rows", &dequantize_rows);
   m.def("attention", &attention_op, "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
