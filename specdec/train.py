@@ -223,8 +223,6 @@ def head_class(method: str) -> type:
 
 
 def run_train(args: argparse.Namespace) -> dict:
-    from specdec.llm import LLM
-
     cls = head_class(args.method)
     if args.ttt_steps is None:
         args.ttt_steps = 3 if cls.unrolls else 1
@@ -236,6 +234,16 @@ def run_train(args: argparse.Namespace) -> dict:
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
     rank, world = data_parallel()
+    try:
+        return _train(args, cls, rank, world)
+    finally:  # a gloo group left to the interpreter's exit can abort the process there ("terminate called ...")
+        if world > 1 and torch.distributed.is_initialized():
+            torch.distributed.destroy_process_group()
+
+
+def _train(args: argparse.Namespace, cls, rank: int, world: int) -> dict:
+    from specdec.llm import LLM
+
     if world > 1 and args.feature_cache:
         raise SpecdecError("--feature-cache is for one process; with several ranks each runs the target on its "
                            "own conversations")
