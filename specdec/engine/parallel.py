@@ -38,6 +38,7 @@ SHARED_SLOT_FLOATS = 1 << 20  # 4 MB a rank and half: all-reduces of up to 1,820
 
 
 COMMAND_TIMEOUT = datetime.timedelta(days=30)  # an idle server's ranks wait this long for the next command
+STOP_TIMEOUT = datetime.timedelta(seconds=30)  # at stop, how long the ranks wait for each other before tearing down
 _commands = None  # the process group commands travel on (gloo, the long timeout)
 
 
@@ -79,6 +80,15 @@ def _receive() -> tuple:
     return box[0]
 
 
+def _stopped() -> None:
+    """Every rank has seen "stop" before any tears its groups down (a gloo group closed under a peer still
+    reading from it can abort that process); bounded, so a rank that died does not hold the others."""
+    try:
+        dist.monitored_barrier(group=_commands, timeout=STOP_TIMEOUT)
+    except RuntimeError:
+        pass
+
+
 def serve_rank(model, tp: TPGroup) -> None:
     """A rank other than 0: run the target's share of every call rank 0 mirrors, until it says stop."""
     runners: dict[int, ModelRunner] = {}  # one per engine of rank 0 (LLM.with_speculative_config adds engines)
@@ -87,6 +97,7 @@ def serve_rank(model, tp: TPGroup) -> None:
         cmd = _receive()
         kind, engine = cmd[0], cmd[1] if len(cmd) > 1 else None
         if kind == "stop":
+            _stopped()
             break
         if kind == "kv":
             num_blocks, block_size, dtype = cmd[2:]
@@ -231,6 +242,7 @@ class Workers:
         self.closed = True
         try:
             _send(("stop",))
+            _stopped()
         except RuntimeError:
             pass
         for p in self.processes:
