@@ -7,6 +7,7 @@ otherwise); `ops(isa)` or $SPECDEC_ISA picks another path, one of ISAS, to test 
   isa          compiler flags                         csrc/simd.h path    CPU flags it needs
   native       -march=native                          the best of below   (none)
   avx2         -march=x86-64 -mavx2 -mfma -mf16c      AVX2                avx2 fma f16c
+  avx512       avx2's + -mavx512{f,bw,dq,vl,vnni}     AVX-512 + VNNI      + avx512f bw dq vl avx512_vnni
   avx512vnni   avx2's + -mavx512vnni -mavx512vl       AVX2 + VNNI         + avx512_vnni avx512vl
   avxvnni      avx2's + -mavxvnni                     AVX2 + VNNI         + avx_vnni
   portable     -march=x86-64 (no AVX)                 scalar              (none)
@@ -40,6 +41,8 @@ _AVX2 = ["-march=x86-64", "-mavx2", "-mfma", "-mf16c"]
 ISAS: dict[str, tuple[list[str], tuple[str, ...]]] = {
     "native": (["-march=native"], ()),
     "avx2": (_AVX2, ("avx2", "fma", "f16c")),
+    "avx512": (_AVX2 + ["-mavx512f", "-mavx512bw", "-mavx512dq", "-mavx512vl", "-mavx512vnni"],
+               ("avx2", "fma", "f16c", "avx512f", "avx512bw", "avx512dq", "avx512vl", "avx512_vnni")),
     "avx512vnni": (_AVX2 + ["-mavx512vnni", "-mavx512vl"], ("avx2", "fma", "f16c", "avx512_vnni", "avx512vl")),
     "avxvnni": (_AVX2 + ["-mavxvnni"], ("avx2", "fma", "f16c", "avx_vnni")),
     "portable": (["-march=x86-64"] if _X86 else [], ()),  # elsewhere the compiler's default target

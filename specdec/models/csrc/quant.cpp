@@ -25,20 +25,37 @@ inline T* grow(std::vector<T>& v, size_t n) {
   return v.data();
 }
 
+// Rows are stored in tiles of ROW_TILE (the last one shorter): within a tile, block 0 of each row, then block 1 of
+// each row, ... So a kernel tile of rows (never crossing a ROW_TILE boundary: tiles of 8, or of 4 from a multiple of
+// 4) finds row r of block j at a constant offset from one pointer: few registers for addresses however many rows.
+constexpr int ROW_TILE = 8;
+
 struct QAct {
-  std::vector<int8_t> q;  // [M, K]
-  std::vector<float> d, s;  // [M, K / 32]
-  std::vector<int32_t> h;  // [M, K / 16] sum(q) over each half block (the integer offsets of Q4_0, Q5_0, Q6_K)
+  std::vector<int8_t> q;  // 32 int8 per block
+  std::vector<float> d, s;  // per block: the scale d, and s = d * sum(q)
+  std::vector<int32_t> nh, ns;  // per block: -sum(q) over each half (2 per block), and over the block (the integer
+                                // offsets of Q4_0, Q5_0, Q6_K and of VNNI's biased signed weights)
   int64_t M = 0, K = 0;
-  const int8_t* row(int64_t m) const { return q.data() + m * K; }
-  const float* dr(int64_t m) const { return d.data() + m * (K / QK); }
-  const float* sr(int64_t m) const { return s.data() + m * (K / QK); }
-  const int32_t* hr(int64_t m) const { return h.data() + m * (K / 16); }
+  // the block index of row m's block 0, and the index step from one of its blocks to the next
+  int64_t first(int64_t m) const { return (m / ROW_TILE * ROW_TILE) * (K / QK) + m % ROW_TILE; }
+  int64_t step(int64_t m) const { return std::min<int64_t>(ROW_TILE, M - m / ROW_TILE * ROW_TILE); }
+};
+
+// Row m0's blocks, and rows m0 + r of the same kernel tile at block index i + r.
+struct RowTile {
+  const int8_t* q;
+  const float *d, *s;
+  const int32_t *nh, *ns;
+  int64_t step;
+  RowTile(const QAct& x, int64_t m0) : step(x.step(m0)) {
+    const int64_t i = x.first(m0);
+    q = x.q.data() + i * QK; d = x.d.data() + i; s = x.s.data() + i; nh = x.nh.data() + 2 * i; ns = x.ns.data() + i;
+  }
 };
 
 // One block of 32: the scalar definition; the AVX2 path below computes the same values (the multiply by 1/d is
 // the same float multiply, and cvtps rounds to nearest even as nearbyint does in the default rounding mode).
-inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_out, int32_t h_out[2]) {
+inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_out, int32_t h_out[2], int32_t& ns_out) {
 #ifdef SPECDEC_AVX2
   const __m256 sign = _mm256_set1_ps(-0.f);
   __m256 v[4], m = _mm256_setzero_ps();
@@ -65,6 +82,8 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
   _mm256_storeu_si256((__m256i*)qb, p8);
   d_out = d;
   s_out = d * (float)(h_out[0] + h_out[1]);
+  ns_out = -(h_out[0] + h_out[1]);
+  h_out[0] = -h_out[0]; h_out[1] = -h_out[1];
 #else
   float amax = 0.f;
   for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
@@ -77,16 +96,24 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
   }
   d_out = d;
   s_out = d * (float)(h_out[0] + h_out[1]);
+  ns_out = -(h_out[0] + h_out[1]);
+  h_out[0] = -h_out[0]; h_out[1] = -h_out[1];
 #endif
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out) {
   out.M = M; out.K = K;
-  grow(out.q, M * K); grow(out.d, M * K / QK); grow(out.s, M * K / QK); grow(out.h, M * K / 16);
-  for (int64_t m = 0; m < M; m++)
-    for (int64_t b = 0; b < K / QK; b++)
-      quantize_block(x + m * ldx + b * QK, out.q.data() + m * K + b * QK, out.d[m * (K / QK) + b],
-                     out.s[m * (K / QK) + b], out.h.data() + m * (K / 16) + 2 * b);
+  grow(out.q, M * K); grow(out.d, M * K / QK); grow(out.s, M * K / QK); grow(out.nh, M * K / 16); grow(out.ns, M * K / QK);
+  // blocks are independent: a prefill's rows spread over the threads, a decode step's stay on this one
+  at::parallel_for(0, M, std::max<int64_t>(1, (1 << 16) / K), [&](int64_t m0, int64_t m1) {
+    for (int64_t m = m0; m < m1; m++) {
+      const int64_t first = out.first(m), step = out.step(m);
+      for (int64_t b = 0; b < K / QK; b++) {
+        const int64_t i = first + b * step;
+        quantize_block(x + m * ldx + b * QK, out.q.data() + i * QK, out.d[i], out.s[i], out.nh.data() + 2 * i, out.ns[i]);
+      }
+    }
+  });
 }
 
 // ---------------------------------------------------------------------------------------------------------
@@ -115,9 +142,7 @@ inline __m256i dot32(__m256i w, __m256i x) {
 template <class F, int NW, int NR>
 void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, float* y, int64_t ldy, int64_t n0) {
   const int64_t nsub = x.K / QK;
-  const int8_t* xq[NR];
-  const float *xd[NR], *xs[NR];
-  for (int r = 0; r < NR; r++) { xq[r] = x.row(m0 + r); xd[r] = x.dr(m0 + r); xs[r] = x.sr(m0 + r); }
+  const RowTile t(x, m0);
 #ifdef SPECDEC_AVX2
   __m256 acc[NW][NR];
   float accm[NW][NR];
@@ -136,13 +161,14 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, fl
       scv[i] = sc[0] == sc[1] ? _mm256_set1_ps(sc[0]) : _mm256_setr_ps(sc[0], sc[0], sc[0], sc[0], sc[1], sc[1], sc[1], sc[1]);
       q[i] = F::quants(blk, sub);
     }
+    const int64_t b = j * t.step;
     for (int r = 0; r < NR; r++) {
-      const __m256i xv = _mm256_loadu_si256((const __m256i*)(xq[r] + j * QK));
-      const __m256 dx = _mm256_set1_ps(xd[r][j]);
+      const __m256i xv = _mm256_loadu_si256((const __m256i*)(t.q + (b + r) * QK));
+      const __m256 dx = _mm256_set1_ps(t.d[b + r]);
       for (int i = 0; i < NW; i++) {
         __m256 p = _mm256_cvtepi32_ps(dot32<F::SIGNED>(q[i], xv));
         acc[i][r] = _mm256_fmadd_ps(p, _mm256_mul_ps(scv[i], dx), acc[i][r]);
-        if (!F::SIGNED) accm[i][r] += mn[i] * xs[r][j];
+        if (!F::SIGNED) accm[i][r] += mn[i] * t.s[b + r];
       }
     }
   }
@@ -160,15 +186,16 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, fl
       F::scales(blk, sub, sc, mn);
       F::quants(blk, sub, q);
       for (int r = 0; r < NR; r++) {
-        const int8_t* xb = xq[r] + j * QK;
+        const int64_t b = j * t.step + r;
+        const int8_t* xb = t.q + b * QK;
         int lo = 0, hi = 0;
         for (int k = 0; k < 16; k++) {
           int a = F::SIGNED ? (int)(int8_t)q[k] : (int)q[k], b = F::SIGNED ? (int)(int8_t)q[k + 16] : (int)q[k + 16];
           lo += a * xb[k];
           hi += b * xb[k + 16];
         }
-        acc[i][r] += (float)lo * (sc[0] * xd[r][j]) + (float)hi * (sc[1] * xd[r][j]);
-        if (!F::SIGNED) accm[i][r] += mn * xs[r][j];
+        acc[i][r] += (float)lo * (sc[0] * t.d[b]) + (float)hi * (sc[1] * t.d[b]);
+        if (!F::SIGNED) accm[i][r] += mn * t.s[b];
       }
     }
   }
@@ -215,13 +242,22 @@ constexpr int x8_offset() {
 #endif
   if constexpr (F::KIND == K_OFFSET || F::KIND == K_HALVES) return F::OFFSET; else return 0;
 }
+// ... as a shift: every offset is a power of two, so -OFFSET * sum(x) is the stored -sum(x) shifted left
+template <class F>
+constexpr int x8_offset_shift() {
+  constexpr int off = x8_offset<F>();
+  static_assert((off & (off - 1)) == 0, "offsets are powers of two");
+  int k = 0;
+  while ((1 << k) < off) k++;
+  return k;
+}
 
-// sum over e in [E0, E1) of the 8 rows' 4-weight products with activation word xw[e]: 8 exact int32 lanes.
-// VNNI: one u8 x s8 instruction per word. AVX2: maddubs into int16, as many summed before widening as cannot
-// saturate (2 * UMAX * 127 per instruction); signed weights (UMAX 0) move their signs onto the activations.
+// s0 + the sum over e in [E0, E1) of the 8 rows' 4-weight products with activation word xw[e]: 8 exact int32
+// lanes. VNNI: one u8 x s8 instruction per word. AVX2: maddubs into int16, as many summed before widening as
+// cannot saturate (2 * UMAX * 127 per instruction); signed weights (UMAX 0) move their signs onto the activations.
 template <int UMAX, int E0, int E1>
-inline __m256i dot_words(const __m256i* u, const __m256i* au, const int32_t* xw) {
-  __m256i s = _mm256_setzero_si256();
+inline __m256i dot_words(const __m256i* u, const __m256i* au, const int32_t* xw, __m256i s0) {
+  __m256i s = s0;
 #ifdef SPECDEC_VNNI
   (void)au;
   for (int e = E0; e < E1; e++) s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
@@ -248,12 +284,9 @@ inline __m256i dot_words(const __m256i* u, const __m256i* au, const int32_t* xw)
 // y[m0 + r, n0 .. n0 + 7] for NR activation rows against one group of 8 weight rows (its records `recs`).
 template <class F, int NR>
 void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t ldy, int64_t n0) {
-  constexpr int SUBS = F::BLOCK / QK, U = x8_umax<F>(), OFF = x8_offset<F>();
+  constexpr int SUBS = F::BLOCK / QK, U = x8_umax<F>(), OFF = x8_offset<F>(), SHIFT = OFF ? x8_offset_shift<F>() : 0;
   constexpr int64_t AHEAD = F::BLOCK == QK ? 8 * F::REC : F::REC;  // prefetch distance, bytes
-  const int8_t* xq[NR];
-  const float *xd[NR], *xs[NR];
-  const int32_t* xh[NR];
-  for (int r = 0; r < NR; r++) { xq[r] = x.row(m0 + r); xd[r] = x.dr(m0 + r); xs[r] = x.sr(m0 + r); xh[r] = x.hr(m0 + r); }
+  const RowTile t(x, m0);
   __m256 acc[NR];
   for (int r = 0; r < NR; r++) acc[r] = _mm256_setzero_ps();
   const int64_t nrec = x.K / F::BLOCK;
@@ -262,7 +295,7 @@ void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t l
     for (int64_t o = 0; o < F::REC; o += 64) _mm_prefetch((const char*)(rec + AHEAD + o), _MM_HINT_T0);
     const typename F::Head head(rec);
     for (int sub = 0; sub < SUBS; sub++) {
-      const int64_t j = s * SUBS + sub;
+      const int64_t b = (s * SUBS + sub) * t.step;  // row r's block: b + r
       __m256i u[8], au[8];
       F::unpack(rec, sub, u);
 #ifndef SPECDEC_VNNI
@@ -272,22 +305,23 @@ void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t l
       if constexpr (F::KIND == K_HALVES) {  // a scale per 16 weights: two integer sums, scaled exactly
         const __m256i sc_lo = head.scale_lo(rec, sub), sc_hi = head.scale_hi(rec, sub);
         for (int r = 0; r < NR; r++) {
-          const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
-          const __m256i lo = _mm256_sub_epi32(dot_words<U, 0, 4>(u, au, xw), _mm256_set1_epi32(OFF * xh[r][2 * j]));
-          const __m256i hi = _mm256_sub_epi32(dot_words<U, 4, 8>(u, au, xw), _mm256_set1_epi32(OFF * xh[r][2 * j + 1]));
+          const int32_t* xw = (const int32_t*)(t.q + (b + r) * QK);
+          const __m256i lo = dot_words<U, 0, 4>(u, au, xw, _mm256_slli_epi32(_mm256_set1_epi32(t.nh[2 * (b + r)]), SHIFT));
+          const __m256i hi = dot_words<U, 4, 8>(u, au, xw, _mm256_slli_epi32(_mm256_set1_epi32(t.nh[2 * (b + r) + 1]), SHIFT));
           const __m256i sum = _mm256_add_epi32(_mm256_mullo_epi32(lo, sc_lo), _mm256_mullo_epi32(hi, sc_hi));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(head.d, _mm256_set1_ps(xd[r][j])), acc[r]);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(head.d, _mm256_set1_ps(t.d[b + r])), acc[r]);
         }
       } else {
         const __m256 sc = head.scale(rec, sub);
         __m256 mn = _mm256_setzero_ps();
         if constexpr (F::KIND == K_MIN) mn = head.minimum(rec, sub);
         for (int r = 0; r < NR; r++) {
-          const int32_t* xw = (const int32_t*)(xq[r] + j * QK);
-          __m256i sum = dot_words<U, 0, 8>(u, au, xw);
-          if constexpr (OFF != 0) sum = _mm256_sub_epi32(sum, _mm256_set1_epi32(OFF * (xh[r][2 * j] + xh[r][2 * j + 1])));
-          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sc, _mm256_set1_ps(xd[r][j])), acc[r]);
-          if constexpr (F::KIND == K_MIN) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(xs[r][j]), acc[r]);
+          const int32_t* xw = (const int32_t*)(t.q + (b + r) * QK);
+          __m256i s0 = _mm256_setzero_si256();
+          if constexpr (OFF != 0) s0 = _mm256_slli_epi32(_mm256_set1_epi32(t.ns[b + r]), SHIFT);
+          const __m256i sum = dot_words<U, 0, 8>(u, au, xw, s0);
+          acc[r] = _mm256_fmadd_ps(_mm256_cvtepi32_ps(sum), _mm256_mul_ps(sc, _mm256_set1_ps(t.d[b + r])), acc[r]);
+          if constexpr (F::KIND == K_MIN) acc[r] = _mm256_fmadd_ps(mn, _mm256_set1_ps(t.s[b + r]), acc[r]);
         }
       }
     }
@@ -306,6 +340,98 @@ void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, 
     case 1: x8_tile<F, 1>(recs, x, m, y, ldy, n0); break;
   }
 }
+
+#ifdef SPECDEC_AVX512
+// Two consecutive groups of 8 weight rows in one 512-bit vector (low half: group a, high half: group b): every lane
+// runs x8_tile's operations on the same values, so a row's bits do not depend on which of the two tiles ran it.
+// The 32 registers hold the 8 unpacked weight vectors and up to 8 activation rows' accumulators, so verifying 8
+// tokens unpacks each weight sub-block once; the activation words come in as the dot product's broadcast operand.
+inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
+inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
+
+// Below this many activation rows the 256-bit tiles are faster (measured at SmolLM2-1.7B's shape on Zen 4: a decode
+// step 34 ms with them, 40 ms with the 512-bit ones, equal at 4 rows, 512-bit 1.25x faster at 8): a step reads
+// the weights from memory, and one group's records after another are one sequential stream, a pair of groups two.
+constexpr int64_t X16_MIN_ROWS = 4;
+
+template <int E0, int E1>
+inline __m512i dot_words16(const __m512i* u, const int32_t* xw, __m512i s0) {
+  __m512i s = s0;
+  for (int e = E0; e < E1; e++) s = _mm512_dpbusd_epi32(s, u[e], _mm512_set1_epi32(xw[e]));
+  return s;
+}
+
+template <class F, int NR>
+void x16_tile(const uint8_t* ra, const uint8_t* rb, const QAct& x, int64_t m0, float* y, int64_t ldy, int64_t n0) {
+  constexpr int SUBS = F::BLOCK / QK, OFF = x8_offset<F>(), SHIFT = OFF ? x8_offset_shift<F>() : 0;
+  constexpr int64_t AHEAD = F::BLOCK == QK ? 8 * F::REC : F::REC;
+  const RowTile t(x, m0);
+  __m512 acc[NR];
+  for (int r = 0; r < NR; r++) acc[r] = _mm512_setzero_ps();
+  const int64_t nrec = x.K / F::BLOCK;
+  for (int64_t s = 0; s < nrec; s++) {
+    const uint8_t *a = ra + s * F::REC, *b = rb + s * F::REC;
+    for (int64_t o = 0; o < F::REC; o += 64) {
+      _mm_prefetch((const char*)(a + AHEAD + o), _MM_HINT_T0);
+      _mm_prefetch((const char*)(b + AHEAD + o), _MM_HINT_T0);
+    }
+    const typename F::Head ha(a), hb(b);
+    for (int sub = 0; sub < SUBS; sub++) {
+      const int64_t i = (s * SUBS + sub) * t.step;  // row r's block: i + r
+      __m512i u[8];
+      {
+        __m256i ua[8], ub[8];
+        F::unpack(a, sub, ua);
+        F::unpack(b, sub, ub);
+        for (int e = 0; e < 8; e++) u[e] = join(ua[e], ub[e]);
+      }
+      if constexpr (F::KIND == K_HALVES) {
+        const __m512i sc_lo = join(ha.scale_lo(a, sub), hb.scale_lo(b, sub));
+        const __m512i sc_hi = join(ha.scale_hi(a, sub), hb.scale_hi(b, sub));
+        const __m512 d = join(ha.d, hb.d);
+        for (int r = 0; r < NR; r++) {
+          const int32_t* xw = (const int32_t*)(t.q + (i + r) * QK);
+          const __m512i lo = dot_words16<0, 4>(u, xw, _mm512_slli_epi32(_mm512_set1_epi32(t.nh[2 * (i + r)]), SHIFT));
+          const __m512i hi = dot_words16<4, 8>(u, xw, _mm512_slli_epi32(_mm512_set1_epi32(t.nh[2 * (i + r) + 1]), SHIFT));
+          const __m512i sum = _mm512_add_epi32(_mm512_mullo_epi32(lo, sc_lo), _mm512_mullo_epi32(hi, sc_hi));
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(d, _mm512_set1_ps(t.d[i + r])), acc[r]);
+        }
+      } else {
+        const __m512 sc = join(ha.scale(a, sub), hb.scale(b, sub));
+        __m512 mn = _mm512_setzero_ps();
+        if constexpr (F::KIND == K_MIN) mn = join(ha.minimum(a, sub), hb.minimum(b, sub));
+        for (int r = 0; r < NR; r++) {
+          const int32_t* xw = (const int32_t*)(t.q + (i + r) * QK);
+          __m512i s0 = _mm512_setzero_si512();
+          if constexpr (OFF != 0) s0 = _mm512_slli_epi32(_mm512_set1_epi32(t.ns[i + r]), SHIFT);
+          const __m512i sum = dot_words16<0, 8>(u, xw, s0);
+          acc[r] = _mm512_fmadd_ps(_mm512_cvtepi32_ps(sum), _mm512_mul_ps(sc, _mm512_set1_ps(t.d[i + r])), acc[r]);
+          if constexpr (F::KIND == K_MIN) acc[r] = _mm512_fmadd_ps(mn, _mm512_set1_ps(t.s[i + r]), acc[r]);
+        }
+      }
+    }
+  }
+  for (int r = 0; r < NR; r++) _mm512_storeu_ps(y + (m0 + r) * ldy + n0, acc[r]);
+}
+
+// Groups g and g + 1 (weight rows n0 .. n0 + 15) for every activation row: tiles of 8, then one tile of the rest.
+template <class F>
+void x16_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, int64_t g, int64_t n0) {
+  const uint8_t* ra = packed.data_ptr<uint8_t>() + g * packed.size(1);
+  const uint8_t* rb = ra + packed.size(1);
+  int64_t m = 0;
+  for (; m + 8 <= x.M; m += 8) x16_tile<F, 8>(ra, rb, x, m, y, ldy, n0);
+  switch (x.M - m) {
+    case 7: x16_tile<F, 7>(ra, rb, x, m, y, ldy, n0); break;
+    case 6: x16_tile<F, 6>(ra, rb, x, m, y, ldy, n0); break;
+    case 5: x16_tile<F, 5>(ra, rb, x, m, y, ldy, n0); break;
+    case 4: x16_tile<F, 4>(ra, rb, x, m, y, ldy, n0); break;
+    case 3: x16_tile<F, 3>(ra, rb, x, m, y, ldy, n0); break;
+    case 2: x16_tile<F, 2>(ra, rb, x, m, y, ldy, n0); break;
+    case 1: x16_tile<F, 1>(ra, rb, x, m, y, ldy, n0); break;
+  }
+}
+#endif
 #endif
 
 // ---------------------------------------------------------------------------------------------------------
@@ -407,8 +533,16 @@ void matmul(const QMatrix& W, const float* xf, int64_t M, int64_t ldx, QAct& x, 
       if (W.x8[p].defined()) {  // groups of 8 rows, each done by the chunk holding its first row
         const int64_t off = W.first[p], packed = W.x8[p].size(0) * 8;
         with_format(W.formats[p], [&](auto f) {
-          for (int64_t g = (a - off + 7) / 8; g * 8 < std::min(b - off, packed); g++)
-            x8_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
+          int64_t g = (a - off + 7) / 8;
+#ifdef SPECDEC_AVX512
+          // groups in pairs (2i, 2i + 1), each done by the chunk holding its first row; only an odd count's last
+          // group goes alone. Both tiles give the same bits, so the choice may depend on the row count.
+          if (x.M >= X16_MIN_ROWS) {
+            g += g % 2;
+            for (; g * 8 < std::min(b - off, packed - 8); g += 2) x16_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
+          }
+#endif
+          for (; g * 8 < std::min(b - off, packed); g++) x8_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
           return 0;
         });
         a = std::max(a, off + packed);
