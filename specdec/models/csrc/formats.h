@@ -11,6 +11,7 @@
 //   (the rows' scales, as the file stores them), then per sub-block of 32 the quants as planes:
 //     nibbles  128 bytes   byte 32e + 4i + b: weight 4e + b of row i (low nibble), weight 4(e + 4) + b (high)
 //     plane    32 bytes    byte 4i + b, bit e: one more bit (bit 4 or 5) of weight 4e + b of row i
+//     crumbs   64 bytes    byte 32c + 4i + b, bits 2k, 2k + 1: bits 4-5 of weight 4(c + 2k) + b of row i (Q6_K)
 //     bytes    256 bytes   byte 32e + 4i + b: weight 4e + b of row i
 //   so u[e] (e = 0..7) = the 8 rows' weights 4e..4e+3 in the 8 lanes, and one broadcast of 4 activation bytes
 //   multiplies all 8 rows at once (quant.cpp). KIND says how a value u becomes a weight:
@@ -58,6 +59,18 @@ inline void put_bytes(const uint8_t u[8][32], uint8_t* out) {
       for (int b = 0; b < 4; b++) out[32 * e + 4 * i + b] = u[i][4 * e + b];
 }
 
+// bits 4 and 5 of each weight, four weights to a byte: byte 32c + 4i + b, bits 2k and 2k + 1: weight 4(c + 2k) + b of
+// row i (c = 0, 1; k = 0..3). Two 32-byte vectors give all 8 u[e] their two high bits, 3 operations each.
+inline void put_crumbs(const uint8_t u[8][32], uint8_t* out) {
+  for (int c = 0; c < 2; c++)
+    for (int i = 0; i < 8; i++)
+      for (int b = 0; b < 4; b++) {
+        uint8_t v = 0;
+        for (int k = 0; k < 4; k++) v |= (uint8_t)(((u[i][4 * (c + 2 * k) + b] >> 4) & 3) << (2 * k));
+        out[32 * c + 4 * i + b] = v;
+      }
+}
+
 inline void put_halves(const uint8_t* const blk[8], int at, uint8_t* out) {  // the 8 rows' f16 at byte `at`
   for (int i = 0; i < 8; i++) std::memcpy(out + 2 * i, blk[i] + at, 2);
 }
@@ -80,6 +93,19 @@ inline void add_plane(const uint8_t* p, int bit, __m256i u[8]) {
     const __m256i moved = e <= bit ? _mm256_sll_epi16(h, _mm_cvtsi32_si128(bit - e))
                                    : _mm256_srl_epi16(h, _mm_cvtsi32_si128(e - bit));
     u[e] = _mm256_or_si256(u[e], _mm256_and_si256(moved, mask));
+  }
+}
+
+// u[e] |= bits 4 and 5 from the crumbs (put_crumbs). 16-bit shifts carry bits across the byte boundary, but
+// never onto bits 4-5 of the other byte, so the mask leaves exactly the wanted two.
+inline void add_crumbs(const uint8_t* p, __m256i u[8]) {
+  const __m256i mask = _mm256_set1_epi8(0x30);
+  for (int c = 0; c < 2; c++) {
+    const __m256i h = _mm256_loadu_si256((const __m256i*)(p + 32 * c));
+    u[c] = _mm256_or_si256(u[c], _mm256_and_si256(_mm256_slli_epi16(h, 4), mask));
+    u[c + 2] = _mm256_or_si256(u[c + 2], _mm256_and_si256(_mm256_slli_epi16(h, 2), mask));
+    u[c + 4] = _mm256_or_si256(u[c + 4], _mm256_and_si256(h, mask));
+    u[c + 6] = _mm256_or_si256(u[c + 6], _mm256_and_si256(_mm256_srli_epi16(h, 2), mask));
   }
 }
 
@@ -333,7 +359,7 @@ using Q5_K = QK_Min<true>;
 // Half h (128 weights) uses ql[64 h ..], qh[32 h ..]; its sub-block k takes low nibbles (k < 2) or high
 // nibbles of ql[64 h + 32 (k % 2) + i] and bits 2k, 2k + 1 of qh[32 h + i]; scales 8 h + 2 k (+1).
 // Record: d[8], then per sub-block the 8 rows' two scales (first 16 weights, last 16), then per sub-block
-// nibbles and the planes of bits 4 and 5 of q (0..63).
+// nibbles and the crumbs (bits 4 and 5) of q (0..63).
 struct Q6_K {
   static constexpr int BLOCK = 256, BYTES = 210, HEAD = 16 + 128, SUB = 192, REC = HEAD + 8 * SUB;
   static constexpr bool SIGNED = true;
@@ -371,8 +397,7 @@ struct Q6_K {
       }
       uint8_t* at = rec + HEAD + SUB * sub;
       put_nibbles(u, at);
-      put_plane(u, 4, at + 128);
-      put_plane(u, 5, at + 160);
+      put_crumbs(u, at + 128);
     }
   }
 #ifdef SPECDEC_AVX2
@@ -396,8 +421,7 @@ struct Q6_K {
   static void unpack(const uint8_t* rec, int sub, __m256i u[8]) {
     const uint8_t* at = rec + HEAD + SUB * sub;
     get_nibbles(at, u);
-    add_plane(at + 128, 4, u);
-    add_plane(at + 160, 5, u);
+    add_crumbs(at + 128, u);
   }
 #endif
 };
