@@ -349,10 +349,11 @@ void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, 
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-// Below this many activation rows the 256-bit tiles are faster (measured at SmolLM2-1.7B's shape on Zen 4: a decode
-// step 34 ms with them, 40 ms with the 512-bit ones, equal at 4 rows, 512-bit 1.25x faster at 8): a step reads
-// the weights from memory, and one group's records after another are one sequential stream, a pair of groups two.
-constexpr int64_t X16_MIN_ROWS = 4;
+// Below this many activation rows the 256-bit tiles are faster. At SmolLM2-1.7B's shape on Zen 4 (whole steps,
+// thresholds alternated in one process): a decode step 34 ms on them, 40 ms on 512-bit tiles (a step streams the
+// weights from memory: one group's records after another is one sequential stream, a pair of groups two); at 4
+// rows 256-bit still ahead, from 5 rows 512-bit (5 rows 58 ms against 70, 8 rows 79-82 against 98-118).
+constexpr int64_t X16_MIN_ROWS = 5;
 
 template <int E0, int E1>
 inline __m512i dot_words16(const __m512i* u, const int32_t* xw, __m512i s0) {
