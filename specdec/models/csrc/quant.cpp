@@ -82,8 +82,6 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
   _mm256_storeu_si256((__m256i*)qb, p8);
   d_out = d;
   s_out = d * (float)(h_out[0] + h_out[1]);
-  ns_out = -(h_out[0] + h_out[1]);
-  h_out[0] = -h_out[0]; h_out[1] = -h_out[1];
 #else
   float amax = 0.f;
   for (int i = 0; i < QK; i++) amax = std::max(amax, std::fabs(xb[i]));
@@ -96,9 +94,9 @@ inline void quantize_block(const float* xb, int8_t* qb, float& d_out, float& s_o
   }
   d_out = d;
   s_out = d * (float)(h_out[0] + h_out[1]);
-  ns_out = -(h_out[0] + h_out[1]);
-  h_out[0] = -h_out[0]; h_out[1] = -h_out[1];
 #endif
+  ns_out = -(h_out[0] + h_out[1]);  // stored negated: the kernels start their integer sums from -OFFSET * sum
+  h_out[0] = -h_out[0]; h_out[1] = -h_out[1];
 }
 
 void quantize_rows(const float* x, int64_t M, int64_t K, int64_t ldx, QAct& out) {
