@@ -287,10 +287,17 @@ def test_concurrent_streams_with_cancellations_leak_nothing(spec, offline):
     assert m['specdec_requests_total{finish_reason="abort"}'] - aborts_before == len(cancel)
 
 
-def test_non_streaming_client_that_leaves_is_aborted(plain):
+def test_non_streaming_client_that_leaves_is_aborted(plain, monkeypatch):
     before = plain.metrics()['specdec_requests_total{finish_reason="abort"}']
-    engine, gate = plain.llm.engine, threading.Event()
-    engine.inject_fault = lambda seqs: gate.wait(10)  # no step finishes before the client has left
+    engine, served, gate = plain.llm.engine, plain.app.state.server.engine, threading.Event()
+    queue_abort = served.abort
+
+    def abort_then_resume(req):  # the server noticed the client left: its abort is queued before any step ends
+        queue_abort(req)
+        gate.set()
+
+    monkeypatch.setattr(served, "abort", abort_then_resume)
+    engine.inject_fault = lambda seqs: gate.wait(10)  # no step finishes before the server saw the client leave
     try:
         with pytest.raises(httpx.ReadTimeout):
             httpx.post(f"{plain.url}/v1/completions", timeout=0.3,
