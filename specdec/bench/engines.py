@@ -96,8 +96,9 @@ def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device):
     return model.to(device).eval()
 
 
-def load_llamacpp(src: ModelSource, threads: int, context: int = 4096):
-    """llama.cpp on the model's own GGUF file (the peer a CPU user already has)."""
+def load_llamacpp(src: ModelSource, threads: int, context: int = 4096, logits_all: bool = False):
+    """llama.cpp on the model's own GGUF file (the peer a CPU user already has); `logits_all` computes the
+    logits of every fed row (verification needs them all), not only the last."""
     try:
         from llama_cpp import Llama
     except ImportError:
@@ -106,7 +107,7 @@ def load_llamacpp(src: ModelSource, threads: int, context: int = 4096):
     if src.gguf_file is None:
         raise SpecdecError(f"--compare-llamacpp runs llama.cpp on a GGUF file, and {src.name} is a Hugging Face model")
     return Llama(model_path=str(src.gguf_file), n_threads=threads, n_threads_batch=threads, n_ctx=context,
-                 n_batch=512, verbose=False)
+                 n_batch=512, logits_all=logits_all, verbose=False)
 
 
 def time_llamacpp(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:

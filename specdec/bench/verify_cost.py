@@ -35,6 +35,22 @@ def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dic
     return {n: statistics.median(t) for n, t in times.items()}
 
 
+def llamacpp_step_times(model, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
+    """`step_times` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed row's logits, as
+    verification needs): the same committed ids, each step evaluated after them and dropped again."""
+    vocab = model.n_vocab()
+    model.reset()
+    model.eval([(1000 + i) % vocab for i in range(context)])
+    times: dict[int, list[float]] = {n: [] for n in tokens}
+    for _ in range(repeats):
+        for n in tokens:
+            model.n_tokens = context  # eval first removes the K/V past n_tokens
+            start = time.perf_counter()
+            model.eval([(1000 + context) % vocab] + [100 % vocab] * (n - 1))
+            times[n].append(time.perf_counter() - start)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
 def token_cost(engine, context: int, nodes: int, repeats: int = 9) -> float:
     """The extra time of verifying one more token, in plain steps, averaged over a tree of `nodes` drafts:
     (t(1 + nodes) - t(1)) / (nodes * t(1))."""
