@@ -6,7 +6,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 SPEC ?=
 SPEC_ARG := $(if $(SPEC),--speculative-config '$(SPEC)',)
 
-.PHONY: setup run test bench bench-peers distill
+.PHONY: setup run test test-gpu bench bench-peers distill
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,17 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The lossless suite on a GPU, run on the GPU machine itself with the torch it has (no venv, no network; specdec
+# imports need the gguf wheel there: ../shared/device/README.md, tools/gpu_check.sh). Every engine a test builds
+# without naming a device runs on cuda (tests/conftest.py: --device, $$SPECDEC_TEST_DEVICE).
+GPU_PYTHON ?= python3
+GPU_TESTS := tests/test_speculative.py tests/test_drafters.py tests/test_eagle.py tests/test_eagle3.py \
+	tests/test_medusa.py tests/test_hybrid.py tests/test_lookahead.py tests/test_recycle.py tests/test_suffix.py \
+	tests/test_sampled_methods.py tests/test_prefix_cache.py tests/test_llm.py tests/test_verify.py \
+	tests/test_sampling.py tests/test_tree.py tests/test_tree_attention.py tests/test_scheduler.py tests/test_kv_cache.py
+test-gpu:
+	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --device cuda $(GPU_TESTS)
 
 bench: setup
 	$(VENV)/bin/specdec bench --num-prompts 10 --max-tokens 128 --compare-hf --batch-sizes 1,4,16 --dtypes float32,bfloat16 --speculative-config '$(SPEC)' --out bench_results/bench.json

@@ -17,7 +17,7 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
                    "model in float32) | float32 | bfloat16 | float16 (a GGUF dequantized)")
     p.add_argument("--quantization", default=None, help="gguf (a GGUF's own blocks) | a block format "
                    "to quantize float weights into on load: q4_0 q4_1 q5_0 q5_1 q8_0 q4_k q5_k q6_k iq4_nl iq4_xs")
-    p.add_argument("--device", default="cpu", help="cpu | cuda")
+    p.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\', or off (default: the built-in model '
                    "uses its tuned default, specdec/heads/<model>.json, a dispatch table by batch size chosen by "

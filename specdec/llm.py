@@ -31,7 +31,13 @@ def parse_dtype(dtype: str | torch.dtype) -> str | torch.dtype:
     return _DTYPES[dtype]
 
 
-def parse_device(device: str | torch.device) -> torch.device:
+DEVICE_ENV = "SPECDEC_DEVICE"  # the device when none is given (LLM, the CLI, the tests' --device): default cpu
+
+
+def parse_device(device: str | torch.device | None) -> torch.device:
+    """The device asked for, or $SPECDEC_DEVICE (else cpu) when None."""
+    if device is None:
+        device = os.environ.get(DEVICE_ENV) or "cpu"
     try:
         dev = torch.device(device)
     except RuntimeError as e:
@@ -82,6 +88,7 @@ class LLM:
     built-in model drafts with the head we ship for it, other models do not speculate; "off": no speculation.
     dtype: 'auto' computes a GGUF on its own quantized blocks (native int8 kernels on CPU) and a Hugging Face
     model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
+    device: 'cpu' or 'cuda'; None takes $SPECDEC_DEVICE, else 'cpu'.
     quantization: 'gguf' (insist on a GGUF's own blocks), or a block format to quantize float weights into on
     load ('q4_0', 'q4_1', 'q5_0', 'q5_1', 'q8_0', 'q4_k', 'q5_k', 'q6_k', 'iq4_nl', 'iq4_xs': `quant.FORMATS`).
     tensor_parallel_size: split the target over this many processes (torch.distributed; see
@@ -91,7 +98,7 @@ class LLM:
     """
 
     def __init__(self, model: str = DEFAULT_MODEL, dtype: str | torch.dtype = "auto",
-                 device: str | torch.device = "cpu", speculative_config: dict | str | None = None,
+                 device: str | torch.device | None = None, speculative_config: dict | str | None = None,
                  quantization: str | None = None, tensor_parallel_size: int | None = None,
                  **engine_kwargs: Any) -> None:
         if speculative_config is None:

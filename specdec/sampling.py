@@ -26,6 +26,7 @@ class SamplingTensors:
     min_p: torch.Tensor  # [B] float32, 0 = off
     generators: list[torch.Generator | None]
     all_greedy: bool
+    any_greedy: bool  # host flags (no device read): a selection of rows keeps its batch's, still true of it
     needs_top_k: bool
     needs_top_p: bool
     needs_min_p: bool
@@ -43,6 +44,7 @@ class SamplingTensors:
             min_p=t([p.min_p for p in params], torch.float32),
             generators=generators,
             all_greedy=all(p.greedy for p in params),
+            any_greedy=any(p.greedy for p in params),
             needs_top_k=any(p.top_k > 0 and not p.greedy for p in params),
             needs_top_p=any(p.top_p < 1 and not p.greedy for p in params),
             needs_min_p=any(p.min_p > 0 and not p.greedy for p in params),
@@ -57,7 +59,7 @@ class SamplingTensors:
         """The parameters of rows `rows` (one row per draft position when verifying)."""
         index = torch.tensor(rows, device=self.temperature.device)
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
-                               [self.generators[i] for i in rows], self.all_greedy, self.needs_top_k,
+                               [self.generators[i] for i in rows], self.all_greedy, self.any_greedy, self.needs_top_k,
                                self.needs_top_p, self.needs_min_p)
 
 
@@ -100,7 +102,7 @@ def logits_to_probs(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
         probs = apply_min_p(probs, st.min_p)
     if st.needs_top_p or st.needs_min_p:
         probs = probs / probs.sum(-1, keepdim=True)
-    if bool(greedy.any()):
+    if st.any_greedy:
         one_hot = torch.zeros_like(probs).scatter_(-1, greedy_tokens(logits)[..., None], 1.0)
         probs = torch.where(greedy[:, None], one_hot, probs)
     return probs

@@ -11,6 +11,7 @@ every test independent of the ones before it:
 from __future__ import annotations
 
 import collections
+import contextlib
 import importlib.util
 import os
 import random
@@ -20,6 +21,7 @@ import numpy as np
 import pytest
 import torch
 import transformers
+from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ["SPECDEC_KV_FILL"] = "nan"  # before any engine is built; see specdec.kv_cache.FILL_ENV
 
@@ -105,6 +107,34 @@ def sequence_inputs(runner, seqs, num_new: list[int]):
                          [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, num_new)])
 
 
+# ---- device checks without a GPU ----------------------------------------------------------------------------
+
+class DeviceCheck(TorchDispatchMode):
+    """Fails an op whose tensors live on different devices, as CUDA refuses them (CUDA accepts 0-dim host tensors
+    as scalars, host index tensors, and copies between devices)."""
+
+    MAY_MIX = {"aten::index", "aten::index_put_", "aten::index_put", "aten::_index_put_impl_", "aten::copy_",
+               "aten::_to_copy"}
+
+    def __torch_dispatch__(self, func, types, args=(), kwargs=None):
+        kwargs = kwargs or {}
+        devices = {t.device for t in torch.utils._pytree.tree_leaves((args, kwargs))
+                   if isinstance(t, torch.Tensor) and not (t.device.type == "cpu" and t.dim() == 0)}
+        if len(devices) > 1 and func._schema.name not in self.MAY_MIX:
+            raise AssertionError(f"{func._schema.name} mixes tensors on {sorted(map(str, devices))}")
+        return func(*args, **kwargs)
+
+
+@contextlib.contextmanager
+def accelerator_checks():
+    """An engine built with device="meta" stands for one on an accelerator, without a GPU: its tensors have
+    shapes and no data, every op that mixes them with host tensors fails as on CUDA (DeviceCheck), and the first
+    read of a value back to the host raises (NotImplementedError or RuntimeError from meta tensors), which tells
+    how far a step got."""
+    with DeviceCheck():
+        yield
+
+
 # ---- greedy identity across numerical paths ----------------------------------------------------------------
 
 def top2_gap(llm, token_ids: list[int]) -> float:
@@ -140,6 +170,18 @@ def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = 0.0)
         gap = top2_gap(llm, list(out.prompt_token_ids) + ref[:j])
         assert tie > 0 and gap <= tie, \
             f"token {j} differs ({got[j]} vs {ref[j]}) where the target's top-2 gap is {gap:.2e} (allowed: {tie})"
+
+
+# ---- the device the suite runs on ----------------------------------------------------------------------------
+
+def pytest_addoption(parser):
+    parser.addoption("--device", default=os.environ.get("SPECDEC_TEST_DEVICE") or "cpu",
+                     help="the device every engine a test builds without naming one runs on (cpu | cuda; default "
+                          "$SPECDEC_TEST_DEVICE, else cpu); `make test-gpu` runs the lossless suite on cuda")
+
+
+def pytest_configure(config):
+    os.environ["SPECDEC_DEVICE"] = config.getoption("--device")  # LLM(device=None) and the CLI read it
 
 
 # ---- isolation --------------------------------------------------------------------------------------------

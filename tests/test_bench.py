@@ -121,3 +121,21 @@ def test_structured_bench_compares_constrained_plain_and_speculative(tiny_model:
     bad = write_prompts(tmp_path / "bad.jsonl", [{"text": "no schema"}])
     assert main(["bench", "--structured", "--model", str(tiny_model), "--prompts", str(bad)]) == 2
     assert "must be an object with 'text' and 'schema'" in capsys.readouterr().err
+
+
+def test_bench_fails_loudly_when_requests_fail(tiny_model: Path, tmp_path: Path, monkeypatch, capsys) -> None:
+    """A configuration whose every request fails (every tree on CUDA once) stops the bench with a non-zero exit
+    and the cause, instead of printing speed figures of failed requests."""
+    from specdec.engine.speculator import Speculator
+
+    def broken(self, seqs):
+        raise RuntimeError("Expected all tensors to be on the same device, but got index is on cpu")
+
+    monkeypatch.setattr(Speculator, "step", broken)
+    prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
+    code = main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "2",
+                 "--max-tokens", "6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--out", str(tmp_path / "b.json")])
+    err = capsys.readouterr().err
+    assert code != 0 and not (tmp_path / "b.json").exists()
+    assert "1 of 1 requests failed with ngram" in err and "index is on cpu" in err, err

@@ -197,3 +197,20 @@ def test_a_drafter_that_raises_turns_speculation_off_for_its_request_only(tiny_l
     assert [o.finish_reason for o in outs] == ["length"] * 3
     assert outs[1].metrics["num_drafts"] == 0 and outs[0].metrics["num_drafts"] > 0
     assert llm.engine.stats()["spec_draft_failures"] == 1
+
+
+def test_the_device_comes_from_specdec_device_when_not_given(tiny_llama_dir, monkeypatch):
+    """`--device cuda` runs the suite on a GPU through $SPECDEC_DEVICE; a device given by name always wins."""
+    import torch
+
+    from specdec.llm import parse_device
+
+    monkeypatch.setenv("SPECDEC_DEVICE", "meta")
+    assert parse_device(None) == torch.device("meta") and parse_device("cpu") == torch.device("cpu")
+    assert LLM(str(tiny_llama_dir), speculative_config="off").engine.model.device == torch.device("meta")
+    monkeypatch.delenv("SPECDEC_DEVICE")
+    assert parse_device(None) == torch.device("cpu")
+    if not torch.cuda.is_available():
+        monkeypatch.setenv("SPECDEC_DEVICE", "cuda")
+        with pytest.raises(SpecdecError, match="CUDA is not available"):
+            LLM(str(tiny_llama_dir))

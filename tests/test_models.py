@@ -9,7 +9,7 @@ from conftest import save_tiny_model, sequence_inputs
 from specdec.config import SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
-from specdec.kv_cache import BlockAllocator, KVPool
+from specdec.kv_cache import BlockAllocator, BlockTable, KVPool
 from specdec.models.loader import load_model
 
 CASES = {
@@ -108,3 +108,33 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_step(tmp_path, dty
     for p, c, rows in zip(prompts, conts, together):
         assert torch.equal(rows, run_paged(model, [p], [c])[0])
         assert torch.equal(run_paged(model, [p + c], [[]])[0], rows)
+
+
+@pytest.mark.parametrize("feeds, trees", [
+    ([[5], [6]], None),  # decode: one token per sequence
+    ([[5, 6, 7, 8], [6, 7, 8, 9]], None),  # chain verification: 1 + 3 drafts each
+    ([[5, 6, 7, 8, 9], [6]], [[-1, -1, 0, 0], None]),  # a tree beside a decode row
+])
+def test_the_device_forward_compiles_as_one_graph(tmp_path, monkeypatch, feeds, trees):
+    """The forward a GPU runs (torch ops, the C++ kernels off) captured whole by torch.compile(fullgraph=True): a
+    graph break or a read back to the host inside it, which would also stop a CUDA graph capture, fails here
+    without a GPU. The captured forward computes what the eager one does."""
+    from specdec.models import kernels, llama
+    from specdec.tree import TreeFeed
+
+    for module in (kernels, llama):
+        monkeypatch.setattr(module, "on_native", lambda *tensors: False)
+    model, _ = load_model(str(save_tiny_model(tmp_path, "llama")), torch.float32, "cpu")
+    alloc = BlockAllocator(32, 4)
+    runner = ModelRunner(model, KVPool(model.config, 32, 4, model.act_dtype, "cpu"), 4)
+    prompts = [[1, 2, 3, 4, 5, 6, 7], [1, 2, 3, 4, 9, 10, 11, 12, 13]]
+    tables = [BlockTable() for _ in prompts]
+    for table, p, f in zip(tables, prompts, feeds):
+        alloc.allocate(table, len(p) + len(f))
+    tables = [t.blocks for t in tables]
+    runner.run(tables, [0, 0], prompts)  # the prefix, eagerly
+    tree_feeds = [TreeFeed.verification(p) if p is not None else None for p in trees] if trees else None
+    tokens, positions, meta = runner.inputs(tables, [len(p) for p in prompts], feeds, tree_feeds)
+    eager, _ = model(tokens, positions, meta, runner.kv)
+    captured, _ = torch.compile(model.forward, fullgraph=True, backend="eager")(tokens, positions, meta, runner.kv)
+    torch.testing.assert_close(captured, eager)

@@ -1,8 +1,11 @@
 """Speculative decoding end to end: output never changes, whatever the drafter proposes."""
 from __future__ import annotations
 
+from pathlib import Path
+
 import pytest
 import torch
+from conftest import accelerator_checks
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.config import SpeculativeConfig
@@ -481,3 +484,26 @@ def test_a_sequence_part_way_through_a_chunked_prefill_never_verifies_drafts(tin
         spec = plain.with_speculative_config(config, max_num_batched_tokens=48)
         assert [o.token_ids for o in spec.generate(prompts, params)] == reference
         assert spec.engine.allocator.num_used == 0
+
+
+@pytest.mark.parametrize("temperature", [0.0, 0.8])
+def test_a_tree_step_runs_on_the_engine_device(tiny_llama_dir, temperature):
+    """On CUDA every tree failed: host drafts met device logits in a gather. With the engine on "meta" (shapes,
+    no data) a whole tree step runs, drafts, tree feed, target forward, logits, and verification up to its one
+    read back to the host, with every op's devices checked as CUDA checks them."""
+
+    class Tree(Drafter):
+        def propose(self, requests):  # two roots, the first with two children, one grandchild
+            return Draft.from_rows([([5, 6, 7, 8, 9], [-1, -1, 0, 0, 2]) for _ in requests])
+
+    engine = LLM(str(tiny_llama_dir), device="meta",
+                 speculative_config={"method": "custom", "num_speculative_tokens": 5, "drafter": Tree()}).engine
+    seqs = [engine.add_request([1, 2, 3, 4, 5, 6][: 4 + i], SamplingParams(temperature=temperature, max_tokens=10))
+            for i in range(2)]
+    for seq in seqs:  # as if prefilled (a meta cache holds nothing anyway)
+        engine.allocator.allocate(seq.block_table, len(seq.token_ids) + 6)
+        seq.num_cached, seq.spec.recent_acceptance = len(seq.token_ids) - 1, 1.0
+    with accelerator_checks(), pytest.raises((NotImplementedError, RuntimeError)) as reached:
+        engine.speculator.step(seqs)
+    where = [Path(str(entry.path)).name for entry in reached.traceback]
+    assert "verify.py" in where and "meta" in str(reached.value), (where, reached.value)  # the host read, in verify

@@ -22,10 +22,21 @@ def measurement(token_ids: list[int], ttft_s: float | None, decode_s: float, e2e
 SPEC_METRICS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
 
 
+def check_outputs(llm, outs) -> None:
+    """A benchmark of requests that failed measures nothing: stop it, naming the configuration and the cause."""
+    failed = [o for o in outs if o.finish_reason == "error"]
+    if failed:
+        spec = llm.engine.speculative
+        raise SpecdecError(f"{len(failed)} of {len(outs)} requests failed with "
+                           f"{spec.method if spec is not None else 'plain decoding'} on {llm.engine.model.device}: "
+                           f"{failed[0].stop_reason}; no figures are reported for a failing configuration")
+
+
 def time_specdec(llm, prompt: BenchPrompt, params: SamplingParams) -> dict:
     start = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt.token_ids}, params)[0]
     e2e = time.perf_counter() - start
+    check_outputs(llm, [out])
     m = out.metrics
     return {**measurement(out.token_ids, m["ttft_s"], m["decode_s"], e2e), **{k: m[k] for k in SPEC_METRICS}}
 
@@ -35,6 +46,7 @@ def time_group(llm, prompts: list[BenchPrompt], params: SamplingParams) -> tuple
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], params)
     wall = time.perf_counter() - start
+    check_outputs(llm, outs)
     prefill = max(o.metrics["ttft_s"] for o in outs)
     record = {"generated_tokens": sum(len(o.token_ids) for o in outs), "wall_s": wall, "ttft_s_max": prefill,
               "ttft_s_sum": sum(o.metrics["ttft_s"] for o in outs),

@@ -56,8 +56,9 @@ class ServerProcess:
             self.port = s.getsockname()[1]
         self.url = f"http://127.0.0.1:{self.port}"
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--device", args.device, "--port", str(self.port), "--max-num-seqs", str(max_num_seqs),
-               "--speculative-config", speculative_config, "--served-model-name", "bench"]
+               "--device", str(parse_device(args.device)), "--port", str(self.port),
+               "--max-num-seqs", str(max_num_seqs), "--speculative-config", speculative_config,
+               "--served-model-name", "bench"]
         if replicas:  # on Ray Serve, a cluster of its own
             cmd += ["--replicas", str(replicas)]
         self.log = log.open("w")

@@ -240,22 +240,25 @@ class Speculator:
         greedy = all(s.params.greedy for s in seqs)
         if greedy and all(t is None for t in trees):
             return verify_greedy_chains(drafted, top if top is not None else greedy_tokens(logits).tolist())
-        B, N = len(seqs), max(counts)
-        tokens = draft.tokens[:, :N]
+        B, N, device = len(seqs), max(counts), logits.device
+        # Drafts come from the host (n-gram, suffix, ...) or the device (model drafters): verification runs
+        # where the logits are, one upload of the draft, one copy of the result back (`verify._result`).
+        tokens = draft.tokens[:, :N].to(device)
         real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
-        parents = torch.where(real, draft.parents[:, :N], torch.full_like(tokens, PAD))
+        parents = torch.where(real, draft.parents[:, :N].cpu(), PAD).to(device)
         rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
         start = 0
         for i, n in enumerate(counts):
             rows[i, : n + 1] = torch.arange(start, start + n + 1)
             start += n + 1
+        rows = rows.to(device)
         if greedy:
             return verify_greedy(tokens, parents, greedy_tokens(logits)[rows.clamp(min=0)])  # target ids [B, N + 1]
         st = SamplingTensors.from_requests(seqs, logits.device)
         if N == 0:  # nobody drafted: a plain decode step
             return plain_result(sample(logits, st))
         probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
-        q = draft.probs[:, :N] if draft.probs is not None else None
+        q = draft.probs[:, :N].to(device) if draft.probs is not None else None
         return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)
 
     # ---- what the engine asks of the drafter (it talks to the speculator only) --------------------------
