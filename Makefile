@@ -6,7 +6,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 SPEC ?=
 SPEC_ARG := $(if $(SPEC),--speculative-config '$(SPEC)',)
 
-.PHONY: setup run test test-gpu bench bench-peers distill
+.PHONY: setup run test test-gpu print-gpu-tests bench bench-peers distill
 
 setup: $(VENV)/.installed
 
@@ -38,6 +38,9 @@ GPU_TESTS := tests/test_speculative.py tests/test_drafters.py tests/test_eagle.p
 	tests/test_medusa.py tests/test_hybrid.py tests/test_lookahead.py tests/test_recycle.py tests/test_suffix.py \
 	tests/test_sampled_methods.py tests/test_prefix_cache.py tests/test_llm.py tests/test_verify.py \
 	tests/test_sampling.py tests/test_tree.py tests/test_tree_attention.py tests/test_scheduler.py tests/test_kv_cache.py
+print-gpu-tests:
+	@echo $(GPU_TESTS)
+
 test-gpu:
 	PYTHONPATH=$(CURDIR)$${PYTHONPATH:+:$$PYTHONPATH} $(GPU_PYTHON) -m pytest -q -p no:cacheprovider --device cuda $(GPU_TESTS)
 

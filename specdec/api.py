@@ -87,9 +87,8 @@ def _is_set(value: Any) -> bool:
 # Fields a client may send whose effect we do not provide: refused rather than silently ignored, so a client
 # never takes an answer without logprobs, a tool call or a JSON format for one that honoured them.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set, "logit_bias": _is_set,
-    "best_of": lambda v: v not in (None, 1), "presence_penalty": _is_set, "frequency_penalty": _is_set,
-    "repetition_penalty": lambda v: v not in (None, 1, 1.0), "tools": _is_set, "functions": _is_set,
+    "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set,
+    "best_of": lambda v: v not in (None, 1), "tools": _is_set, "functions": _is_set,
 }
 
 # Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
@@ -161,6 +160,10 @@ class _GenerationBody(BaseModel):
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
     n: StrictInt | None = None
+    presence_penalty: StrictFloat | None = None
+    frequency_penalty: StrictFloat | None = None
+    repetition_penalty: StrictFloat | None = None  # vLLM's extension
+    logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     ignore_eos: StrictBool = False
     stream: StrictBool | None = False
     stream_options: _StreamOptions | None = None

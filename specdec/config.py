@@ -122,6 +122,9 @@ class StructuredOutput:
         return next(k for k in self.KINDS if getattr(self, k) not in (None, False))
 
 
+GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+
+
 @dataclass
 class SamplingParams:
     """Per-request sampling, named as in vLLM. temperature 0 means greedy."""
@@ -136,6 +139,14 @@ class SamplingParams:
     stop_token_ids: list[int] | None = None
     ignore_eos: bool = False
     structured_output: StructuredOutput | dict | None = None  # a dict holds StructuredOutput's fields
+    # Part of the target's distribution at every position, draft positions included (`sampling.penalize`):
+    # logit_bias is added to the logits; repetition_penalty divides a positive logit (multiplies a negative one) of
+    # every token in the prompt or the output so far; frequency_penalty subtracts count x penalty and
+    # presence_penalty subtracts the penalty once, for every token in the output so far (OpenAI's definitions).
+    presence_penalty: float = 0.0
+    frequency_penalty: float = 0.0
+    repetition_penalty: float = 1.0
+    logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -169,10 +180,31 @@ class SamplingParams:
             raise bad("seed", self.seed, "must be an integer or None")
         if any(not isinstance(s, str) or not s for s in self.stop):
             raise bad("stop", self.stop, "must be non-empty strings")
+        for name in ("presence_penalty", "frequency_penalty"):
+            value = getattr(self, name)
+            if not isinstance(value, (int, float)) or isinstance(value, bool) or not -2 <= value <= 2:
+                raise bad(name, value, "must be a number in [-2, 2]")
+        rp = self.repetition_penalty
+        if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not math.isfinite(rp) or rp <= 0:
+            raise bad("repetition_penalty", rp, "must be a finite number > 0 (1 = off)")
+        if self.logit_bias is not None:
+            if not isinstance(self.logit_bias, dict) or any(
+                    not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):
+                raise bad("logit_bias", self.logit_bias, "must map token ids (integers >= 0) to biases")
+            if any(not isinstance(b, (int, float)) or isinstance(b, bool) or not -100 <= b <= 100
+                   for b in self.logit_bias.values()):
+                raise bad("logit_bias", self.logit_bias, "biases must be numbers in [-100, 100]")
+
+    @property
+    def penalized(self) -> bool:
+        """Whether logit_bias or a penalty changes the target's logits."""
+        return bool(self.logit_bias) or bool(self.presence_penalty) or bool(self.frequency_penalty) or \
+            self.repetition_penalty != 1
 
     @property
     def greedy(self) -> bool:
-        return self.temperature == 0
+        """Temperature 0, or one so small that dividing logits by it overflows (vLLM's 1e-5 as well): argmax."""
+        return self.temperature < GREEDY_BELOW
 
 
 @dataclass
@@ -186,6 +218,7 @@ class EngineConfig:
     max_num_batched_tokens: int = 4096  # prefill tokens per step
     max_model_len: int | None = None  # None: the model's context length
     enable_prefix_caching: bool = True  # reuse the K/V of full blocks whose token prefix was seen before
+    enforce_eager: bool = False  # on a GPU: no CUDA graphs, every forward eager (as on CPU)
 
     def __post_init__(self) -> None:
         for name in ("block_size", "max_num_seqs", "max_num_batched_tokens", "num_kv_blocks", "max_model_len"):

@@ -375,6 +375,7 @@ def charge_grammar_time(grammars: list[GrammarState | None], seconds: float) -> 
 _BITS = torch.arange(32, dtype=torch.int32)
 
 
+@torch.inference_mode()  # logits come out of the model's inference mode: updated in place only inside one
 def apply_bitmask(logits: torch.Tensor, bitmask: torch.Tensor) -> None:
     """Set logits [T, V] of the tokens `bitmask` [T, width] forbids to -inf, in place (bit t % 32 of word
     t // 32 allows token t): a native loop on CPU (20-50 us a row), tensor ops elsewhere."""

@@ -10,6 +10,7 @@ from collections.abc import Sequence
 from dataclasses import dataclass
 from typing import Any
 
+import numpy as np
 import torch
 
 from specdec.config import SamplingParams
@@ -38,7 +39,7 @@ class SamplingTensors:
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
-            temperature=t([p.temperature for p in params], torch.float32),
+            temperature=t([0.0 if p.greedy else p.temperature for p in params], torch.float32),
             top_k=t([p.top_k for p in params], torch.long),
             top_p=t([p.top_p for p in params], torch.float32),
             min_p=t([p.min_p for p in params], torch.float32),
@@ -61,6 +62,74 @@ class SamplingTensors:
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
                                [self.generators[i] for i in rows], self.all_greedy, self.any_greedy, self.needs_top_k,
                                self.needs_top_p, self.needs_min_p)
+
+
+@dataclass
+class Penalized:
+    """One request's rows of a step's logits, for `penalize`: rows row .. row + len(paths) - 1, row j being the
+    distribution of the token after the request's output and then `paths[j]` (the draft tokens on row j's path:
+    [] for the first row, the ancestors and node of a draft node for its row)."""
+
+    row: int
+    params: SamplingParams
+    prompt: list[int]
+    output: list[int]
+    paths: list[list[int]]
+
+
+NUMPY_DEVICES = ("cpu",)  # where `penalize` computes with numpy on a view of the logits
+
+
+@torch.inference_mode()  # logits come out of the model's inference mode: updated in place only inside one
+def penalize(logits: torch.Tensor, requests: list[Penalized]) -> None:
+    """Apply each request's logit_bias, then its repetition, frequency and presence penalties, to its rows of
+    logits [T, V] in place, vLLM's order. A row's counts are those of the tokens before it on its own path, so a
+    draft position gets exactly the distribution plain decoding would give after the same tokens: greedy
+    speculation stays token-identical and sampled speculation keeps the penalized distribution. Only the columns
+    of tokens seen so far are read and written (a few hundred of a 49k vocabulary), with numpy on CPU (a dozen
+    torch calls would cost more than the arithmetic), torch elsewhere; each row's result depends on that row
+    alone, so batching changes no bit."""
+    cpu = logits.device.type in NUMPY_DEVICES
+    for r in requests:
+        p, n = r.params, len(r.paths)
+        rows = logits[r.row:r.row + n].numpy() if cpu else logits[r.row:r.row + n]  # views: written in place
+        if p.logit_bias:
+            ids, bias = np.fromiter(p.logit_bias, np.int64), np.fromiter(p.logit_bias.values(), np.float32)
+            if cpu:
+                rows[:, ids] += bias
+            else:
+                rows[:, torch.from_numpy(ids).to(rows.device)] += torch.from_numpy(bias).to(rows.device)
+        if not (p.presence_penalty or p.frequency_penalty or p.repetition_penalty != 1):
+            continue
+        seen = np.array([*r.output, *(t for path in r.paths for t in path)], dtype=np.int64)
+        prompt = np.asarray(r.prompt if p.repetition_penalty != 1 else [], dtype=np.int64)
+        ids, where = np.unique(np.concatenate([seen, prompt]), return_inverse=True)  # the columns touched
+        counts = np.zeros((n, len(ids)), dtype=np.float32)  # [n, U] occurrences before each row
+        np.add.at(counts, (slice(None), where[:len(r.output)]), 1.0)
+        offset = len(r.output)
+        for j, path in enumerate(r.paths):
+            np.add.at(counts[j], where[offset:offset + len(path)], 1.0)
+            offset += len(path)
+        in_prompt = np.zeros(len(ids), dtype=bool)
+        in_prompt[where[len(seen):]] = True
+        if cpu:
+            rows[:, ids] = _penalties(rows[:, ids], counts, in_prompt, p, np)
+        else:
+            columns = torch.from_numpy(ids).to(rows.device)
+            c, hit = (torch.from_numpy(a).to(rows.device) for a in (counts, in_prompt))
+            rows[:, columns] = _penalties(rows[:, columns], c, hit, p, torch)
+
+
+def _penalties(vals, counts, in_prompt, p: SamplingParams, xp):
+    """The penalized values of the touched columns [n, U] (numpy arrays or tensors, float32; xp: their module)."""
+    if p.repetition_penalty != 1:
+        scaled = xp.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)
+        vals = xp.where((counts > 0) | in_prompt, scaled, vals)
+    if p.frequency_penalty:
+        vals = vals - p.frequency_penalty * counts
+    if p.presence_penalty:
+        vals = vals - p.presence_penalty * counts.clip(max=1)
+    return vals
 
 
 def apply_top_k(logits: torch.Tensor, top_k: torch.Tensor) -> torch.Tensor:

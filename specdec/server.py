@@ -456,15 +456,33 @@ class OpenAIServer:
                                f"{self.limits.max_stop_chars}", param="stop")
             check_text(stop, f"stop[{i}]")
         constraint, constraint_field = structured_output(body.model_extra or {})
+        penalties = {"presence_penalty": body.presence_penalty or 0.0,
+                     "frequency_penalty": body.frequency_penalty or 0.0,
+                     "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
+                     "logit_bias": self.logit_bias(body.logit_bias)}
         try:
             params = SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                     top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed,
                                     max_tokens=max_tokens or 1, stop=body.stop, ignore_eos=body.ignore_eos,
-                                    structured_output=constraint)
+                                    structured_output=constraint, **penalties)
         except SpecdecError as e:  # "invalid top_p=1.5: must be in (0, 1]"
             match = re.match(r"invalid (\w+)=", str(e))
             raise APIError(400, str(e), param=match[1] if match else None) from None
         return params, max_tokens, max_field, constraint_field
+
+    def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
+        """OpenAI's logit_bias (token ids as strings) as token ids, each checked against the vocabulary."""
+        if not bias:
+            return None
+        vocab, out = self.llm.engine.model.config.vocab_size, {}
+        for key, value in bias.items():
+            if not key.strip().isdigit() or int(key) >= vocab:
+                raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id of this model's vocabulary "
+                               f"(integers 0 to {vocab - 1})", param="logit_bias")
+            if not -100 <= value <= 100:
+                raise APIError(400, f"logit_bias[{key!r}]={value}: biases must be in [-100, 100]", param="logit_bias")
+            out[int(key)] = value
+        return out
 
     def preparer(self, tokenize: Callable[[], list[int]], params: SamplingParams, max_tokens: int | None,
                  max_field: str, prompt_field: str, constraint_field: str | None = None) -> Prepare:

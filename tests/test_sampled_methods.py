@@ -49,6 +49,11 @@ PLAIN_SEEDS = 10**6  # plain requests take seeds PLAIN_SEEDS + i, speculative on
 
 TOP_K = dict(temperature=1.0, top_k=8)
 TOP_P = dict(temperature=0.7, top_p=0.9)
+# Penalties and a bias change the target's distribution at every position by the tokens before it on its own path:
+# the repetition penalty lowers LIKELY (all in the prompt), the frequency and presence penalties what the output
+# repeats, so token 2's distribution depends on token 1 (a verification that ignored a draft's path fails).
+PENALIZED = dict(temperature=1.0, top_k=8, presence_penalty=0.5, frequency_penalty=0.8, repetition_penalty=1.3,
+                 logit_bias={LIKELY[1]: 1.0})
 CHOICES = [[0], [1], [2], [0, 0], [0, 1], [1, 0]]  # a static tree as a choice list, 2 deep (Medusa has 2 heads)
 
 
@@ -140,7 +145,7 @@ def plain_tokens(models):
     cache = {}
 
     def tokens(sampling: dict) -> torch.Tensor:
-        key = tuple(sorted(sampling.items()))
+        key = repr(sorted(sampling.items()))
         if key not in cache:
             outs = plain.generate([{"prompt_token_ids": PROMPT}] * N, params(sampling, 6, PLAIN_SEEDS))
             cache[key] = torch.tensor([o.token_ids[1:] for o in outs])
@@ -174,6 +179,8 @@ CASES = [  # (method, its keys, sampling, max_tokens)
     ("quantized_self", {"tree": CHOICES}, TOP_K, 4),
     ("layer_skip", {}, TOP_P, 4),  # q and p both under top-p
     ("eagle3", {"tree": "D2-BF2"}, TOP_P, 4),
+    ("ngram", {"prompt_lookup_min": 1, "ngram_draft_length": "fixed"}, PENALIZED, 4),
+    ("eagle3", {"tree": "D2-BF2"}, PENALIZED, 4),
 ]
 
 
@@ -201,7 +208,8 @@ def shape(method: str, options: dict) -> str:
 
 
 def case_id(method: str, options: dict, sampling: dict, max_tokens: int) -> str:
-    return f"{method}-{shape(method, options)}-{'top_k' if sampling is TOP_K else 'top_p'}"
+    kind = "top_k" if sampling is TOP_K else "top_p" if sampling is TOP_P else "penalized"
+    return f"{method}-{shape(method, options)}-{kind}"
 
 
 @pytest.mark.parametrize("method, options, sampling, max_tokens", [pytest.param(*c, id=case_id(*c)) for c in CASES])

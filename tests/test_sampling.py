@@ -7,8 +7,8 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.sampling import (SamplingTensors, apply_min_p, apply_top_k, apply_top_p, logits_to_probs,
-                              sample, sample_from_probs)
+from specdec.sampling import (Penalized, SamplingTensors, apply_min_p, apply_top_k, apply_top_p, logits_to_probs,
+                              penalize, sample, sample_from_probs)
 
 INF = float("inf")
 
@@ -102,9 +102,44 @@ def test_a_seeded_row_draws_the_same_beside_greedy_rows():
 def test_invalid_values_are_refused_with_the_field_named():
     for kwargs, name in [({"temperature": -0.1}, "temperature"), ({"top_p": 0.0}, "top_p"),
                          ({"top_p": 1.5}, "top_p"), ({"top_k": -2}, "top_k"), ({"min_p": 2.0}, "min_p"),
-                         ({"max_tokens": 0}, "max_tokens"), ({"temperature": math.nan}, "temperature")]:
+                         ({"max_tokens": 0}, "max_tokens"), ({"temperature": math.nan}, "temperature"),
+                         ({"presence_penalty": 2.5}, "presence_penalty"),
+                         ({"frequency_penalty": -3}, "frequency_penalty"),
+                         ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {3: 101}}, "logit_bias"),
+                         ({"logit_bias": {-1: 1.0}}, "logit_bias")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
+
+
+@pytest.mark.parametrize("numpy_devices", [("cpu",), ()], ids=["numpy", "torch"])
+def test_penalties_follow_their_definitions_row_by_row(monkeypatch, numpy_devices):
+    """OpenAI's frequency and presence penalties over the output so far, vLLM's repetition penalty over the prompt
+    and the output, logit_bias added first; a draft row counts the draft tokens on its own path; other rows and
+    other requests' rows are untouched."""
+    import specdec.sampling
+
+    monkeypatch.setattr(specdec.sampling, "NUMPY_DEVICES", numpy_devices)  # () runs the torch path a GPU takes
+    V, prompt, output = 12, [1, 4], [3, 3, 5]
+    params = SamplingParams(presence_penalty=0.5, frequency_penalty=0.3, repetition_penalty=1.3,
+                            logit_bias={2: 5.0, 7: -100.0})
+    paths = [[], [6], [6, 3]]  # the rows after the output, after draft 6, after drafts 6 then 3
+    logits = torch.randn(5, V)
+    got = logits.clone()
+    penalize(got, [Penalized(1, params, prompt, output, paths)])
+    assert torch.equal(got[0], logits[0]) and torch.equal(got[4], logits[4])
+    for j, path in enumerate(paths):
+        want = logits[1 + j].clone()
+        want[2] += 5.0
+        want[7] -= 100.0
+        for t in range(V):
+            c = (output + path).count(t)
+            if c or t in prompt:
+                want[t] = want[t] / 1.3 if want[t] > 0 else want[t] * 1.3
+            want[t] -= 0.3 * c + 0.5 * (c > 0)
+        torch.testing.assert_close(got[1 + j], want)
+    alone = logits[2:3].clone()  # a row alone, as plain decoding after 6 would compute it: the same bits
+    penalize(alone, [Penalized(0, params, prompt, output + [6], [[]])])
+    assert torch.equal(alone[0], got[2])
 
 
 def test_seeded_generate_repeats_exactly_even_in_a_batch(tiny_llama_dir):
@@ -118,3 +153,12 @@ def test_seeded_generate_repeats_exactly_even_in_a_batch(tiny_llama_dir):
                                                                 max_tokens=16, ignore_eos=True))[0].token_ids
     assert alone == again == in_batch
     assert different_seed != alone
+
+
+def test_a_vanishing_temperature_samples_greedily(tiny_llama_dir):
+    """A temperature that underflows float32 (a fuzzer sent 6.6e-155) decodes greedily instead of failing."""
+    llm = LLM(str(tiny_llama_dir), speculative_config="off")
+    greedy = llm.generate("Hello world", SamplingParams(temperature=0, max_tokens=6))[0].token_ids
+    for t in (6.6e-155, 1e-6):
+        assert SamplingParams(temperature=t).greedy
+        assert llm.generate("Hello world", SamplingParams(temperature=t, max_tokens=6, seed=1))[0].token_ids == greedy

@@ -368,7 +368,13 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
      "structured_outputs"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
-    ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 0.5}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
+    ("/v1/chat/completions", OK_CHAT | {"presence_penalty": -3}, 400, "presence_penalty"),
+    ("/v1/chat/completions", OK_CHAT | {"repetition_penalty": 0}, 400, "repetition_penalty"),
+    ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"5": 101}}, 400, "logit_bias"),
+    ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"hello": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"100000": 1}}, 400, "logit_bias"),
+    ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"5": "x"}}, 400, "logit_bias"),
     ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),
     ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
     # issue 18: input the edge refuses, each naming its field
@@ -394,6 +400,29 @@ def test_bad_requests_get_openai_errors_naming_the_field(plain, path, body, stat
         assert param in err["message"]
     if status == 404:
         assert err["code"] == "model_not_found"
+
+
+def test_penalties_and_logit_bias_through_the_openai_client(served, offline):
+    """The fields ordinary apps send, streamed and not, with speculation or without: the server answers what the
+    offline engine generates under the same penalties; a logit_bias of -100 bans a token, +100 forces it."""
+    client = served.client()
+    first = offline.generate(REPETITIVE, SamplingParams(temperature=0, max_tokens=1))[0].token_ids[0]
+    forced = client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=4, temperature=0,
+                                       logit_bias={str(first + 1): 100})
+    assert forced.choices[0].text == offline.engine.decode([first + 1] * 4)
+    cases = [{"logit_bias": {first: -100.0}},
+             {"presence_penalty": 1.5, "frequency_penalty": 1.0, "repetition_penalty": 1.3}]
+    for penalties in cases:
+        want = offline.generate(REPETITIVE, SamplingParams(temperature=0, max_tokens=8, **penalties))[0]
+        assert first not in want.token_ids[:1] or "logit_bias" not in penalties
+        body = dict(model=MODEL, prompt=REPETITIVE, max_tokens=8, temperature=0,
+                    logit_bias={str(t): b for t, b in penalties.get("logit_bias", {}).items()} or None,
+                    presence_penalty=penalties.get("presence_penalty"),
+                    frequency_penalty=penalties.get("frequency_penalty"),
+                    extra_body={"repetition_penalty": penalties.get("repetition_penalty", 1.0)})
+        assert client.completions.create(**body).choices[0].text == want.text
+        streamed = client.completions.create(**body, stream=True)
+        assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
 
 
 def test_unknown_fields_are_ignored_and_errors_leak_nothing(plain):

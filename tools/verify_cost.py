@@ -26,10 +26,13 @@ def main(argv: list[str] | None = None) -> None:
     ap.add_argument("--contexts", default="64,768", help="committed tokens before the step, comma-separated")
     ap.add_argument("--tokens", default="1,2,3,5,9,16", help="tokens fed by the step, comma-separated (1 first)")
     ap.add_argument("--compare-llamacpp", action="store_true", help="also time llama.cpp's steps on the same file")
+    ap.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
+    ap.add_argument("--enforce-eager", action="store_true", help="on a GPU: no CUDA graphs, every forward eager")
     args = ap.parse_args(argv)
     contexts = [int(c) for c in args.contexts.split(",")]
     rows = [int(n) for n in args.tokens.split(",")]
-    llm = LLM(args.model, dtype=args.dtype, speculative_config="off")
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off",
+              enforce_eager=args.enforce_eager)
     peer = None
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads(), max(contexts) + max(rows) + 8,

@@ -86,15 +86,24 @@ def time_hf(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict
 
 
 def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device):
-    """transformers' own load of the same model, as an independent reference.
+    """transformers' own load of the same model, as an independent reference, set up for its fastest generate on
+    the device: on a GPU a static cache, with which generate compiles its decoding forward (torch.compile, CUDA
+    graphs); on CPU the default dynamic cache (its compiled path is slower there).
 
     A GGUF goes through transformers' dequantizer directly: from_pretrained(gguf_file=...) insists on
     `accelerate`, which specdec does not depend on.
     """
+    model = _load_hf(src, dtype).to(device).eval()
+    if device.type == "cuda":
+        model.generation_config.cache_implementation = "static"
+    return model
+
+
+def _load_hf(src: ModelSource, dtype: torch.dtype):
     from transformers import AutoConfig, AutoModelForCausalLM
 
     if src.gguf_file is None:
-        return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype).to(device).eval()
+        return AutoModelForCausalLM.from_pretrained(str(src.path), dtype=dtype)
     from transformers.modeling_gguf_pytorch_utils import load_gguf_checkpoint
 
     config = AutoConfig.from_pretrained(str(src.path), gguf_file=src.gguf_file.name)
@@ -105,7 +114,7 @@ def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device):
     missing = set(model.load_state_dict(state, strict=False).missing_keys)
     if missing - {"lm_head.weight"} or ("lm_head.weight" in missing and not config.tie_word_embeddings):
         raise SpecdecError(f"transformers' load of {src.name} lacks tensors {sorted(missing)[:3]}")
-    return model.to(device).eval()
+    return model
 
 
 def load_llamacpp(src: ModelSource, threads: int, context: int = 4096, logits_all: bool = False):

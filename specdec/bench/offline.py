@@ -212,6 +212,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     if args.compare_hf:
         hf_dtype = torch.float32 if model.quantization else parse_dtype(dtype)
         hf = load_hf(resolve(args.model), hf_dtype, llm.engine.model.device)
+        if hf.generation_config.cache_implementation == "static":  # compiles its first decode: not timed
+            time_hf(hf, max(prompts, key=lambda p: len(p.token_ids)), args.max_tokens, eos)
         timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())

@@ -28,7 +28,7 @@ def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dic
                 start = time.perf_counter()
                 hidden, _ = engine.runner.run([seq.block_table.blocks], [seq.num_cached],
                                               [seq.token_ids[seq.num_cached:] + [100 % vocab] * (n - 1)])
-                engine.runner.model.compute_logits(hidden).argmax(-1)
+                engine.runner.model.compute_logits(hidden).argmax(-1).tolist()  # the step's one copy back (a GPU waits)
                 times[n].append(time.perf_counter() - start)
     finally:
         engine.abort(seq)

@@ -12,6 +12,7 @@ import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
 from specdec.drafting import DraftEnv, build_drafter
+from specdec.engine.graphs import GraphRunner
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
@@ -20,7 +21,7 @@ from specdec.engine.speculator import Speculator
 from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import sample_requests
+from specdec.sampling import Penalized, penalize, sample_requests
 from specdec.tree import SpecShape
 
 log = logging.getLogger("specdec.engine")
@@ -93,7 +94,10 @@ class LLMEngine:
         self.allocator.pools.append(self.kv)
         lookahead = speculative.num_draft_tokens if speculative else 0
         self.scheduler = Scheduler(self.cfg, self.allocator, lookahead, speculative.num_slots if speculative else 0)
-        self.runner = ModelRunner(model, self.kv, bs) if workers is None else TPRunner(model, self.kv, bs, workers)
+        graphs = GraphRunner(model, self.kv, bs, self.cfg.max_num_seqs, self.max_model_len, capture=True) \
+            if model.device.type == "cuda" and not self.cfg.enforce_eager and workers is None else None
+        self.runner = ModelRunner(model, self.kv, bs, graphs) if workers is None else \
+            TPRunner(model, self.kv, bs, workers)
         self.speculator = None
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs, self.allocator.pools,
@@ -131,6 +135,9 @@ class LLMEngine:
         vocab = self.model.config.vocab_size
         if min(prompt_token_ids) < 0 or max(prompt_token_ids) >= vocab:
             raise SpecdecError(f"prompt token ids must be in [0, {vocab})")
+        if params.logit_bias and max(params.logit_bias) >= vocab:
+            raise SpecdecError(f"invalid logit_bias: token id {max(params.logit_bias)} is outside the vocabulary "
+                               f"[0, {vocab})")
         generator = None
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
@@ -244,6 +251,10 @@ class LLMEngine:
         tokens: list[list[int] | None] = [None] * len(seqs)
         if ready:
             logits = self.runner.logits(hidden, [ends[i] - 1 for i in ready])
+            penalized = [Penalized(k, s.params, s.prompt_token_ids, s.output_token_ids, [[]])
+                         for k, s in enumerate(seqs[i] for i in ready) if s.params.penalized]
+            if penalized:
+                penalize(logits, penalized)
             if any(seqs[i].grammar is not None for i in ready):
                 mask_logits(logits, [(seqs[i].grammar, [], [], seqs[i].params.greedy) for i in ready])
             next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()

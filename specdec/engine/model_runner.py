@@ -12,14 +12,15 @@ import functools
 
 import torch
 
+from specdec.engine.graphs import GraphRunner
 from specdec.kv_cache import KVPool, paged_inputs
 from specdec.models.llama import LlamaModel
 from specdec.tree import TreeFeed
 
 
 class ModelRunner:
-    def __init__(self, model: LlamaModel, kv: KVPool, block_size: int) -> None:
-        self.model, self.kv, self.block_size = model, kv, block_size
+    def __init__(self, model: LlamaModel, kv: KVPool, block_size: int, graphs: GraphRunner | None = None) -> None:
+        self.model, self.kv, self.block_size, self.graphs = model, kv, block_size, graphs
         self.device = model.device
         self.inputs = functools.partial(paged_inputs, block_size=block_size, device=model.device)  # a plain function
 
@@ -27,7 +28,12 @@ class ModelRunner:
             trees: list[TreeFeed | None] | None = None, feature_layers: tuple[int, ...] = ()
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Feed the target (see `inputs`): the final hidden state of every fed token [T, H], and the outputs of
-        `feature_layers` concatenated per row [T, len(feature_layers) * H] (None without any)."""
+        `feature_layers` concatenated per row [T, len(feature_layers) * H] (None without any). Steps that fit a
+        captured shape replay its graph (`graphs`, on a GPU)."""
+        if self.graphs is not None:
+            out = self.graphs.run(tables, starts, feeds, trees, feature_layers)
+            if out is not None:
+                return out
         tokens, positions, meta = self.inputs(tables, starts, feeds, trees)
         hidden, captured = self.model(tokens, positions, meta, self.kv, output_layers=feature_layers)
         return hidden, torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None

@@ -22,7 +22,7 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.grammar import apply_bitmask, charge_grammar_time, mask_logits
-from specdec.sampling import SamplingTensors, greedy_tokens, logits_to_probs, sample
+from specdec.sampling import Penalized, SamplingTensors, greedy_tokens, logits_to_probs, penalize, sample
 from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
 
@@ -40,6 +40,20 @@ def plain_result(tokens: torch.Tensor) -> VerifyResult:
     B = tokens.shape[0]
     zeros = torch.zeros(B, dtype=torch.long)
     return VerifyResult([[] for _ in range(B)], [[t] for t in tokens.tolist()], zeros, zeros - 1, tokens)
+
+
+def penalty_rows(seqs: list[Sequence], drafted: list[list[int]], parents: list[list[int]]) -> list[Penalized]:
+    """The rows of each penalized sequence in a step's logits: after its output, then after each draft node's path
+    (its ancestors and itself), as `sampling.penalize` takes them."""
+    out, row = [], 0
+    for seq, tokens, links in zip(seqs, drafted, parents):
+        if seq.params.penalized:
+            paths: list[list[int]] = [[]]
+            for token, parent in zip(tokens, links):  # a parent comes before its children
+                paths.append(paths[parent + 1] + [token])
+            out.append(Penalized(row, seq.params, seq.prompt_token_ids, seq.output_token_ids, paths))
+        row += 1 + len(tokens)
+    return out
 
 
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None) -> DraftRequest:
@@ -134,6 +148,8 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.logits(hidden)
+        if any(s.params.penalized for s in seqs):  # the target's distribution at every node, before any mask
+            penalize(logits, penalty_rows(seqs, drafted, parents))
         top = None  # every row's argmax, where masking computed it
         if constrained:  # row j of a constrained sequence: the target's distribution after node j's path
             top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])
