@@ -123,6 +123,7 @@ class StructuredOutput:
 
 
 GREEDY_BELOW = 1e-5  # a temperature under this samples greedily
+MAX_LOGPROBS = 20  # alternatives per token, OpenAI's limit
 
 
 @dataclass
@@ -147,6 +148,10 @@ class SamplingParams:
     frequency_penalty: float = 0.0
     repetition_penalty: float = 1.0
     logit_bias: dict[int, float] | None = None  # token id -> bias in [-100, 100]
+    # Each generated token's log-probability and this many most likely alternatives (0-20), from the target's own
+    # distribution at that position (its logits before penalties, bias and temperature: vLLM's default), the same
+    # whether the token was drafted and verified or decoded plainly. None: not computed.
+    logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -187,6 +192,9 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not math.isfinite(rp) or rp <= 0:
             raise bad("repetition_penalty", rp, "must be a finite number > 0 (1 = off)")
+        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
+                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
+            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(
                     not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):

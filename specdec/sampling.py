@@ -77,6 +77,24 @@ class Penalized:
     paths: list[list[int]]
 
 
+@dataclass
+class TokenLogprob:
+    """A generated token's log-probability under the target, and the `k` most likely tokens there."""
+
+    token: int
+    logprob: float
+    top: list[tuple[int, float]]  # (token id, log-probability), most likely first
+
+
+def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """One TokenLogprob per row of log-softmax rows [n, V] and the token chosen after each (one copy to the host)."""
+    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None]
+    chosen = logprobs.gather(1, index)[:, 0].tolist()
+    top = logprobs.topk(k, dim=-1) if k else None
+    ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(tokens),) * 2
+    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids, values)]
+
+
 NUMPY_DEVICES = ("cpu",)  # where `penalize` computes with numpy on a view of the logits
 
 

@@ -106,7 +106,8 @@ def test_invalid_values_are_refused_with_the_field_named():
                          ({"presence_penalty": 2.5}, "presence_penalty"),
                          ({"frequency_penalty": -3}, "frequency_penalty"),
                          ({"repetition_penalty": 0}, "repetition_penalty"), ({"logit_bias": {3: 101}}, "logit_bias"),
-                         ({"logit_bias": {-1: 1.0}}, "logit_bias")]:
+                         ({"logit_bias": {-1: 1.0}}, "logit_bias"), ({"logprobs": 21}, "logprobs"),
+                         ({"logprobs": -1}, "logprobs")]:
         with pytest.raises(ValueError, match=name):
             SamplingParams(**kwargs)
 

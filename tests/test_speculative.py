@@ -536,3 +536,40 @@ def test_penalties_and_bias_keep_greedy_speculation_identical(tiny_llama_dir, pl
     if spec["method"] == "custom":
         assert sum(o.metrics["num_accepted_tokens"] for o in outs) >= 2 * sum(o.metrics["num_drafts"] for o in outs)
     assert llm.engine.allocator.num_used == 0
+
+
+LOGPROBS = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True, logprobs=3)
+
+
+@pytest.mark.parametrize("spec", [
+    {"method": "ngram", "num_speculative_tokens": 3},
+    {"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4, "tree": "D2-BF2"},
+    "oracle-tree",
+], ids=["ngram", "layer_skip-tree", "oracle-tree"])
+def test_logprobs_under_speculation_equal_plain_decodings(tiny_llama_dir, plain, reference, spec):
+    """A drafted and verified token gets the log-probability plain decoding gives it: the verification row that
+    predicted it is the row plain decoding computes there (the kernels are batch-invariant: equal to 1e-6)."""
+    want = plain.generate(PROMPTS, LOGPROBS)
+    for o in want:
+        assert [lp.token for lp in o.logprobs] == o.token_ids
+        for lp in o.logprobs:  # greedy: the chosen token is the most likely one
+            assert len(lp.top) == 3 and lp.top[0] == (lp.token, lp.logprob) and lp.logprob <= 0
+            assert [v for _, v in lp.top] == sorted((v for _, v in lp.top), reverse=True)
+    if spec == "oracle-tree":
+        truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+        spec = {"method": "custom", "num_speculative_tokens": 4, "drafter": TreeOracle(truth, 2, 2)}
+    outs = LLM(str(tiny_llama_dir), speculative_config=spec).generate(PROMPTS, LOGPROBS)
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    for got, ref in zip(outs, want):
+        assert got.token_ids == ref.token_ids
+        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
+            assert a.token == b.token and abs(a.logprob - b.logprob) <= 1e-6
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+
+
+def test_logprobs_are_the_models_own_before_bias_and_penalties(plain):
+    """vLLM's default: a token forced by logit_bias +100 keeps the log-probability the model gave it."""
+    forced = plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4, logprobs=0, logit_bias={7: 100}))[0]
+    assert forced.token_ids == [7] * 4
+    assert all(lp.top == [] and lp.logprob < -0.5 for lp in forced.logprobs)  # a random tiny model: far from 1
+    assert plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0].logprobs is None

@@ -21,7 +21,7 @@ from specdec.engine.speculator import Speculator
 from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import Penalized, penalize, sample_requests
+from specdec.sampling import Penalized, TokenLogprob, penalize, sample_requests, token_logprobs
 from specdec.tree import SpecShape
 
 log = logging.getLogger("specdec.engine")
@@ -39,6 +39,7 @@ class RequestOutput:
     finish_reason: str | None
     stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
+    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs asked for them
 
     @property
     def finished(self) -> bool:
@@ -216,7 +217,10 @@ class LLMEngine:
             if out.tokens is None:
                 continue
             seq.num_steps += 1
-            events.append((seq, self._commit(seq, out.tokens)))
+            kept = self._commit(seq, out.tokens)
+            if out.logprobs is not None:
+                seq.logprobs += out.logprobs[:len(kept)]
+            events.append((seq, kept))
         for seq in batch.seqs:
             if not seq.is_finished:
                 self._register_prefix(seq)
@@ -249,8 +253,11 @@ class LLMEngine:
         ends = list(itertools.accumulate(counts))
         ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
         tokens: list[list[int] | None] = [None] * len(seqs)
+        logprobs: list[list | None] = [None] * len(seqs)
         if ready:
             logits = self.runner.logits(hidden, [ends[i] - 1 for i in ready])
+            asked = [k for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
+            raw = torch.log_softmax(logits[asked], -1) if asked else None  # the model's own, before penalties
             penalized = [Penalized(k, s.params, s.prompt_token_ids, s.output_token_ids, [[]])
                          for k, s in enumerate(seqs[i] for i in ready) if s.params.penalized]
             if penalized:
@@ -260,8 +267,10 @@ class LLMEngine:
             next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()
             for i, token in zip(ready, next_tokens):
                 tokens[i] = [token]
-        return [StepOutput(n, t, None if features is None else features[end - n:end])
-                for n, t, end in zip(counts, tokens, ends)]
+            for row, k in enumerate(asked):
+                logprobs[ready[k]] = token_logprobs(raw[row:row + 1], [next_tokens[k]], seqs[ready[k]].params.logprobs)
+        return [StepOutput(n, t, None if features is None else features[end - n:end], lp)
+                for n, t, end, lp in zip(counts, tokens, ends, logprobs)]
 
     # -- control for measuring tools (`specdec tune`) ---------------------------------------------------
     def pin_draft_shape(self, shape: SpecShape | None) -> None:
@@ -340,7 +349,8 @@ class LLMEngine:
         if text is None:
             text = self.decode(seq.output_token_ids)
         return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids, seq.output_token_ids, text,
-                             seq.finish_reason, seq.stop_reason, request_metrics(seq))
+                             seq.finish_reason, seq.stop_reason, request_metrics(seq),
+                             list(seq.logprobs) if seq.params.logprobs is not None else None)
 
 
 def request_metrics(seq: Sequence) -> dict:

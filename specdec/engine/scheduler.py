@@ -38,6 +38,7 @@ class StepOutput:
     num_cached: int  # fed tokens whose K/V are now final, in order from the old num_cached
     tokens: list[int] | None  # tokens it emits (None: a prefill chunk short of the prompt's end)
     features: torch.Tensor | None = None  # the target features of those cached tokens [num_cached, F]
+    logprobs: list | None = None  # sampling.TokenLogprob per emitted token, when the request asked for them
 
 
 class Scheduler:

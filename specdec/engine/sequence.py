@@ -92,6 +92,7 @@ class Sequence:
     pending_features: list[torch.Tensor] = field(default_factory=list)
     features_start: int = 0
     grammar: GrammarState | None = None  # structured output: the grammar's state after the committed tokens
+    logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per output token (params.logprobs set)
 
     def take_features(self) -> tuple[int, torch.Tensor | None]:
         """The pending target features and the token index of their first row; they are handed over once."""

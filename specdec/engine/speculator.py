@@ -22,7 +22,8 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.grammar import apply_bitmask, charge_grammar_time, mask_logits
-from specdec.sampling import Penalized, SamplingTensors, greedy_tokens, logits_to_probs, penalize, sample
+from specdec.sampling import (Penalized, SamplingTensors, greedy_tokens, logits_to_probs, penalize, sample,
+                              token_logprobs)
 from specdec.tree import PAD, SpecShape, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
 
@@ -148,6 +149,8 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.logits(hidden)
+        # every row's own distribution for requests that return log-probabilities (before penalties and masks)
+        raw = torch.log_softmax(logits, -1) if any(s.params.logprobs is not None for s in seqs) else None
         if any(s.params.penalized for s in seqs):  # the target's distribution at every node, before any mask
             penalize(logits, penalty_rows(seqs, drafted, parents))
         top = None  # every row's argmax, where masking computed it
@@ -174,8 +177,11 @@ class Speculator:
             self.totals.record(counts[i], len(nodes))
             if self.trace is not None:
                 self.trace.append((nodes, counts[i]))
+            logprobs = None  # emitted token j was predicted by row kept[j]
+            if raw is not None and seq.params.logprobs is not None:
+                logprobs = token_logprobs(raw[kept], result.emitted_tokens[i], seq.params.logprobs)
             outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
-                                      features[kept] if features is not None else None))
+                                      features[kept] if features is not None else None, logprobs))
         return outputs
 
     def propose(self, seqs: list[Sequence], requests: list[DraftRequest]) -> Draft:
