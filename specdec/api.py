@@ -87,8 +87,8 @@ def _is_set(value: Any) -> bool:
 # Fields a client may send whose effect we do not provide: refused rather than silently ignored, so a client
 # never takes an answer without logprobs, a tool call or a JSON format for one that honoured them.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "logprobs": _is_set, "top_logprobs": _is_set, "echo": _is_set, "suffix": _is_set,
-    "best_of": lambda v: v not in (None, 1), "tools": _is_set, "functions": _is_set,
+    "echo": _is_set, "suffix": _is_set, "best_of": lambda v: v not in (None, 1), "tools": _is_set,
+    "functions": _is_set,
 }
 
 # Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
@@ -177,10 +177,13 @@ class _ChatMessage(BaseModel):
 
 class ChatBody(_GenerationBody):
     messages: list[_ChatMessage]
+    logprobs: StrictBool | None = None  # each generated token's log-probability
+    top_logprobs: StrictInt | None = None  # and this many alternatives (0-20), with logprobs=true
 
 
 class CompletionBody(_GenerationBody):
     prompt: str | list[str] | list[int] | list[list[int]]
+    logprobs: StrictInt | None = None  # log-probabilities of the generated tokens and this many alternatives
 
 
 # -- what the API answers, for its OpenAPI schema (clients and schemathesis read it) -------------------------
@@ -210,10 +213,31 @@ class _Message(BaseModel):
     content: str
 
 
+class _TopLogprob(BaseModel):
+    token: str
+    logprob: float
+    bytes: list[int] | None
+
+
+class _TokenLogprob(_TopLogprob):
+    top_logprobs: list[_TopLogprob]
+
+
+class _ChatLogprobs(BaseModel):
+    content: list[_TokenLogprob] | None
+
+
+class _TextLogprobs(BaseModel):
+    tokens: list[str]
+    token_logprobs: list[float]
+    top_logprobs: list[dict[str, float]]
+    text_offset: list[int]
+
+
 class _ChatChoice(BaseModel):
     index: int
     message: _Message
-    logprobs: None
+    logprobs: _ChatLogprobs | None
     finish_reason: str | None
 
 
@@ -229,7 +253,7 @@ class ChatCompletion(BaseModel):
 class _TextChoice(BaseModel):
     index: int
     text: str
-    logprobs: None
+    logprobs: _TextLogprobs | None
     finish_reason: str | None
 
 

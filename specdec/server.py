@@ -11,6 +11,8 @@ from __future__ import annotations
 import asyncio
 import contextlib
 import dataclasses
+import functools
+import itertools
 import json
 import logging
 import math
@@ -31,9 +33,10 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specdec.api import (UNSUPPORTED_FIELDS, APIError, ChatBody, CompletionBody, Limits, api_app, check_text,
                          internal_error, structured_output)
-from specdec.config import SamplingParams, SpecdecError
+from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
+from specdec.sampling import TokenLogprob
 
 log = logging.getLogger("specdec.server")
 
@@ -50,6 +53,7 @@ class _Event:
     text: str = ""
     output: RequestOutput | None = None
     error: APIError | None = None
+    logprobs: list | None = None  # streaming with logprobs: those of the tokens generated since the last event
 
 
 Prepare = Callable[[], tuple[list[int], SamplingParams]]
@@ -67,6 +71,7 @@ class EngineRequest:
         self.seq = None  # the engine's Sequence, set on the engine thread
         self.arrival = time.perf_counter()
         self.last_token_time: float | None = None
+        self.logprobs_posted = 0  # streaming: the sequence's logprobs already posted
 
     # Called from the engine thread.
     def post(self, event: _Event) -> None:
@@ -269,7 +274,8 @@ class AsyncEngine:
             if seq.is_finished:
                 self._finish(req)
             elif req.stream and new_ids:
-                req.post(_Event(text=self.engine.text(seq)))
+                new, req.logprobs_posted = seq.logprobs[req.logprobs_posted:], len(seq.logprobs)
+                req.post(_Event(text=self.engine.text(seq), logprobs=new or None))
         for req in [r for r in self._active.values() if r.seq.is_finished]:  # finished without an event
             self._finish(req)
 
@@ -411,6 +417,7 @@ class Started:
     stops: list[str]
     stream: bool
     include_usage: bool
+    logprobs: bool = False  # the response carries log-probabilities
 
 
 class OpenAIServer:
@@ -456,7 +463,18 @@ class OpenAIServer:
                                f"{self.limits.max_stop_chars}", param="stop")
             check_text(stop, f"stop[{i}]")
         constraint, constraint_field = structured_output(body.model_extra or {})
-        penalties = {"presence_penalty": body.presence_penalty or 0.0,
+        if isinstance(body, ChatBody):
+            top = body.top_logprobs
+            if top is not None and not 0 <= top <= MAX_LOGPROBS:
+                raise APIError(400, f"invalid top_logprobs={top}: must be in [0, {MAX_LOGPROBS}]", param="top_logprobs")
+            if top and not body.logprobs:
+                raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
+            logprobs = (top or 0) if body.logprobs else None
+        else:
+            logprobs = body.logprobs
+            if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
+                raise APIError(400, f"invalid logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
+        penalties = {"logprobs": logprobs, "presence_penalty": body.presence_penalty or 0.0,
                      "frequency_penalty": body.frequency_penalty or 0.0,
                      "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
                      "logit_bias": self.logit_bias(body.logit_bias)}
@@ -547,11 +565,13 @@ class OpenAIServer:
         req = await self.engine.submit(prepare, bool(body.stream), prompt_field)
         chat = isinstance(body, ChatBody)
         return Started(req, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", chat, params.stop,
-                       bool(body.stream), bool(body.stream_options and body.stream_options.include_usage))
+                       bool(body.stream), bool(body.stream_options and body.stream_options.include_usage),
+                       params.logprobs is not None)
 
     def events(self, started: Started) -> AsyncIterator[str]:
         """A streaming request's SSE chunks."""
-        return self.stream(started.req, started.rid, started.chat, started.stops, started.include_usage)
+        return self.stream(started.req, started.rid, started.chat, started.stops, started.include_usage,
+                           started.logprobs)
 
     async def answer(self, started: Started, disconnected: Callable[[], Awaitable[bool]] | None = None
                      ) -> dict | None:
@@ -562,10 +582,34 @@ class OpenAIServer:
             self.engine.abort(started.req)  # a no-op once finished; frees the blocks when we stop early
         if out is None:
             return None
-        choice = {"index": 0, "logprobs": None, "finish_reason": out.finish_reason}
+        choice = {"index": 0, "logprobs": self.logprobs_json(out.logprobs, started.chat),
+                  "finish_reason": out.finish_reason}
         choice.update({"message": {"role": "assistant", "content": out.text}} if started.chat else {"text": out.text})
         return {"id": started.rid, "object": "chat.completion" if started.chat else "text_completion",
                 "created": int(time.time()), "model": self.model, "choices": [choice], "usage": _usage(out)}
+
+    def logprobs_json(self, entries: list[TokenLogprob] | None, chat: bool, offset: int = 0) -> dict | None:
+        """OpenAI's logprobs object: chat's `content` entries, or the completions' parallel lists (`text_offset`
+        counted from `offset` characters into the generated text)."""
+        if entries is None:
+            return None
+        text = self.token_text
+        if chat:
+            def one(token: int, logprob: float) -> dict:
+                s = text(token)
+                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
+
+            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]}
+                                for e in entries]}
+        tokens = [text(e.token) for e in entries]
+        return {"tokens": tokens, "token_logprobs": [e.logprob for e in entries],
+                "top_logprobs": [{text(t): v for t, v in e.top} for e in entries],
+                "text_offset": list(itertools.accumulate((len(t) for t in tokens[:-1]), initial=offset))
+                if tokens else []}
+
+    @functools.lru_cache(maxsize=65536)  # noqa: B019  one server per process; a token's text never changes
+    def token_text(self, token: int) -> str:
+        return self.llm.tokenizer.decode([token], skip_special_tokens=False)
 
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
@@ -597,17 +641,25 @@ class OpenAIServer:
                 return event.output
 
     async def stream(self, req: EngineRequest, rid: str, chat: bool, stops: list[str],
-                     include_usage: bool) -> AsyncIterator[str]:
+                     include_usage: bool, logprobs: bool = False) -> AsyncIterator[str]:
         """SSE chunks: the decoded text's new suffix as it becomes safe to send, then the remainder of
-        the final (stop-truncated) text with the finish reason, optionally usage, then [DONE]."""
+        the final (stop-truncated) text with the finish reason, optionally usage, then [DONE]. With logprobs,
+        each text chunk carries those of the tokens generated since the previous chunk (the last one, the rest)."""
         created = int(time.time())
+        pending: list[TokenLogprob] = []  # logprobs received and not sent yet
+        count, offset = 0, 0  # logprobs sent, and the characters of their tokens (completions' text_offset)
 
         def chunk(text: str | None, finish: str | None = None, role: bool = False) -> str:
+            nonlocal pending, count, offset
+            lps = self.logprobs_json(pending, chat, offset) if logprobs and pending and not role else None
+            if lps is not None:
+                count, offset = count + len(pending), offset + sum(len(self.token_text(e.token)) for e in pending)
+                pending = []
             if chat:
                 delta = ({"role": "assistant"} if role else {}) | ({"content": text} if text is not None else {})
-                choice = {"index": 0, "delta": delta, "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "delta": delta, "logprobs": lps, "finish_reason": finish}
             else:
-                choice = {"index": 0, "text": text or "", "logprobs": None, "finish_reason": finish}
+                choice = {"index": 0, "text": text or "", "logprobs": lps, "finish_reason": finish}
             body = {"id": rid, "object": "chat.completion.chunk" if chat else "text_completion",
                     "created": created, "model": self.model, "choices": [choice]}
             return _sse(body | ({"usage": None} if include_usage else {}))
@@ -617,8 +669,10 @@ class OpenAIServer:
             yield chunk("", role=True)
         while True:
             event = await req.events.get()
+            pending += event.logprobs or []
             while event.output is None and event.error is None and not req.events.empty():
                 event = req.events.get_nowait()  # fall behind gracefully: only the latest text matters
+                pending += event.logprobs or []
             if event.error is not None:
                 yield _sse(event.error.body())
                 break
@@ -632,9 +686,10 @@ class OpenAIServer:
                 continue
             if not out.text.startswith(sent):  # the incremental text drifted from the full decode
                 log.warning("request %s: streamed text is not a prefix of the final text", rid)
+            pending = list(out.logprobs[count:]) if out.logprobs is not None else []
             rest = out.text[len(sent):]
             if chat:
-                if rest:
+                if rest or pending:
                     yield chunk(rest)
                 yield chunk(None, out.finish_reason)
             else:

@@ -352,7 +352,6 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/completions", OK_COMPLETION | {"prompt": [1, 99999]}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000}, 400, "max_tokens"),
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 1000, "stream": True}, 400, "max_tokens"),
-    ("/v1/chat/completions", OK_CHAT | {"logprobs": True, "top_logprobs": 2}, 400, "logprobs"),
     ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "yaml"}}, 400, "response_format"),
     ("/v1/chat/completions", OK_CHAT | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
      400, "response_format.json_schema.schema"),
@@ -375,6 +374,9 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"hello": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"100000": 1}}, 400, "logit_bias"),
     ("/v1/chat/completions", OK_CHAT | {"logit_bias": {"5": "x"}}, 400, "logit_bias"),
+    ("/v1/chat/completions", OK_CHAT | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
+    ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
+    ("/v1/completions", OK_COMPLETION | {"logprobs": 21}, 400, "logprobs"),
     ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),
     ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
     # issue 18: input the edge refuses, each naming its field
@@ -423,6 +425,36 @@ def test_penalties_and_logit_bias_through_the_openai_client(served, offline):
         assert client.completions.create(**body).choices[0].text == want.text
         streamed = client.completions.create(**body, stream=True)
         assert "".join(c.choices[0].text for c in streamed if c.choices) == want.text
+
+
+def test_logprobs_through_the_openai_client(served, offline):
+    """Chat `logprobs`/`top_logprobs` and completions `logprobs`, streamed and not, with speculation or without: the
+    values the offline engine computes for the same tokens, in OpenAI's two shapes."""
+    client = served.client()
+    want = offline.generate(REPETITIVE, SamplingParams(temperature=0, max_tokens=8, logprobs=2))[0].logprobs
+    done = client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=8, temperature=0, logprobs=2)
+    lp = done.choices[0].logprobs
+    assert lp.token_logprobs == pytest.approx([e.logprob for e in want], abs=1e-5)
+    assert len(lp.tokens) == len(lp.top_logprobs) == len(lp.text_offset) == done.usage.completion_tokens
+    assert all(len(top) <= 2 for top in lp.top_logprobs) and lp.text_offset[0] == 0
+    chunks = [c for c in client.completions.create(model=MODEL, prompt=REPETITIVE, max_tokens=8, temperature=0,
+                                                   logprobs=2, stream=True) if c.choices]
+    streamed = [c.choices[0].logprobs for c in chunks if c.choices[0].logprobs is not None]
+    assert [v for x in streamed for v in x.token_logprobs] == lp.token_logprobs
+    assert [v for x in streamed for v in x.text_offset] == lp.text_offset
+
+    ref = offline.chat(CHAT, SamplingParams(temperature=0, max_tokens=8, logprobs=3))[0].logprobs
+    chat = dict(model=MODEL, messages=CHAT, max_tokens=8, temperature=0, logprobs=True, top_logprobs=3)
+    content = client.chat.completions.create(**chat).choices[0].logprobs.content
+    assert [e.logprob for e in content] == pytest.approx([e.logprob for e in ref], abs=1e-5)
+    for e, r in zip(content, ref):
+        assert [t.logprob for t in e.top_logprobs] == pytest.approx([v for _, v in r.top], abs=1e-5)
+        assert e.bytes == list(e.token.encode())
+    streamed = [e for c in client.chat.completions.create(**chat, stream=True) if c.choices and c.choices[0].logprobs
+                for e in c.choices[0].logprobs.content]
+    assert [(e.token, e.logprob) for e in streamed] == [(e.token, e.logprob) for e in content]
+    plain_answer = client.chat.completions.create(model=MODEL, messages=CHAT, max_tokens=4, temperature=0)
+    assert plain_answer.choices[0].logprobs is None
 
 
 def test_unknown_fields_are_ignored_and_errors_leak_nothing(plain):

@@ -61,7 +61,7 @@ def bad_requests(model: str) -> list[tuple[str, str | dict, int, str | None]]:
         ("/v1/chat/completions", chat | {"response_format": {"type": "json_schema", "json_schema": {"name": "x"}}},
          400, "response_format.json_schema.schema"),
         ("/v1/chat/completions", chat | {"guided_regex": "[unclosed"}, 400, "guided_regex"),
-        ("/v1/chat/completions", chat | {"logprobs": True}, 400, "logprobs"),
+        ("/v1/chat/completions", chat | {"logprobs": True, "top_logprobs": 50}, 400, "top_logprobs"),
     ]
 
 
