@@ -86,13 +86,18 @@ class TokenLogprob:
     top: list[tuple[int, float]]  # (token id, log-probability), most likely first
 
 
-def token_logprobs(logprobs: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
-    """One TokenLogprob per row of log-softmax rows [n, V] and the token chosen after each (one copy to the host)."""
-    index = torch.tensor(tokens, dtype=torch.long, device=logprobs.device)[:, None]
-    chosen = logprobs.gather(1, index)[:, 0].tolist()
-    top = logprobs.topk(k, dim=-1) if k else None
-    ids, values = (top.indices.tolist(), top.values.tolist()) if top is not None else ([[]] * len(tokens),) * 2
-    return [TokenLogprob(t, lp, list(zip(i, v))) for t, lp, i, v in zip(tokens, chosen, ids, values)]
+def token_logprobs(logits: torch.Tensor, tokens: list[int], k: int) -> list[TokenLogprob]:
+    """One TokenLogprob per row of logits [n, V] and the token chosen after each (one copy to the host). On CPU a
+    49k-wide row costs about 30 us for the log-softmax and 110 us more for a top-k (torch's CPU topk)."""
+    logprobs = torch.log_softmax(logits, -1)
+    index = torch.tensor(tokens, dtype=torch.long, device=logits.device)[:, None]
+    picked = logprobs.gather(1, index)  # [n, 1]
+    if k:
+        top = logprobs.topk(k, dim=-1)
+        values, ids = torch.cat([picked, top.values], 1).tolist(), top.indices.tolist()
+    else:
+        values, ids = picked.tolist(), [[]] * len(tokens)
+    return [TokenLogprob(t, v[0], list(zip(i, v[1:]))) for t, v, i in zip(tokens, values, ids)]
 
 
 NUMPY_DEVICES = ("cpu",)  # where `penalize` computes with numpy on a view of the logits

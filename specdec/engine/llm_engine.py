@@ -257,7 +257,7 @@ class LLMEngine:
         if ready:
             logits = self.runner.logits(hidden, [ends[i] - 1 for i in ready])
             asked = [k for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
-            raw = torch.log_softmax(logits[asked], -1) if asked else None  # the model's own, before penalties
+            raw = logits[asked] if asked else None  # a copy: the model's own logits, before penalties
             penalized = [Penalized(k, s.params, s.prompt_token_ids, s.output_token_ids, [[]])
                          for k, s in enumerate(seqs[i] for i in ready) if s.params.penalized]
             if penalized:

@@ -149,8 +149,10 @@ class Speculator:
                                            [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.logits(hidden)
-        # every row's own distribution for requests that return log-probabilities (before penalties and masks)
-        raw = torch.log_softmax(logits, -1) if any(s.params.logprobs is not None for s in seqs) else None
+        # the rows of requests that return log-probabilities, copied before penalties and masks change them
+        asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None
+                 for r in range(sum(counts[:i]) + i, sum(counts[:i + 1]) + i + 1)]
+        raw = dict(zip(asked, logits[asked])) if asked else None
         if any(s.params.penalized for s in seqs):  # the target's distribution at every node, before any mask
             penalize(logits, penalty_rows(seqs, drafted, parents))
         top = None  # every row's argmax, where masking computed it
@@ -179,7 +181,8 @@ class Speculator:
                 self.trace.append((nodes, counts[i]))
             logprobs = None  # emitted token j was predicted by row kept[j]
             if raw is not None and seq.params.logprobs is not None:
-                logprobs = token_logprobs(raw[kept], result.emitted_tokens[i], seq.params.logprobs)
+                logprobs = token_logprobs(torch.stack([raw[r] for r in kept]), result.emitted_tokens[i],
+                                          seq.params.logprobs)
             outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
                                       features[kept] if features is not None else None, logprobs))
         return outputs
