@@ -470,10 +470,8 @@ class OpenAIServer:
             if top and not body.logprobs:
                 raise APIError(400, "top_logprobs needs logprobs=true", param="top_logprobs")
             logprobs = (top or 0) if body.logprobs else None
-        else:
+        else:  # its range is SamplingParams' to check, under the same name
             logprobs = body.logprobs
-            if logprobs is not None and not 0 <= logprobs <= MAX_LOGPROBS:
-                raise APIError(400, f"invalid logprobs={logprobs}: must be in [0, {MAX_LOGPROBS}]", param="logprobs")
         penalties = {"logprobs": logprobs, "presence_penalty": body.presence_penalty or 0.0,
                      "frequency_penalty": body.frequency_penalty or 0.0,
                      "repetition_penalty": 1.0 if body.repetition_penalty is None else body.repetition_penalty,
@@ -489,18 +487,16 @@ class OpenAIServer:
         return params, max_tokens, max_field, constraint_field
 
     def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
-        """OpenAI's logit_bias (token ids as strings) as token ids, each checked against the vocabulary."""
+        """OpenAI's logit_bias (token ids as strings) as token ids of this vocabulary; SamplingParams checks the
+        biases."""
         if not bias:
             return None
-        vocab, out = self.llm.engine.model.config.vocab_size, {}
-        for key, value in bias.items():
+        vocab = self.llm.engine.model.config.vocab_size
+        for key in bias:
             if not key.strip().isdigit() or int(key) >= vocab:
                 raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id of this model's vocabulary "
                                f"(integers 0 to {vocab - 1})", param="logit_bias")
-            if not -100 <= value <= 100:
-                raise APIError(400, f"logit_bias[{key!r}]={value}: biases must be in [-100, 100]", param="logit_bias")
-            out[int(key)] = value
-        return out
+        return {int(key): value for key, value in bias.items()}
 
     def preparer(self, tokenize: Callable[[], list[int]], params: SamplingParams, max_tokens: int | None,
                  max_field: str, prompt_field: str, constraint_field: str | None = None) -> Prepare:

@@ -11,6 +11,7 @@ first moved down to consecutive slots here).
 """
 from __future__ import annotations
 
+import itertools
 import logging
 import time
 
@@ -150,9 +151,11 @@ class Speculator:
                                            trees if any(t is not None for t in trees) else None, self.feature_layers)
         logits = self.runner.logits(hidden)
         # the rows of requests that return log-probabilities, copied before penalties and masks change them
+        starts = list(itertools.accumulate((1 + n for n in counts), initial=0))  # sequence i's rows: starts[i]..
         asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None
-                 for r in range(sum(counts[:i]) + i, sum(counts[:i + 1]) + i + 1)]
-        raw = dict(zip(asked, logits[asked])) if asked else None
+                 for r in range(starts[i], starts[i + 1])]
+        raw = logits[asked] if asked else None
+        raw_row = {r: k for k, r in enumerate(asked)}
         if any(s.params.penalized for s in seqs):  # the target's distribution at every node, before any mask
             penalize(logits, penalty_rows(seqs, drafted, parents))
         top = None  # every row's argmax, where masking computed it
@@ -181,7 +184,7 @@ class Speculator:
                 self.trace.append((nodes, counts[i]))
             logprobs = None  # emitted token j was predicted by row kept[j]
             if raw is not None and seq.params.logprobs is not None:
-                logprobs = token_logprobs(torch.stack([raw[r] for r in kept]), result.emitted_tokens[i],
+                logprobs = token_logprobs(raw[[raw_row[r] for r in kept]], result.emitted_tokens[i],
                                           seq.params.logprobs)
             outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
                                       features[kept] if features is not None else None, logprobs))
