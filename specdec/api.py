@@ -18,7 +18,7 @@ from fastapi.responses import JSONResponse, PlainTextResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 from starlette.exceptions import HTTPException as StarletteHTTPException
 
-from specdec.config import SpecdecError, StructuredOutput, from_kwargs
+from specdec.config import SpecdecError
 from specdec.llm import unicode_text
 
 log = logging.getLogger("specdec.server")
@@ -52,13 +52,15 @@ class Limits:
     max_request_bytes: int = 2 * 2**20  # a bigger body is refused (413) before it is read whole
     max_stop: int = 16  # stop strings per request (each is checked on every token)
     max_stop_chars: int = 256  # characters per stop string
+    max_choices: int = 16  # choices per request (n, times the prompts of a completions request)
     default_max_tokens: int | None = None  # the cap of a request that gives no max_tokens (None: its context)
     max_queue: int | None = None  # requests waiting to run beyond max_num_seqs; past it 429 + Retry-After
     request_timeout_s: float | None = None  # wall time per request; past it the request ends, finish "length"
     stuck_after_s: float = 60.0  # /health says 503 while one engine step has run longer than this
 
     def __post_init__(self) -> None:
-        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "default_max_tokens", "max_queue"):
+        for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_choices", "default_max_tokens",
+                     "max_queue"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "max_queue" else 1)):
                 raise SpecdecError(f"invalid {name}={value!r}: must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
@@ -84,70 +86,6 @@ def _is_set(value: Any) -> bool:
     return value not in (None, False, 0, 0.0, "", [], {})
 
 
-# Fields a client may send whose effect we do not provide: refused rather than silently ignored, so a client
-# never takes an answer without logprobs, a tool call or a JSON format for one that honoured them.
-UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
-    "echo": _is_set, "suffix": _is_set, "best_of": lambda v: v not in (None, 1), "tools": _is_set,
-    "functions": _is_set,
-}
-
-# Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
-GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
-                 "guided_choice": "choice"}
-
-
-MAX_CONSTRAINT_DEPTH = 64  # nesting of a structured output constraint (schemas are compiled recursively)
-
-
-def _depth(value: Any, limit: int = MAX_CONSTRAINT_DEPTH + 1) -> int:
-    """Nesting depth of JSON-like data, counted no further than `limit`."""
-    if limit <= 0 or not isinstance(value, (dict, list)):
-        return 0
-    children = value.values() if isinstance(value, dict) else value
-    return 1 + max((_depth(c, limit - 1) for c in children), default=0)
-
-
-def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
-    """The request's constraint and the field it came from, or (None, None); APIError 400 naming the field
-    when it is malformed or more than one is given."""
-    found: list[tuple[str, dict]] = []
-    fmt = extra.get("response_format")
-    if fmt is not None:
-        if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
-            raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
-                           param="response_format")
-        if fmt["type"] == "json_object":
-            found.append(("response_format", {"json_object": True}))
-        elif fmt["type"] == "json_schema":
-            spec = fmt.get("json_schema")
-            if not isinstance(spec, dict) or not isinstance(spec.get("schema"), dict):
-                raise APIError(400, "response_format.json_schema.schema must be given, a JSON schema object",
-                               param="response_format.json_schema.schema")
-            found.append(("response_format", {"json": spec["schema"]}))
-    for name, key in GUIDED_FIELDS.items():
-        if extra.get(name) is not None:
-            found.append((name, {key: extra[name]}))
-    if extra.get("structured_outputs") is not None:
-        so = extra["structured_outputs"]
-        if not isinstance(so, dict):
-            raise APIError(400, "structured_outputs must be an object such as {\"json\": {...}}",
-                           param="structured_outputs")
-        found.append(("structured_outputs", so))
-    if not found:
-        return None, None
-    for field, spec in found:
-        if _depth(spec) > MAX_CONSTRAINT_DEPTH:
-            raise APIError(400, f"{field} nests deeper than {MAX_CONSTRAINT_DEPTH} levels", param=field)
-    if len(found) > 1:
-        raise APIError(400, f"give one structured output constraint, not {[f for f, _ in found]}",
-                       param=found[1][0])
-    field, kwargs = found[0]
-    try:
-        return from_kwargs(StructuredOutput, kwargs), field
-    except SpecdecError as e:
-        raise APIError(400, f"{field}: {e}", param=field) from None
-
-
 class _GenerationBody(BaseModel):
     model_config = ConfigDict(extra="allow")  # other fields (user, metadata, ...) are accepted and ignored
     model: str
@@ -171,19 +109,27 @@ class _GenerationBody(BaseModel):
 
 class _ChatMessage(BaseModel):
     model_config = ConfigDict(extra="ignore")
-    role: Literal["system", "developer", "user", "assistant"]  # developer: served as system
+    role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: served as system
     content: str | list[dict[str, Any]] | None = None
+    tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the API returned them
+    tool_call_id: str | None = None  # a tool message: the call it answers
+    name: str | None = None
 
 
 class ChatBody(_GenerationBody):
     messages: list[_ChatMessage]
     logprobs: StrictBool | None = None  # each generated token's log-probability
     top_logprobs: StrictInt | None = None  # and this many alternatives (0-20), with logprobs=true
+    tools: list[dict[str, Any]] | None = None  # functions the model may call ({"type": "function", "function": ...})
+    tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
+    parallel_tool_calls: StrictBool | None = None
 
 
 class CompletionBody(_GenerationBody):
-    prompt: str | list[str] | list[int] | list[list[int]]
+    prompt: str | list[str] | list[int] | list[list[int]]  # several prompts: a choice (n of them) for each
     logprobs: StrictInt | None = None  # log-probabilities of the generated tokens and this many alternatives
+    echo: StrictBool | None = None  # the prompt before the completion (with logprobs: the prompt's too)
+    best_of: StrictInt | None = None  # only best_of = n (every choice is returned)
 
 
 # -- what the API answers, for its OpenAPI schema (clients and schemathesis read it) -------------------------
@@ -208,9 +154,21 @@ class _Usage(BaseModel):
     num_accepted_tokens: int
 
 
+class _Function(BaseModel):
+    name: str
+    arguments: str  # JSON text
+
+
+class _ToolCall(BaseModel):
+    id: str
+    type: Literal["function"]
+    function: _Function
+
+
 class _Message(BaseModel):
     role: Literal["assistant"]
-    content: str
+    content: str | None
+    tool_calls: list[_ToolCall] | None = None
 
 
 class _TopLogprob(BaseModel):
@@ -229,8 +187,8 @@ class _ChatLogprobs(BaseModel):
 
 class _TextLogprobs(BaseModel):
     tokens: list[str]
-    token_logprobs: list[float]
-    top_logprobs: list[dict[str, float]]
+    token_logprobs: list[float | None]  # None for an echoed prompt's first token (nothing predicts it)
+    top_logprobs: list[dict[str, float] | None]
     text_offset: list[int]
 
 

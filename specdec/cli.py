@@ -77,6 +77,8 @@ def build_parser() -> argparse.ArgumentParser:
     s.add_argument("--max-queue", type=int, default=None,
                    help="requests that may wait beyond the --max-num-seqs running; more get 429 with Retry-After "
                    "(default: no limit)")
+    s.add_argument("--max-choices", type=int, default=16,
+                   help="choices per request: n, times the prompts of a completions request (default 16)")
     s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="wall time per request; past it the request ends with what it has, finish_reason length")
     s.add_argument("--max-request-bytes", type=int, default=2 * 2**20,
@@ -109,6 +111,10 @@ def build_parser() -> argparse.ArgumentParser:
                    help="constrained decoding on JSON-extraction prompts instead (--prompts default: "
                    "data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
                    "drafting, validity against each schema, the masks' share of time")
+    b.add_argument("--agent", action="store_true",
+                   help="an agent's workload instead: --num-prompts tasks, each a tool-calling turn (tool_choice "
+                   "required) and an answer turn, plain vs --speculative-config (default suffix, 12 tokens, jump-forward 15), "
+                   "same tools and instructions throughout")
     b.add_argument("--soak", action="store_true",
                    help="reliability soak instead: a server in this process gets --num-requests mixed requests "
                    "(greedy, seeded, cancelled, malformed, unauthenticated, injected faults), every response and "
@@ -275,13 +281,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 0),
-                             ("--max-request-bytes", args.max_request_bytes, 1)):
+                             ("--max-request-bytes", args.max_request_bytes, 1), ("--max-choices", args.max_choices, 1)):
         if value is not None and value < low:
             raise SpecdecError(f"invalid {flag} {value}: must be at least {low}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise SpecdecError(f"invalid --request-timeout {args.request_timeout}: must be positive")
     limits = Limits(max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-                    max_queue=args.max_queue, request_timeout_s=args.request_timeout)
+                    max_queue=args.max_queue, request_timeout_s=args.request_timeout, max_choices=args.max_choices)
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     for name in ("max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
@@ -341,6 +347,10 @@ def main(argv: list[str] | None = None) -> int:
             from specdec.bench.structured import run_structured_bench
 
             run_structured_bench(args)
+        elif args.command == "bench" and args.agent:
+            from specdec.bench.agent import run_agent_bench
+
+            run_agent_bench(args)
         elif args.command == "bench":
             from specdec.bench.offline import run_bench
 

@@ -87,7 +87,9 @@ class ModelConfig:
 class StructuredOutput:
     """A constraint on a request's output (vLLM's `StructuredOutputsParams`): exactly one of a JSON schema
     (dict or JSON text), any JSON object, a regex, a grammar (EBNF/GBNF, or Lark when `grammar_syntax` says
-    so) or a choice among strings. Compiled by `specdec.grammar`, which names what is wrong in a bad one."""
+    so), a choice among strings, or a structural tag (xgrammar's and vLLM's format: tagged segments such as
+    tool calls, each `{"type": "tag", "begin", "content", "end"}`, their JSON schema contents enforced; how tool
+    calling is constrained). Compiled by `specdec.grammar`, which names what is wrong in a bad one."""
 
     json: dict | str | None = None
     json_object: bool = False
@@ -95,8 +97,9 @@ class StructuredOutput:
     grammar: str | None = None
     grammar_syntax: str = "ebnf"  # or "lark"
     choice: list[str] | None = None
+    structural_tag: dict | str | None = None
 
-    KINDS = ("json", "json_object", "regex", "grammar", "choice")
+    KINDS = ("json", "json_object", "regex", "grammar", "choice", "structural_tag")
 
     def __post_init__(self) -> None:
         given = [k for k in self.KINDS if getattr(self, k) not in (None, False)]
@@ -105,6 +108,8 @@ class StructuredOutput:
                                f"{given or 'none'}")
         if self.json is not None and not isinstance(self.json, (dict, str)):
             raise SpecdecError("structured_output.json must be a JSON schema: a dict or its JSON text")
+        if self.structural_tag is not None and not isinstance(self.structural_tag, (dict, str)):
+            raise SpecdecError("structured_output.structural_tag must be a structural tag: a dict or its JSON text")
         if self.json_object not in (True, False):
             raise SpecdecError("structured_output.json_object must be true or false")
         for name in ("regex", "grammar"):
@@ -152,6 +157,10 @@ class SamplingParams:
     # distribution at that position (its logits before penalties, bias and temperature: vLLM's default), the same
     # whether the token was drafted and verified or decoded plainly. None: not computed.
     logprobs: int | None = None
+    # The same for every prompt token after the first (OpenAI's `echo` with logprobs, how evaluation harnesses
+    # score log-likelihoods): computed in the prefill, so such a prompt is prefilled whole, never served from the
+    # prefix cache.
+    prompt_logprobs: int | None = None
 
     def __post_init__(self) -> None:
         if isinstance(self.structured_output, dict):
@@ -192,9 +201,11 @@ class SamplingParams:
         rp = self.repetition_penalty
         if not isinstance(rp, (int, float)) or isinstance(rp, bool) or not math.isfinite(rp) or rp <= 0:
             raise bad("repetition_penalty", rp, "must be a finite number > 0 (1 = off)")
-        if self.logprobs is not None and (not isinstance(self.logprobs, int) or isinstance(self.logprobs, bool)
-                                          or not 0 <= self.logprobs <= MAX_LOGPROBS):
-            raise bad("logprobs", self.logprobs, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
+        for name in ("logprobs", "prompt_logprobs"):
+            value = getattr(self, name)
+            if value is not None and (not isinstance(value, int) or isinstance(value, bool)
+                                      or not 0 <= value <= MAX_LOGPROBS):
+                raise bad(name, value, f"must be an integer in [0, {MAX_LOGPROBS}] or None")
         if self.logit_bias is not None:
             if not isinstance(self.logit_bias, dict) or any(
                     not isinstance(t, int) or isinstance(t, bool) or t < 0 for t in self.logit_bias):

@@ -14,7 +14,6 @@ is caught instead of silently misaligning prompts and answers.
 """
 from __future__ import annotations
 
-import hashlib
 import json
 import random
 import sys

@@ -1,9 +1,12 @@
 """Structured output: a request's grammar (JSON schema, any JSON object, regex, EBNF or Lark grammar, a choice
-of strings), compiled by xgrammar, and its per-request matcher state.
+of strings), compiled by xgrammar, and its per-request matcher state. Where xgrammar is not installed (its pip
+dependencies pull triton) llguidance compiles it instead (`specdec.grammar_llguidance`, the same states); the
+environment variable SPECDEC_GRAMMAR_BACKEND=xgrammar|llguidance chooses (`grammar_backend`).
 
-Why xgrammar: on our tokenizer (SmolLM2's 49,152 tokens) it fills a next-token mask in 3 us median and 12 us
-at p90 over a nested JSON schema, against llguidance's 17 / 129 us (docs/benchmarks.md, "Structured output");
-it rolls back any number of tokens, forks a state for a tree's branches and finds the jump-forward string.
+Why xgrammar first: on our tokenizer (SmolLM2's 49,152 tokens) it fills a next-token mask in 2 us median and
+8 us at p90 over a nested JSON schema, against llguidance's 4 / 6 us (docs/benchmarks.md, "Structured output
+on llguidance": llguidance's masks cost less on bounded strings); both roll back any number of tokens and
+find the jump-forward string.
 
 How the engine uses a `GrammarState` (on the host; xgrammar's accept and rollback take microseconds, a mask
 fill 3-1,300 us depending on the grammar's state):
@@ -22,7 +25,9 @@ so speculative output is constrained decoding's own output, token for token (gre
 from __future__ import annotations
 
 import functools
+import importlib
 import json
+import os
 import time
 from collections import OrderedDict
 
@@ -41,6 +46,27 @@ def _xgrammar():
         raise SpecdecError("structured output needs the xgrammar package (pip install --no-deps xgrammar "
                            "apache-tvm-ffi); see the README's setup") from e
     return xgrammar
+
+
+BACKEND_ENV = "SPECDEC_GRAMMAR_BACKEND"
+
+
+def grammar_backend() -> str:
+    """The grammar library: $SPECDEC_GRAMMAR_BACKEND, else xgrammar where it imports (its masks are the
+    faster), else llguidance (the one `pip install specdec[serve]` brings)."""
+    chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
+    if chosen in ("xgrammar", "llguidance"):
+        return chosen
+    if chosen:
+        raise SpecdecError(f"{BACKEND_ENV}={chosen!r}: expected xgrammar or llguidance")
+    for name in ("xgrammar", "llguidance"):
+        try:
+            importlib.import_module(name)
+            return name
+        except ImportError:
+            pass
+    raise SpecdecError("structured output needs a grammar library: pip install llguidance (or specdec[serve]), "
+                       "or xgrammar (pip install --no-deps xgrammar apache-tvm-ffi; see the README's setup)")
 
 
 # Keywords xgrammar 0.2.8 accepts but does not enforce (measured: the grammar is the same without them, or
@@ -95,11 +121,37 @@ def choice_grammar(choices: list[str]) -> str:
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
+def structural_tag_grammar(tag: dict):
+    """xgrammar's grammar of a structural tag whose JSON schema contents are written as `json_schema_ebnf` writes
+    them (compact and strict, so a tool call's keys and punctuation are forced text: jump-forward drafts them)."""
+    def strict(node):
+        if isinstance(node, list):
+            return [strict(n) for n in node]
+        if not isinstance(node, dict):
+            return node
+        if node.get("type") == "json_schema" and "json_schema" in node:
+            schema = node["json_schema"]
+            return {"type": "grammar", "grammar": json_schema_ebnf(schema if isinstance(schema, str) else json.dumps(schema))}
+        return {k: strict(v) for k, v in node.items()}
+
+    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
+        raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
+    return _xgrammar().Grammar.from_structural_tag(json.dumps(strict(tag)))
+
+
 class GrammarCompiler:
     """Compiles structured-output constraints for one tokenizer; compiled grammars are kept by their text
     (`MAX_CACHED`, least recently used first out), so a schema every request repeats compiles once."""
 
     MAX_CACHED = 256
+
+    def __new__(cls, *args, **kwargs):
+        """The compiler of `grammar_backend()`'s library: llguidance's subclass where that is the one."""
+        if cls is GrammarCompiler and grammar_backend() == "llguidance":
+            from specdec.grammar_llguidance import LLGuidanceCompiler
+
+            cls = LLGuidanceCompiler
+        return super().__new__(cls)
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()
@@ -121,6 +173,8 @@ class GrammarCompiler:
             text = choice_grammar(so.choice)
         elif kind == "grammar":
             kind, text = f"grammar:{so.grammar_syntax}", so.grammar
+        elif kind == "structural_tag":
+            text = so.structural_tag if isinstance(so.structural_tag, str) else json.dumps(so.structural_tag)
         else:
             text = so.regex
         key = (kind, text)
@@ -141,11 +195,13 @@ class GrammarCompiler:
                 return self.compiler.compile_grammar(json_schema_ebnf(text or '{"type": "object"}'))
             if kind == "regex":
                 return self.compiler.compile_regex(text)
+            if kind == "structural_tag":
+                return self.compiler.compile_grammar(structural_tag_grammar(json.loads(text)))
             if kind == "grammar:lark":
                 return self.compiler.compile_lark(text)
             return self.compiler.compile_grammar(text)  # EBNF (GBNF), and the choice grammar
         except json.JSONDecodeError as e:
-            raise SpecdecError(f"structured_output.json is not valid JSON: {e}") from None
+            raise SpecdecError(f"structured_output.{field} is not valid JSON: {e}") from None
         except (RuntimeError, ValueError, TypeError) as e:
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SpecdecError(f"invalid structured_output.{field}: {message}") from None

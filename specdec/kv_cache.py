@@ -168,14 +168,14 @@ class BlockAllocator:
                 self.free_blocks.append(block)
 
     # -- prefix caching ---------------------------------------------------------------------------
-    def admit(self, table: BlockTable, token_ids: list[int], max_new: int) -> int | None:
+    def admit(self, table: BlockTable, token_ids: list[int], max_new: int, use_cache: bool = True) -> int | None:
         """Give an empty `table` the cached blocks of the longest cached prefix of `token_ids` (never the
         last token: it must be fed to get logits; with `match_next_token`, only blocks followed by the same
-        token as here), then grow it by up to `max_new` of the remaining tokens.
+        token as here; none without `use_cache`), then grow it by up to `max_new` of the remaining tokens.
         Returns how many tokens came from the cache, or None (nothing changed) when blocks are short."""
         assert not table.blocks, "admit() starts a sequence's table"
         hits: list[tuple[int, bytes]] = []
-        if self.enable_prefix_caching:
+        if self.enable_prefix_caching and use_cache:
             key, bs = b"", self.block_size
             for b in range((len(token_ids) - 1) // bs):
                 key = block_key(key, token_ids[b * bs:(b + 1) * bs])

@@ -152,10 +152,18 @@ class LLM:
             return prompt.get("prompt"), list(ids)
         raise SpecdecError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
-    def apply_chat_template(self, conversation: list[dict[str, str]]) -> list[int]:
+    @property
+    def renders_tools(self) -> bool:
+        """Whether the chat template renders tools itself (then it is given `tools`, assistant `tool_calls` and
+        `tool` messages as they are; else specdec.tool_calls writes them as plain messages)."""
+        template = getattr(self.tokenizer, "chat_template", None)
+        return isinstance(template, str) and "tools" in template
+
+    def apply_chat_template(self, conversation: list[dict], tools: list[dict] | None = None) -> list[int]:
         if not getattr(self.tokenizer, "chat_template", None):
             raise SpecdecError(f"model {self.model_name!r} has no chat template; use generate() with plain prompts")
-        text = self.tokenizer.apply_chat_template(conversation, tokenize=False, add_generation_prompt=True)
+        text = self.tokenizer.apply_chat_template(conversation, tools=tools or None, tokenize=False,
+                                                  add_generation_prompt=True)
         unicode_text(text, "the conversation")
         return self.tokenizer.encode(text, add_special_tokens=False)
 

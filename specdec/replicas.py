@@ -232,24 +232,24 @@ class EngineReplica:
         carries its body; a stream's head is followed by its SSE chunks."""
         head = {"status": 200, "replica": self.name, "stream": bool(body.stream)}
         try:
-            started = await self.server.start(body)
+            plan, req = await self.server.start(body)
         except APIError as e:  # refused (429 carries Retry-After)
             yield head | {"status": e.status, "stream": False, "body": e.body(), "headers": e.headers or {}}
             return
         try:
-            if not started.stream:
+            if not plan.stream:
                 try:
-                    answer = await self.server.answer(started)  # cancelled when the client leaves
+                    answer = await self.server.answer(plan, req)  # cancelled when the client leaves
                 except APIError as e:
                     yield head | {"status": e.status, "body": e.body()}
                     return
                 yield head | {"body": answer}
                 return
             yield head
-            async for chunk in self.server.events(started):
+            async for chunk in self.server.stream(plan, req):
                 yield chunk
         finally:
-            self.server.engine.abort(started.req)  # a no-op once finished
+            self.server.engine.abort(req)  # a no-op once finished
 
     def model_card(self) -> dict:
         return self.server.model_card()

@@ -174,6 +174,18 @@ def assert_greedy_equal(llm, outs, reference: list[list[int]], tie: float = 0.0)
 
 # ---- the device the suite runs on ----------------------------------------------------------------------------
 
+def assert_logprobs_equal(got, want, tol: float) -> None:
+    """Outputs of speculative and plain decoding: the same tokens, each with the same log-probability and the same
+    alternatives (to `tol`)."""
+    assert sum(o.metrics["num_accepted_tokens"] for o in got) > 0, "nothing was drafted and accepted"
+    for g, w in zip(got, want, strict=True):
+        assert g.token_ids == w.token_ids
+        for a, b in zip(g.logprobs, w.logprobs, strict=True):
+            assert a.token == b.token and abs(a.logprob - b.logprob) <= tol
+            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+            assert all(abs(x - y) <= tol for (_, x), (_, y) in zip(a.top, b.top))
+
+
 def pytest_addoption(parser):
     parser.addoption("--device", default=os.environ.get("SPECDEC_TEST_DEVICE") or "cpu",
                      help="the device every engine a test builds without naming one runs on (cpu | cuda; default "

@@ -9,9 +9,9 @@ import pytest
 import torch
 import transformers
 
-from conftest import needs_default_model, sequence_inputs
+from conftest import assert_logprobs_equal, needs_default_model, sequence_inputs
 from specdec import LLM, SamplingParams
-from specdec.models.loader import resolve
+from specdec.models.loader import HEADS_DIR, resolve
 from specdec.models.quant import QuantWeight
 
 pytestmark = needs_default_model
@@ -134,6 +134,21 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
     if method == "draft_model_tree":  # ... along the rank-0 path of its tree
         assert all(o.metrics["accepted_per_pos"][0] == o.metrics["num_drafts"] for o in batched)
     assert spec.engine.allocator.num_used == 0
+
+
+LOGPROB_CONFIGS = {"ngram": SPEC_CONFIGS["ngram"], "suffix": SPEC_CONFIGS["suffix"],
+                   "draft_model_tree": SPEC_CONFIGS["draft_model_tree"],
+                   "eagle3_tree": {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"), "tree": "D2-BF2"}}
+
+
+@pytest.mark.parametrize("method", list(LOGPROB_CONFIGS))
+def test_logprobs_under_speculation_equal_plain_decodings(llm, method):
+    """Each token's log-probability and top alternatives come from the verification row that predicted it, the
+    row plain decoding computes there: equal to 1e-5 (the same kernels, batch-invariant), for chains and trees."""
+    params = SamplingParams(temperature=0, max_tokens=48, logprobs=3)
+    want = llm.chat(SPEC_PROMPTS[:2], params)
+    spec = llm.with_speculative_config(LOGPROB_CONFIGS[method])
+    assert_logprobs_equal(spec.chat(SPEC_PROMPTS[:2], params), want, 1e-5)
 
 
 REQUANTIZED = {"Q4_K_M": {"q4_k", "q5_0", "q6_k", "q8_0"}, "Q5_0": {"q5_0"}}  # the decoder's formats

@@ -1,18 +1,21 @@
 """Structured output: the constraint's validation, draft filtering and masks (hand-worked table), constrained
 decoding that always matches its constraint, greedy speculative == greedy plain under a constraint for chains
-and trees, and sampled constrained speculation in the constrained distribution."""
+and trees, and sampled constrained speculation in the constrained distribution; every test that builds a
+grammar runs on both grammar libraries (xgrammar and llguidance), and structural tags (tool calls) on each."""
 from __future__ import annotations
 
+import importlib.util
 import json
 import re
+import sys
 
 import pytest
 import torch
 from jsonschema import validate
 
 from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
-from conftest import needs_default_model
-from specdec.grammar import GrammarCompiler, apply_bitmask, mask_logits
+from conftest import MISSING, needs_default_model
+from specdec.grammar import BACKEND_ENV, GrammarCompiler, apply_bitmask, grammar_backend, mask_logits
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
@@ -30,9 +33,33 @@ CONSTRAINTS = [
     {"choice": ["yes", "no", "maybe later"]},
     {"grammar": 'root ::= "(" num ("+" num)? ("+" num)? ")"\nnum ::= [1-9] [0-9]?'},
 ]
+WEATHER = {"type": "object", "properties": {"city": {"enum": ["Paris", "Rome"]},
+                                            "days": {"type": "integer", "minimum": 1, "maximum": 9}},
+           "required": ["city", "days"]}
+
+
+def tool_tag(name: str, schema: dict = WEATHER) -> dict:
+    """A tool call as Hermes-style chat templates write it."""
+    return {"type": "tag", "begin": f'<tool_call>{{"name": "{name}", "arguments": ',
+            "content": {"type": "json_schema", "json_schema": schema}, "end": "}</tool_call>"}
+
+
+def structural_tag(fmt: dict) -> dict:
+    return {"structural_tag": {"type": "structural_tag", "format": fmt}}
+
+
+# a named tool call (tool_choice naming one function, no parallel calls)
+NAMED_CALL = structural_tag({"type": "tags_with_separator", "tags": [tool_tag("weather")], "separator": "\n",
+                             "at_least_one": True, "stop_after_first": True})
+CONSTRAINTS.append(NAMED_CALL)
 
 
 def satisfies(text: str, constraint: dict) -> bool:
+    if "structural_tag" in constraint:
+        tag = constraint["structural_tag"]["format"]["tags"][0]
+        assert text.startswith(tag["begin"]) and text.endswith(tag["end"]), text
+        validate(json.loads(text[len(tag["begin"]):-len(tag["end"])]), tag["content"]["json_schema"])
+        return True
     if "json" in constraint:
         validate(json.loads(text), constraint["json"])
         return True
@@ -66,9 +93,42 @@ def test_malformed_constraints_are_refused_when_built(fields, message):
         SamplingParams(structured_output=fields)
 
 
+@pytest.fixture(scope="module", params=["xgrammar", "llguidance"])
+def backend(request):
+    """The grammar library of the module's engines, each in turn (SPECDEC_GRAMMAR_BACKEND while they run)."""
+    if importlib.util.find_spec(request.param) is None:
+        pytest.skip(f"{MISSING} the {request.param} package (pip install llguidance; xgrammar: see the README)")
+    with pytest.MonkeyPatch.context() as env:
+        env.setenv(BACKEND_ENV, request.param)
+        yield request.param
+
+
 @pytest.fixture(scope="module")
-def plain(target_dir):  # noqa: F811
+def plain(target_dir, backend):  # noqa: F811
     return LLM(str(target_dir), speculative_config="off", max_num_seqs=256)
+
+
+def test_the_grammar_backend_is_the_chosen_one_else_the_installed_one(monkeypatch):
+    """SPECDEC_GRAMMAR_BACKEND chooses; unset, xgrammar where it imports, else llguidance; neither: an error
+    naming both."""
+    monkeypatch.setenv(BACKEND_ENV, "llguidance")
+    assert grammar_backend() == "llguidance"
+    monkeypatch.setenv(BACKEND_ENV, "outlines")
+    with pytest.raises(SpecdecError, match="expected xgrammar or llguidance"):
+        grammar_backend()
+    monkeypatch.delenv(BACKEND_ENV)
+
+    def without(*names):  # a module set to None in sys.modules raises ImportError on import
+        for name in names:
+            monkeypatch.setitem(sys.modules, name, None)
+
+    without()
+    assert grammar_backend() == ("xgrammar" if importlib.util.find_spec("xgrammar") else "llguidance")
+    without("xgrammar")
+    assert grammar_backend() == "llguidance"
+    without("xgrammar", "llguidance")
+    with pytest.raises(SpecdecError, match="pip install llguidance.*xgrammar"):
+        grammar_backend()
 
 
 @pytest.mark.parametrize("constraint, field", [
@@ -228,6 +288,115 @@ def test_draft_walks_roll_back_inside_strings_numbers_and_nested_objects(plain, 
     assert all(state.accept(t) for t in tokens[cut:] + [eos]) and state.terminated
 
 
+# -- structural tags (tool calls) ------------------------------------------------------------------------------
+def accepts(compiler, tokenizer, constraint: dict, text: str, eos: int | None = None) -> bool:
+    """Whether a fresh state takes the tokens of `text` (and then the stop token `eos`, if given)."""
+    state = compiler.state(StructuredOutput(**constraint))
+    tokens = tokenizer.encode(text, add_special_tokens=False) + ([eos] if eos is not None else [])
+    return all(state.accept(t) for t in tokens)
+
+
+@pytest.fixture(scope="module")
+def compiler(plain, tokenizer, backend):
+    out = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [tokenizer.eos_token_id])
+    assert type(out).__name__ == {"xgrammar": "GrammarCompiler", "llguidance": "LLGuidanceCompiler"}[backend]
+    return out
+
+
+def call(name: str, arguments: str) -> str:
+    return f'<tool_call>{{"name": "{name}", "arguments": {arguments}}}</tool_call>'
+
+
+def test_a_named_tool_call_takes_only_arguments_its_schema_allows(compiler, tokenizer):
+    """One call of `weather` (tags_with_separator, at least one, stop after the first): its arguments are
+    compact JSON valid under the schema, nothing else (another enum value, a missing or an extra key, other
+    spacing, a second call, text around it); the begin and the first key are forced text, drafted for free."""
+    eos = tokenizer.eos_token_id
+    good = call("weather", '{"city": "Rome", "days": 3}')
+    assert accepts(compiler, tokenizer, NAMED_CALL, good, eos)
+    for bad in [call("weather", '{"city": "Oslo", "days": 3}'), call("weather", '{"city": "Rome"}'),
+                call("weather", '{"city": "Rome", "days": 3, "hours": 1}'), call("weather", '{"city":"Rome","days":3}'),
+                call("weather", '{"city": "Rome", "days": 10}'), call("other", '{"city": "Rome", "days": 3}'),
+                good + "\n" + good, "Sure. " + good, good + " done"]:
+        assert not accepts(compiler, tokenizer, NAMED_CALL, bad, eos), bad
+    state = compiler.state(StructuredOutput(**NAMED_CALL))
+    forced = tokenizer.decode(state.filter_draft([], [], tokenizer, limit=64)[0])
+    assert forced == '<tool_call>{"name": "weather", "arguments": {"city": "'
+
+
+def test_parallel_tool_calls_are_separated_tags(compiler, tokenizer):
+    """tags_with_separator without stop_after_first: one or more calls of either tool, a newline between."""
+    eos = tokenizer.eos_token_id
+    time_schema = {"type": "object", "properties": {"zone": {"type": "string", "maxLength": 8}}, "required": ["zone"]}
+    tags = [tool_tag("weather"), tool_tag("time", time_schema)]
+    parallel = structural_tag({"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
+                               "stop_after_first": False})
+    weather, time_ = call("weather", '{"city": "Paris", "days": 1}'), call("time", '{"zone": "CET"}')
+    for good in [weather, time_, weather + "\n" + time_, time_ + "\n" + time_ + "\n" + weather]:
+        assert accepts(compiler, tokenizer, parallel, good, eos), good
+    for bad in ["", weather + time_, weather + "\n", weather + "\n" + call("time", '{"zone": 5}')]:
+        assert not accepts(compiler, tokenizer, parallel, bad, eos), bad
+
+
+def test_triggered_tags_take_free_text_and_a_tag_where_the_trigger_appears(compiler, tokenizer):
+    """Tool choice "auto" (triggered_tags): any text, but once the trigger appears, a whole valid call; text
+    may follow it (not with stop_after_first). After the trigger, the rest of the call's begin is forced text."""
+    eos = tokenizer.eos_token_id
+    auto = structural_tag({"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [tool_tag("weather")],
+                           "at_least_one": False, "stop_after_first": False})
+    good = call("weather", '{"city": "Paris", "days": 2}')
+    for text in ["", "No tool is needed.", "Let me look. " + good, good + " Done.", good + good, "a <tool_cal b"]:
+        assert accepts(compiler, tokenizer, auto, text, eos), text
+    for bad in ["Let me look. <tool_call>{}", "x <tool_call>" + '{"name": "other"',
+                "Look: " + call("weather", '{"city": "Oslo", "days": 2}')]:
+        assert not accepts(compiler, tokenizer, auto, bad), bad
+    state = compiler.state(StructuredOutput(**auto))
+    assert all(state.accept(t) for t in tokenizer.encode("Checking <tool_call>", add_special_tokens=False))
+    forced = state.filter_draft([], [], tokenizer, limit=64)[0]
+    assert tokenizer.decode(forced) == '{"name": "weather", "arguments": {"city": "'
+    auto["structural_tag"]["format"]["stop_after_first"] = True  # no parallel calls: the output ends with one
+    assert accepts(compiler, tokenizer, auto, "Let me look. " + good, eos)
+    assert not accepts(compiler, tokenizer, auto, good + " Done.", eos)
+
+
+@pytest.mark.parametrize("schema, good, bad", [
+    ({"type": "string", "pattern": "[0-2][0-9]:[0-5][0-9]"}, '"10:55"', '"at 10:55"'),  # the pattern is the string
+    ({"type": "object", "properties": {"a": {"type": "integer"}}}, '{"a": 1}', '{"a": 1, "b": 2}'),  # listed keys
+    ({"type": "array", "prefixItems": [{"type": "integer"}]}, "[1]", "[1, 2]"),  # listed items
+    ({"type": "array", "items": {"type": "integer"}, "uniqueItems": False}, "[1, 1]", "[1,1]"),  # compact
+    ({"type": "string"}, '"caf\\u00e9"', '"a\x01"'),  # an escape; a raw control character is not JSON
+], ids=["pattern", "properties", "prefixItems", "separators", "escapes"])
+def test_both_backends_read_a_schema_alike(compiler, tokenizer, schema, good, bad):
+    """llguidance follows JSON Schema where xgrammar reads it its own way; the backend is written to read it
+    as xgrammar does, so a request's output does not depend on the library (a search pattern let the default
+    model run on inside a string: any text holding a time matched)."""
+    eos = tokenizer.eos_token_id
+    assert accepts(compiler, tokenizer, {"json": schema}, good, eos)
+    assert not accepts(compiler, tokenizer, {"json": schema}, bad, eos)
+
+
+@pytest.mark.parametrize("constraint, text", [
+    (CONSTRAINTS[0], '{"name": "Ann", "age": 31, "pets": ["cat"]}'),
+    (CONSTRAINTS[2], "12.5 the cat"),
+    (CONSTRAINTS[4], "(12+3)"),
+    (NAMED_CALL, call("weather", '{"city": "Rome", "days": 3}')),
+    (structural_tag({"type": "triggered_tags", "triggers": ["<tool_call>"], "tags": [tool_tag("weather")]}),
+     "Look: " + call("weather", '{"city": "Rome", "days": 3}') + " ok"),
+], ids=["json", "regex", "ebnf", "named call", "triggered tags"])
+def test_a_mask_allows_exactly_the_tokens_accept_takes(compiler, plain, tokenizer, constraint, text):
+    """A greedy row is masked only where `accept` refuses its argmax, so the two must agree: after every prefix
+    of a valid text, the mask's tokens are those the grammar accepts (the stop token where it may end)."""
+    V = plain.engine.model.config.vocab_size
+    state = compiler.state(StructuredOutput(**constraint))
+    for token in tokenizer.encode(text, add_special_tokens=False) + [tokenizer.eos_token_id]:
+        mask = state.masks([], [])[0]
+        masked = ((mask[:, None] >> torch.arange(32, dtype=torch.int32)) & 1).bool().flatten()[:V]
+        accepted = torch.tensor([not state.refused_rows([], [], [t]) for t in range(V)])
+        assert torch.equal(masked, accepted), tokenizer.decode((masked ^ accepted).nonzero().flatten().tolist())
+        assert state.accept(token)
+    assert state.terminated
+
+
 def test_the_mask_kernel_matches_the_tensor_path():
     torch.manual_seed(0)
     V = 1000
@@ -352,7 +521,7 @@ CHOICES = [(["positive", "negative", "neutral"], "Classify the sentiment: 'The f
 
 
 @pytest.fixture(scope="module")
-def smol():
+def smol(backend):
     return LLM("smollm2-135m", speculative_config="off", max_num_seqs=128)
 
 

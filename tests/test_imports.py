@@ -1,5 +1,5 @@
 """The package's imports follow runtime order: drafters never reach into the engine, models know nothing of
-drafting or the engine, and the leaves (api, server, replicas, train, distill, bench) are imported by the CLI alone."""
+drafting or the engine, and the leaves (api, protocol, server, replicas, train, distill, bench) are imported by the CLI alone."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
-LEAVES = ("specdec.api", "specdec.server", "specdec.replicas", "specdec.train", "specdec.distill", "specdec.bench")
+LEAVES = ("specdec.api", "specdec.protocol", "specdec.server", "specdec.replicas", "specdec.train", "specdec.distill", "specdec.bench")
 
 
 def module_name(path: Path) -> str:
@@ -49,7 +49,9 @@ def test_the_walk_sees_the_whole_package():
     ("specdec.drafting", ("specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.models", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.engine", ("specdec.llm", *LEAVES, "specdec.cli")),
+    ("specdec.tool_calls", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.grammar", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
+    ("specdec.grammar_llguidance", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
 ])
 def test_imports_never_climb(importers, forbidden):
     assert offenders(importers, forbidden) == []

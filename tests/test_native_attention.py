@@ -131,6 +131,30 @@ def test_argmax_is_the_first_maximum_like_torch(isa):
         assert torch.equal(native.ops(isa).argmax_rows(rows.contiguous()), rows.argmax(-1))
 
 
+@pytest.mark.parametrize("isa", TESTED_ISAS)
+def test_logprob_rows_are_torchs_log_softmax_and_topk(isa):
+    """The logprobs kernel: each row's token's log-softmax value and its k largest with their indices (largest
+    first, the lowest index first among equals), torch's values to float rounding, in the vector body and the
+    scalar tail alike."""
+    g = torch.Generator().manual_seed(0)
+    logits = torch.randn(5, 49157, generator=g) * 4
+    logits[1, 40000] = logits[1, 3] = 50.0  # a tie
+    logits[2, -1] = 60.0  # in the scalar tail
+    tokens = torch.tensor([0, 40000, 49156, 77, 12345])
+    ref = torch.log_softmax(logits, -1)
+    for k in (0, 1, 7, 20):
+        for rows, toks in ((logits, tokens), (logits[:, :13], tokens % 13)):
+            k = min(k, rows.shape[1])
+            picked, values, ids = native.ops(isa).logprob_rows(rows.contiguous(), toks, k)
+            want = torch.log_softmax(rows, -1)
+            assert torch.allclose(picked, want.gather(1, toks[:, None])[:, 0], atol=2e-5)
+            top = want.topk(k, -1)
+            assert torch.allclose(values, top.values, atol=2e-5) and values.shape == (5, k)
+            assert torch.equal(ids[[0, 2, 3, 4]], top.indices[[0, 2, 3, 4]])
+    _, _, ids = native.ops(isa).logprob_rows(logits, tokens, 2)
+    assert ids[1].tolist() == [3, 40000] and torch.allclose(ref[1, 3], ref[1, 40000])
+
+
 def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
     """torch's extension builder waits forever on its lock file; one left by a process killed mid-build
     used to hang every later load. Under specdec's own lock (released by the kernel when a process dies)

@@ -214,3 +214,37 @@ def test_a_block_is_not_reused_before_another_next_token_by_a_feature_head(tiny_
     assert llm.engine.allocator.match_next_token
     out = llm.generate({"prompt_token_ids": SYSTEM[:36] + [9, 9, 9, 9, 9]}, params)[0]
     assert out.metrics["num_cached_tokens"] == 32  # block 9 ends the shared part, and another token follows it
+
+
+@pytest.mark.parametrize("spec", [None, "draft_model"])
+def test_choices_of_one_prompt_share_its_blocks(tiny_llama_dir, spec):
+    """n > 1: the later choices, queued together with the first, wait for its prefill and take its prompt blocks
+    (target and draft K/V) from the cache; each decodes as it would alone, and every block comes back."""
+    if spec == "draft_model":
+        spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 3}
+    llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
+    eng = llm.engine
+    prompt = SYSTEM + [100, 101, 102]
+    temperature = 1.0 if spec is None else 0.0  # sampled speculation repeats only in the same batches
+    choices = [SamplingParams(temperature=temperature, seed=7 + j, max_tokens=12, ignore_eos=True) for j in range(4)]
+    alone = [LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec,
+                 enable_prefix_caching=False).generate({"prompt_token_ids": prompt}, p)[0].token_ids for p in choices]
+    first = eng.add_request(prompt, choices[0])
+    rest = [eng.add_request(prompt, p, share_prompt_with=first) for p in choices[1:]]
+    seqs = [first] + rest
+    while eng.has_unfinished():
+        eng.step()
+    assert [s.output_token_ids for s in seqs] == alone
+    assert first.num_prefix_hit == 0 and [s.num_prefix_hit for s in rest] == [len(SYSTEM)] * 3
+    assert eng.allocator.num_used == 0
+
+
+def test_a_choice_shares_nothing_without_the_prefix_cache_and_still_runs(tiny_llama_dir):
+    llm = LLM(str(tiny_llama_dir), block_size=4, enable_prefix_caching=False)
+    eng = llm.engine
+    params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
+    first = eng.add_request(SYSTEM, params)
+    other = eng.add_request(SYSTEM, params, share_prompt_with=first)
+    while eng.has_unfinished():
+        eng.step()
+    assert other.output_token_ids == first.output_token_ids and other.num_prefix_hit == 0

@@ -25,7 +25,8 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.api import Limits
-from specdec.server import create_app, streamable_length
+from specdec.protocol import streamable_length
+from specdec.server import create_app
 
 MODEL = "tiny"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -313,6 +314,9 @@ def test_non_streaming_client_that_leaves_is_aborted(plain, monkeypatch):
 # -- errors ------------------------------------------------------------------------------------------------
 OK_CHAT = {"model": MODEL, "messages": CHAT, "max_tokens": 2}
 OK_COMPLETION = {"model": MODEL, "prompt": "Hello", "max_tokens": 2}
+TOOL = {"type": "function", "function": {"name": "get_weather", "description": "The weather in a city",
+                                         "parameters": {"type": "object", "properties": {"city": {"type": "string"}},
+                                                        "required": ["city"]}}}
 
 
 def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
@@ -337,7 +341,9 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"top_p": 1.5}, 400, "top_p"),
     ("/v1/chat/completions", OK_CHAT | {"top_k": -2}, 400, "top_k"),
     ("/v1/chat/completions", OK_CHAT | {"min_p": 1.5}, 400, "min_p"),
-    ("/v1/chat/completions", OK_CHAT | {"n": 2}, 400, "n"),
+    ("/v1/chat/completions", OK_CHAT | {"n": 17}, 400, "n"),
+    ("/v1/chat/completions", OK_CHAT | {"n": 0}, 400, "n"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": ["a", "b", "c", "d", "e"], "n": 4}, 400, "n"),
     ("/v1/chat/completions", OK_CHAT | {"max_tokens": 0}, 400, "max_tokens"),
     ("/v1/chat/completions", OK_CHAT | {"max_tokens": None, "max_completion_tokens": -1}, 400,
      "max_completion_tokens"),
@@ -346,7 +352,7 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"seed": "x"}, 400, "seed"),
     ("/v1/completions", {"model": MODEL, "max_tokens": 2}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"prompt": ""}, 400, "prompt"),
-    ("/v1/completions", OK_COMPLETION | {"prompt": ["a", "b"]}, 400, "prompt"),
+    ("/v1/completions", OK_COMPLETION | {"prompt": ["a", ""]}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"prompt": list(range(5, 605))}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"prompt": list(range(5, 605)), "stream": True}, 400, "prompt"),
     ("/v1/completions", OK_COMPLETION | {"prompt": [1, 99999]}, 400, "prompt"),
@@ -366,7 +372,23 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"guided_regex": "a", "guided_choice": ["a"]}, 400, "guided_choice"),
     ("/v1/chat/completions", OK_CHAT | {"structured_outputs": {"regex": "a", "choice": ["a"]}}, 400,
      "structured_outputs"),
-    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f"}}]}, 400, "tools"),
+    # tools: malformed, unknown or unenforceable (each a 400 naming its field)
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function"}]}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "a b"}}]}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL, TOOL]}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {"name": "f", "parameters": 3}}]},
+     400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {
+        "name": "f", "parameters": {"type": "object", "not": {"type": "string"}}}}]}, 400, "tools"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+     400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL], "tool_choice": "required",
+                                        "response_format": {"type": "json_object"}}, 400, "tool_choice"),
+    ("/v1/chat/completions", OK_CHAT | {"functions": [{"name": "f"}]}, 400, "functions"),
+    ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "assistant", "tool_calls": [{"function": {"name": "f",
+        "arguments": "{not json"}}]}]}, 400, "messages"),
     ("/v1/chat/completions", OK_CHAT | {"frequency_penalty": 2.5}, 400, "frequency_penalty"),
     ("/v1/chat/completions", OK_CHAT | {"presence_penalty": -3}, 400, "presence_penalty"),
     ("/v1/chat/completions", OK_CHAT | {"repetition_penalty": 0}, 400, "repetition_penalty"),
@@ -377,8 +399,9 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/chat/completions", OK_CHAT | {"logprobs": True, "top_logprobs": 21}, 400, "top_logprobs"),
     ("/v1/chat/completions", OK_CHAT | {"top_logprobs": 2}, 400, "top_logprobs"),
     ("/v1/completions", OK_COMPLETION | {"logprobs": 21}, 400, "logprobs"),
-    ("/v1/completions", OK_COMPLETION | {"echo": True}, 400, "echo"),
+    ("/v1/completions", OK_COMPLETION | {"max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
+    ("/v1/completions", OK_COMPLETION | {"suffix": "x"}, 400, "suffix"),
     # issue 18: input the edge refuses, each naming its field
     ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", json.dumps(OK_CHAT | {"messages": [{"role": "user", "content": "a\ud800"}]}), 400,

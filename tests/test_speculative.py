@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import accelerator_checks
+from conftest import accelerator_checks, assert_logprobs_equal
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.config import SpeculativeConfig
@@ -558,13 +558,7 @@ def test_logprobs_under_speculation_equal_plain_decodings(tiny_llama_dir, plain,
     if spec == "oracle-tree":
         truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
         spec = {"method": "custom", "num_speculative_tokens": 4, "drafter": TreeOracle(truth, 2, 2)}
-    outs = LLM(str(tiny_llama_dir), speculative_config=spec).generate(PROMPTS, LOGPROBS)
-    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
-    for got, ref in zip(outs, want):
-        assert got.token_ids == ref.token_ids
-        for a, b in zip(got.logprobs, ref.logprobs, strict=True):
-            assert a.token == b.token and abs(a.logprob - b.logprob) <= 1e-6
-            assert [t for t, _ in a.top] == [t for t, _ in b.top]
+    assert_logprobs_equal(LLM(str(tiny_llama_dir), speculative_config=spec).generate(PROMPTS, LOGPROBS), want, 1e-6)
 
 
 def test_logprobs_are_the_models_own_before_bias_and_penalties(plain):
@@ -573,3 +567,22 @@ def test_logprobs_are_the_models_own_before_bias_and_penalties(plain):
     assert forced.token_ids == [7] * 4
     assert all(lp.top == [] and lp.logprob < -0.5 for lp in forced.logprobs)  # a random tiny model: far from 1
     assert plain.generate(PROMPTS[0], SamplingParams(temperature=0, max_tokens=4))[0].logprobs is None
+
+
+def test_prompt_logprobs_are_those_of_decoding_each_prompt_token(tiny_llama_dir, plain):
+    """prompt_logprobs (echo): entry i is the log-probability of prompt token i + 1 after the tokens before it,
+    what decoding that prefix would give the same token (forced here by logit_bias, which logprobs ignore); a
+    prompt prefilled in chunks and a prompt whose prefix is cached give the same values."""
+    ids = plain.encode(PROMPTS[0])[1]
+    params = SamplingParams(temperature=0, max_tokens=1, prompt_logprobs=2)
+    got = plain.generate({"prompt_token_ids": ids}, params)[0].prompt_logprobs
+    assert [e.token for e in got] == ids[1:] and all(len(e.top) == 2 for e in got)
+    for k in (1, 5, len(ids) - 1):
+        forced = SamplingParams(temperature=0, max_tokens=1, logprobs=0, logit_bias={ids[k]: 100})
+        want = plain.generate({"prompt_token_ids": ids[:k]}, forced)[0].logprobs[0]
+        assert want.token == ids[k] and abs(got[k - 1].logprob - want.logprob) <= 1e-5
+    chunked = LLM(str(tiny_llama_dir), max_num_batched_tokens=4, block_size=4)
+    chunked.generate({"prompt_token_ids": ids}, SamplingParams(temperature=0, max_tokens=1))  # its blocks now cached
+    again = chunked.generate({"prompt_token_ids": ids}, params)[0]
+    assert again.metrics["num_cached_tokens"] == 0  # prompt logprobs need the whole prefill
+    assert [e.logprob for e in again.prompt_logprobs] == pytest.approx([e.logprob for e in got], abs=1e-5)

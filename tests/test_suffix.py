@@ -8,7 +8,7 @@ import pytest
 
 from specdec import LLM, SpecdecError
 from specdec.drafting.base import DraftRequest
-from specdec.drafting.suffix import SuffixDrafter, SuffixTrie, grow
+from specdec.drafting.suffix import SuffixDrafter, SuffixTrie, TextIndex, grow
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 
@@ -89,6 +89,29 @@ def test_grow_takes_the_most_probable_continuations_above_the_threshold():
     assert tokens == [2, 5] and parents == [-1, 0]  # the 1/4 ones fall below 0.3
     tokens, _, _ = grow(node, max_nodes=1, max_depth=2, min_prob=0.0)
     assert tokens == [2]
+
+
+def test_a_texts_index_answers_as_its_trie_does():
+    """A request's own text is searched in place (TextIndex) instead of a trie of its substrings: on random texts
+    (periodic runs included), every depth, and the text growing step by step, the match and the grown tree equal
+    the trie's, tokens, parents and probabilities."""
+    rng = random.Random(2)
+    for _ in range(400):
+        depth = rng.randrange(1, 8)
+        text = [rng.randrange(rng.choice([2, 3, 6])) for _ in range(rng.randrange(1, 40))]
+        index = TextIndex(depth)
+        for end in sorted({rng.randrange(1, len(text) + 1) for _ in range(3)} | {len(text)}):
+            trie = SuffixTrie(depth)
+            trie.add(text[:end])
+            index.update(text[:end])
+            (want, n), (got, m) = trie.match(text[:end]), index.match(text[:end])
+            assert n == m, (depth, text[:end])
+            if want is not None:
+                assert got.count == want.count
+                for max_nodes, min_prob in ((8, 0.1), (20, 0.0)):
+                    assert grow(got, max_nodes, depth, min_prob) == grow(want, max_nodes, depth, min_prob)
+    index.update([5, 6])  # a rewound text is indexed again
+    assert index.length == 2 and index.match([5, 6]) == (None, 0)
 
 
 def test_the_drafter_sizes_its_tree_by_the_match_length():

@@ -8,6 +8,7 @@ Clients (`--soak-concurrency` of them, on a thread of their own) draw request ki
     greedy     chat, streamed or not: 200, and the text equals every other greedy answer to the same prompt and,
                checked after the run, offline `LLM.chat` of the same prompt
     seeded     sampled with a seed: 200, and the same (prompt, seed) gives the same text every time
+    choices    n = 3 sampled with a seed, streamed or not: three choices, the same three for the same (prompt, seed)
     cancelled  a stream the client drops after its first chunks (nothing to check but the server's health)
     bad        one of a catalogue of malformed or hostile requests: its exact status and, for 400, the field
     no_auth    a wrong or missing API key: 401
@@ -37,7 +38,7 @@ from specdec.bench.serve import percentile
 from specdec.config import SamplingParams, SpecdecError
 from specdec.llm import LLM, parse_device
 
-MIX = {"greedy": 0.40, "seeded": 0.15, "cancelled": 0.10, "bad": 0.20, "no_auth": 0.05, "fault": 0.10}
+MIX = {"greedy": 0.35, "seeded": 0.15, "choices": 0.05, "cancelled": 0.10, "bad": 0.20, "no_auth": 0.05, "fault": 0.10}
 FAULT = "injected fault"
 
 
@@ -51,7 +52,10 @@ def bad_requests(model: str) -> list[tuple[str, str | dict, int, str | None]]:
          "messages"),
         ("/v1/chat/completions", chat | {"stop": [str(i) for i in range(5000)]}, 400, "stop"),
         ("/v1/chat/completions", chat | {"max_tokens": 10**9}, 400, "max_tokens"),
-        ("/v1/chat/completions", chat | {"n": 3}, 400, "n"),
+        ("/v1/chat/completions", chat | {"n": 99}, 400, "n"),
+        ("/v1/chat/completions", chat | {"tools": [{"type": "function", "function": {"name": "f"}}],
+                                         "tool_choice": {"type": "function", "function": {"name": "g"}}}, 400,
+         "tool_choice"),
         ("/v1/chat/completions", chat | {"model": "not-this-one"}, 404, "model"),
         ("/v1/chat/completions", chat | {"messages": []}, 400, "messages"),
         ("/v1/chat/completions", '{"model": "x", "messages": [', 400, None),
@@ -130,6 +134,29 @@ class Soak:
         i, seed = rng.randrange(len(self.prompts)), rng.randrange(4)
         return await self.complete(client, self.chat(self.prompts[i], temperature=0.8, seed=seed,
                                                      stream=rng.random() < 0.5), "seeded", ("seeded", i, seed))
+
+    async def choices(self, client, rng: random.Random) -> Outcome:
+        i, seed, stream = rng.randrange(len(self.prompts)), rng.randrange(4), rng.random() < 0.5
+        body = self.chat(self.prompts[i], temperature=0.8, seed=seed, n=3, stream=stream)
+        key = ("choices", i, seed)
+        if not stream:
+            r = await client.post(self.url + "/v1/chat/completions", json=body, headers=self.headers())
+            if r.status_code != 200:
+                return Outcome("choices", r.status_code, 0.0, f"HTTP {r.status_code}: {r.text[:200]}", key)
+            texts = [c["message"]["content"] for c in sorted(r.json()["choices"], key=lambda c: c["index"])]
+            return Outcome("choices", 200, 0.0, None if len(texts) == 3 else f"{len(texts)} choices", key,
+                           json.dumps(texts))
+        texts, error = ["", "", ""], None
+        async with client.stream("POST", self.url + "/v1/chat/completions", json=body, headers=self.headers()) as r:
+            if r.status_code != 200:
+                return Outcome("choices", r.status_code, 0.0, f"HTTP {r.status_code}", key)
+            async for line in r.aiter_lines():
+                if line.startswith("data: {"):
+                    chunk = json.loads(line[6:])
+                    error = error or chunk.get("error", {}).get("message")
+                    for choice in chunk.get("choices", []):
+                        texts[choice["index"]] += choice["delta"].get("content") or ""
+        return Outcome("choices", 200, 0.0, error and f"stream error: {error}", key, json.dumps(texts))
 
     async def cancelled(self, client, rng: random.Random) -> Outcome:
         body = self.chat(self.prompts[rng.randrange(len(self.prompts))], temperature=0, stream=True)

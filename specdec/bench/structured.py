@@ -12,6 +12,7 @@ from specdec.bench.engines import time_specdec
 from specdec.bench.prompts import BenchPrompt
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams, SpecdecError
+from specdec.grammar import grammar_backend
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "structured_prompts.jsonl"
 
@@ -65,7 +66,8 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
             records[name].append({"valid": is_valid(out.text, task["schema"]), "token_ids": out.token_ids,
                                   "tokens": len(out.token_ids), "decode_s": m["decode_s"], "e2e_s": m["e2e_s"],
                                   "grammar_s": m["grammar_s"], "num_steps": m["num_steps"]})
-    result = {"config": spec_cfg, "temperature": args.temperature, "num_prompts": len(tasks),
+    result = {"config": spec_cfg, "grammar_backend": grammar_backend(), "temperature": args.temperature,
+              "num_prompts": len(tasks),
               "summary": {name: _summary(recs, records["plain"]) for name, recs in records.items()},
               "batched": [_batched(engines["plain"], engines["speculative"], tasks, prompts, int(b), args)
                           for b in str(args.batch_sizes).split(",") if int(b) > 1]}
@@ -126,7 +128,7 @@ def format_structured(result: dict) -> str:
              f"{v['identical_to_plain']}/{result['num_prompts']}", f"{100 * v['grammar_share']:.1f}%"]
             for name, v in s.items()]
     head = (f"structured output: {result['num_prompts']} JSON-extraction prompts, temperature {result['temperature']}, "
-            f"speculative config {json.dumps(result['config'])}")
+            f"speculative config {json.dumps(result['config'])}, grammar backend {result['grammar_backend']}")
     lines = [f"batch {b['batch_size']}, groups alternated: decode {b['plain_decode_tokens_per_s']:.1f} -> "
              f"{b['speculative_decode_tokens_per_s']:.1f} tok/s "
              f"({ratio(b['speculative_decode_tokens_per_s'], b['plain_decode_tokens_per_s']):.2f}x), valid "

@@ -1,9 +1,10 @@
 """Suffix decoding (SuffixDecoding, Oliaro et al. 2024): draft the continuations that most often followed the
 current suffix, as a tree whose size follows how long and how sure the match is.
 
-Two frequency tries of bounded depth (`suffix_decoding_max_tree_depth`) hold every substring of their texts
-up to that length, each node counting its occurrences:
-- a per-request trie over the request's own prompt and output, extended with the committed tokens each step;
+Two frequency tables of bounded depth (`suffix_decoding_max_tree_depth`) count every substring of their texts
+up to that length:
+- the request's own prompt and output, searched in place (`TextIndex`: the trie's answers from the text with
+  numpy, nothing built per request);
 - a global trie over the outputs of the last `suffix_decoding_max_cached_requests` finished requests (the
   oldest is subtracted out when a new one comes in, so memory stays bounded: about `max_tree_depth` nodes per
   cached output token at most).
@@ -23,6 +24,8 @@ import heapq
 import math
 from collections import OrderedDict
 from dataclasses import dataclass
+
+import numpy as np
 
 from specdec.config import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
@@ -146,6 +149,74 @@ class SuffixTrie:
         return None, 0
 
 
+class TextIndex:
+    """The same answers as a SuffixTrie over one text (`match`, and nodes with a `count` and `children()`), found
+    in the text itself with numpy: a node is the array of positions where its substring ends. A request's own
+    text (its prompt, then its output) is searched this way instead of a trie of every substring up to
+    max_depth, whose Python nodes cost ~3 us each to build: ~40 ms for a 600-token prompt (an agent's tools and
+    instructions), paid again by every request. A step now costs a few vector scans of the text."""
+
+    def __init__(self, max_depth: int) -> None:
+        self.max_depth = max_depth
+        self.text = np.empty(256, dtype=np.int64)
+        self.length = 0
+
+    def update(self, tokens: list[int]) -> None:
+        """Make the text `tokens`: append what is new (the text only grows, except after a rewind)."""
+        n = len(tokens)
+        if n < self.length:
+            self.length = 0
+        if n > len(self.text):
+            grown = np.empty(max(n, 2 * len(self.text)), dtype=np.int64)
+            grown[:self.length] = self.text[:self.length]
+            self.text = grown
+        self.text[self.length:n] = tokens[self.length:]
+        self.length = n
+
+    def match(self, tokens: list[int]) -> tuple["IndexNode | None", int]:
+        """The node of the longest suffix of the text (fewer than max_depth tokens, like a trie's deepest nodes
+        with children) that occurred before with a token after it, and its length; `tokens` is the text."""
+        T, L = self.text, self.length
+        if L < 2 or self.max_depth < 2:
+            return None, 0
+        ends = np.flatnonzero(T[:L - 1] == T[L - 1])  # earlier occurrences of the last token
+        n = 0
+        while len(ends) and n + 1 < min(self.max_depth, L):
+            n += 1
+            if n == self.max_depth - 1 or n == L - 1:
+                break
+            longer = ends[ends >= n]
+            longer = longer[T[longer - n] == T[L - 1 - n]]
+            if not len(longer):
+                break
+            ends = longer
+        if n == 0:
+            return None, 0
+        return IndexNode(self, np.append(ends, L - 1), n), n
+
+
+class IndexNode:
+    """A substring of a TextIndex's text: where its occurrences end (`ends`) and its length."""
+
+    __slots__ = ("index", "ends", "depth")
+
+    def __init__(self, index: TextIndex, ends: np.ndarray, depth: int) -> None:
+        self.index, self.ends, self.depth = index, ends, depth
+
+    @property
+    def count(self) -> int:
+        return len(self.ends)
+
+    def children(self) -> dict[int, "IndexNode"]:
+        """Continuations in the order they first occur (a trie's insertion order)."""
+        if self.depth >= self.index.max_depth:
+            return {}
+        ends = self.ends[self.ends + 1 < self.index.length] + 1
+        nxt = self.index.text[ends]
+        tokens, first, inverse = np.unique(nxt, return_index=True, return_inverse=True)
+        return {int(tokens[k]): IndexNode(self.index, ends[inverse == k], self.depth + 1) for k in np.argsort(first)}
+
+
 def _subtree_size(node: Node) -> int:
     size, stack = 0, list(node.children().values())
     while stack:
@@ -155,7 +226,7 @@ def _subtree_size(node: Node) -> int:
     return size
 
 
-def grow(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+def grow(node: "Node | IndexNode", max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """The most probable continuations of `node` as a tree, best first: tokens, parents (ROOT for its children)
     and each node's estimated probability (their sum is the expected number of accepted tokens)."""
     tokens: list[int] = []
@@ -188,13 +259,11 @@ def grow(node: Node, max_nodes: int, max_depth: int, min_prob: float) -> tuple[l
 
 @dataclass
 class _Text:
-    """A running request in its own trie: the live token list, how much of it is counted, and where its
-    prompt ends (what follows goes to the global trie when it finishes)."""
+    """A running request: its text indexed, the live token list, and where its prompt ends (what follows goes to
+    the global trie when it finishes)."""
 
-    trie: SuffixTrie
+    index: TextIndex
     tokens: list[int]
-    active: list[Node]
-    counted: int
     prompt_len: int
 
 
@@ -218,21 +287,21 @@ class SuffixDrafter(Drafter):
         rows = []
         for r in requests:
             text = self.texts.get(r.seq_id)
-            if text is None or len(r.token_ids) < text.counted:  # new (or rewound past what was counted)
-                trie = SuffixTrie(self.max_depth)
-                text = self.texts[r.seq_id] = _Text(trie, r.token_ids, [], 0, len(r.token_ids) - r.num_new)
+            if text is None:
+                text = self.texts[r.seq_id] = _Text(TextIndex(self.max_depth), r.token_ids,
+                                                    len(r.token_ids) - r.num_new)
             text.tokens = r.token_ids
-            text.active = text.trie.add(r.token_ids[text.counted:], text.active)
-            text.counted = len(r.token_ids)
-            rows.append(self.draft_one(text.trie, r))
+            text.index.update(r.token_ids)
+            rows.append(self.draft_one(text.index, r))
         return Draft.from_rows(rows)
 
-    def draft_one(self, trie: SuffixTrie, r: DraftRequest) -> tuple[list[int], list[int], list[float]]:
-        """The better of the two tries' trees (by expected accepted tokens) for one request."""
+    def draft_one(self, own: TextIndex, r: DraftRequest) -> tuple[list[int], list[int], list[float]]:
+        """The better of the two trees (by expected accepted tokens), from the request's own text and from the
+        global trie, for one request."""
         budget = min(self.k, r.max_tokens)
         depth = budget if r.max_depth is None else min(budget, r.max_depth)
         best: tuple[list[int], list[int], list[float]] = ([], [], [])
-        for source in (trie, self.global_trie):
+        for source in (own, self.global_trie):
             node, n = source.match(r.token_ids)
             if node is not None and depth > 0:
                 found = grow(node, min(budget, math.ceil(self.factor * n)), depth, self.min_prob)

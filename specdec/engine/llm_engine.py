@@ -40,6 +40,7 @@ class RequestOutput:
     stop_reason: int | str | None = None
     metrics: dict = field(default_factory=dict)
     logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs asked for them
+    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first (prompt_logprobs)
 
     @property
     def finished(self) -> bool:
@@ -126,7 +127,10 @@ class LLMEngine:
             self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
         return self._grammars.state(params.structured_output)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams) -> Sequence:
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
+                    share_prompt_with: Sequence | None = None) -> Sequence:
+        """Queue a request. `share_prompt_with`: an earlier request with the same prompt (another of n choices);
+        this one waits for that one's prefill and shares its prompt's K/V blocks (through the prefix cache)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise SpecdecError("prompt is empty: give at least one token")
@@ -145,6 +149,8 @@ class LLMEngine:
         grammar = self.grammar_state(params)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len,
                        self.eos_token_ids, generator, grammar=grammar)
+        if share_prompt_with is not None and share_prompt_with.prompt_token_ids == seq.prompt_token_ids:
+            seq.prompt_source = share_prompt_with
         self.scheduler.add(seq)
         return seq
 
@@ -251,6 +257,9 @@ class LLMEngine:
                                            [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, counts)],
                                            feature_layers=self.feature_layers)
         ends = list(itertools.accumulate(counts))
+        for seq, n, end in zip(seqs, counts, ends):
+            if seq.params.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, hidden, end - n, n)
         ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
         tokens: list[list[int] | None] = [None] * len(seqs)
         logprobs: list[list | None] = [None] * len(seqs)
@@ -271,6 +280,19 @@ class LLMEngine:
                 logprobs[ready[k]] = token_logprobs(raw[row:row + 1], [next_tokens[k]], seqs[ready[k]].params.logprobs)
         return [StepOutput(n, t, None if features is None else features[end - n:end], lp)
                 for n, t, end, lp in zip(counts, tokens, ends, logprobs)]
+
+    def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row: int, n: int) -> None:
+        """Log-probabilities of the prompt tokens this prefill chunk predicts (rows row .. row + n - 1 hold
+        positions num_cached ..; each predicts the next position), appended once each (a preempted sequence
+        prefills again and adds nothing)."""
+        first = seq.num_cached + 1  # the position row `row` predicts
+        done = len(seq.prompt_logprobs) + 1  # positions 1 .. done - 1 are recorded
+        last = min(seq.num_cached + n, seq.num_prompt_tokens - 1)  # the last prompt position predicted
+        if last < done:
+            return
+        rows = [row + p - first for p in range(done, last + 1)]
+        logits = self.runner.logits(hidden, rows)
+        seq.prompt_logprobs += token_logprobs(logits, seq.prompt_token_ids[done:last + 1], seq.params.prompt_logprobs)
 
     # -- control for measuring tools (`specdec tune`) ---------------------------------------------------
     def pin_draft_shape(self, shape: SpecShape | None) -> None:
@@ -350,7 +372,8 @@ class LLMEngine:
             text = self.decode(seq.output_token_ids)
         return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids, seq.output_token_ids, text,
                              seq.finish_reason, seq.stop_reason, request_metrics(seq),
-                             list(seq.logprobs) if seq.params.logprobs is not None else None)
+                             list(seq.logprobs) if seq.params.logprobs is not None else None,
+                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
 
 
 def request_metrics(seq: Sequence) -> dict:

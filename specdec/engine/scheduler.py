@@ -98,13 +98,16 @@ class Scheduler:
         num_admitted = 0
         for seq in candidates:
             is_new = seq.status == Status.WAITING
+            if is_new and self._holds(seq):
+                continue
             if is_new and len(self.running) + num_admitted >= self.cfg.max_num_seqs:
                 break
             room = budget - sum(counts)
             if room <= 0:
                 break
             if is_new:  # start from the longest cached prefix, then reserve the first chunk after it
-                hit = self.allocator.admit(seq.block_table, seq.token_ids, room)
+                hit = self.allocator.admit(seq.block_table, seq.token_ids, room,
+                                           use_cache=seq.params.prompt_logprobs is None)
                 if hit is None:
                     break
                 seq.num_cached = seq.num_prefix_hit = seq.features_start = hit  # features start after the hit
@@ -122,6 +125,22 @@ class Scheduler:
                 seq.status = Status.RUNNING
                 self.running.append(seq)
         return ScheduledBatch(seqs, counts, True) if seqs else None
+
+    def _holds(self, seq: Sequence) -> bool:
+        """Whether a new sequence waits for its `prompt_source` (another choice of the same prompt, n > 1): until
+        the source's prompt blocks are in the prefix cache (the engine registers them once the target's and the
+        drafter's K/V are final), so this one's admission shares them instead of prefilling the prompt again.
+        A source that finished, was preempted or decoded past its prompt without registering it releases it."""
+        source = seq.prompt_source
+        if source is None or not self.allocator.enable_prefix_caching:
+            return False
+        if source.is_finished or source.num_preemptions or source.num_steps >= 2:
+            seq.prompt_source = None
+            return False
+        if len(source.block_table.keys) >= (seq.num_prompt_tokens - 1) // self.allocator.block_size:
+            seq.prompt_source = None
+            return False
+        return True
 
     def _schedule_decode(self, only: list[Sequence] | None = None) -> ScheduledBatch | None:
         seqs: list[Sequence] = []

@@ -93,6 +93,9 @@ class Sequence:
     features_start: int = 0
     grammar: GrammarState | None = None  # structured output: the grammar's state after the committed tokens
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per output token (params.logprobs set)
+    prompt_logprobs: list = field(default_factory=list)  # the same per prompt token after the first (prompt_logprobs)
+    # n > 1: the choice whose prefill this one waits for, to share its prompt's K/V blocks (see Scheduler)
+    prompt_source: "Sequence | None" = None
 
     def take_features(self) -> tuple[int, torch.Tensor | None]:
         """The pending target features and the token index of their first row; they are handed over once."""

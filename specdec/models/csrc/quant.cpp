@@ -884,6 +884,70 @@ torch::Tensor argmax_rows(const torch::Tensor& logits) {
   return out;
 }
 
+// Logprobs: for each row of logits float32 [N, V], the log-softmax value of tokens[n] and the k largest
+// log-softmax values with their indices, largest first (lowest index first among equal values). One pass for
+// the maximum and the top k (a sorted list of k; a block of 8 lanes is looked at only when one beats the k-th),
+// one for sum exp(x - max). Returns {picked [N], values [N, k], indices int64 [N, k]}.
+std::vector<torch::Tensor> logprob_rows(const torch::Tensor& logits, const torch::Tensor& tokens, int64_t k) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2, "logits must be float32 [N, V]");
+  TORCH_CHECK(tokens.dtype() == torch::kInt64 && tokens.dim() == 1 && tokens.size(0) == logits.size(0),
+              "tokens must be int64 [N]");
+  auto x = logits.contiguous();
+  auto t = tokens.contiguous();
+  const int64_t N = x.size(0), V = x.size(1);
+  TORCH_CHECK(V > 0 && 0 <= k && k <= V, "need 0 <= k <= V and V > 0");
+  auto picked = torch::empty({N}, torch::kFloat32);
+  auto values = torch::empty({N, k}, torch::kFloat32);
+  auto indices = torch::empty({N, k}, torch::kInt64);
+  const float ninf = -std::numeric_limits<float>::infinity();
+  std::vector<float> tv(k + 1);
+  std::vector<int64_t> ti(k + 1);
+  for (int64_t n = 0; n < N; n++) {
+    const float* r = x.data_ptr<float>() + n * V;
+    const int64_t token = t.data_ptr<int64_t>()[n];
+    TORCH_CHECK(0 <= token && token < V, "token id out of the row");
+    int64_t m = 0;  // entries in the top list, sorted: tv[0] largest
+    auto offer = [&](float v, int64_t i) {
+      if (k == 0 || (m == k && !(v > tv[k - 1]))) return;  // not above the k-th (an equal later index loses)
+      int64_t j = m < k ? m++ : k - 1;
+      while (j > 0 && v > tv[j - 1]) { tv[j] = tv[j - 1]; ti[j] = ti[j - 1]; j--; }
+      tv[j] = v; ti[j] = i;
+    };
+    float top = ninf;
+    int64_t i = 0;
+#ifdef SPECDEC_AVX2
+    __m256 vmax = _mm256_set1_ps(ninf);
+    for (; i + 8 <= V; i += 8) {
+      const __m256 v = _mm256_loadu_ps(r + i);
+      vmax = _mm256_max_ps(vmax, v);
+      if (k && _mm256_movemask_ps(_mm256_cmp_ps(v, _mm256_set1_ps(m == k ? tv[k - 1] : ninf), _CMP_GT_OQ)) |
+               (m < k))
+        for (int l = 0; l < 8; l++) offer(r[i + l], i + l);
+    }
+    alignas(32) float lanes[8];
+    _mm256_store_ps(lanes, vmax);
+    for (int l = 0; l < 8; l++) top = std::max(top, lanes[l]);
+#endif
+    for (; i < V; i++) { top = std::max(top, r[i]); offer(r[i], i); }
+    double total = 0.0;
+    i = 0;
+#ifdef SPECDEC_AVX2
+    __m256 acc = _mm256_setzero_ps();
+    const __m256 vt = _mm256_set1_ps(top);
+    for (; i + 8 <= V; i += 8) acc = _mm256_add_ps(acc, exp_ps(_mm256_sub_ps(_mm256_loadu_ps(r + i), vt)));
+    total = hsum(acc);
+#endif
+    for (; i < V; i++) total += std::exp(r[i] - top);
+    const float lse = top + (float)std::log(total);
+    picked.data_ptr<float>()[n] = r[token] - lse;
+    for (int64_t j = 0; j < k; j++) {
+      values.data_ptr<float>()[n * k + j] = tv[j] - lse;
+      indices.data_ptr<int64_t>()[n * k + j] = ti[j];
+    }
+  }
+  return {picked, values, indices};
+}
+
 // Structured output: logits of the tokens a grammar's bitmask forbids become -inf, in place. Bit t % 32 of
 // word t / 32 allows token t (xgrammar's layout). logits: float32 [N, V]; bitmask: int32 [N, ceil(V / 32)].
 void mask_rows(torch::Tensor& logits, const torch::Tensor& bitmask) {
@@ -942,6 +1006,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("attention", &attention_op, "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel)");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
+  m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
   m.def("isa", &isa);
 }
