@@ -22,7 +22,7 @@ def test_a_short_soak_of_the_tiny_model_passes(tiny_llama_dir, tmp_path, capsys)
                               soak_concurrency=8, soak_seed=0, out=str(tmp_path / "soak.json"))
     result = run_soak(args)
     assert result["ok"] and result["requests"] == 100 and result["leaked_blocks"] == 0
-    assert set(result["statuses"]) == {"greedy", "seeded", "cancelled", "bad", "no_auth", "fault"}
+    assert set(result["statuses"]) == {"greedy", "seeded", "choices", "cancelled", "bad", "no_auth", "fault"}
     assert result["statuses"]["fault"] == {"500": sum(result["statuses"]["fault"].values())}
     assert result["statuses"]["no_auth"] == {"401": sum(result["statuses"]["no_auth"].values())}
     assert result["offline_checked"] == 4 and result["unexpected_5xx"] == 0
