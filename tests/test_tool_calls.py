@@ -71,11 +71,15 @@ def test_streamed_pieces_give_the_same_answer_in_any_split(step):
     assert (content, [(c.name, c.arguments) for c in calls]) == (whole[0], [(c.name, c.arguments) for c in whole[1]])
 
 
-def test_forced_choices_admit_only_valid_calls(tiny_llama_dir):
-    """The constraint of required / a named function, compiled for a real tokenizer: a valid call is accepted to
-    its end, a wrong name, a missing key or a wrong type is refused at the first token that makes it wrong."""
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_forced_choices_admit_only_valid_calls(tiny_llama_dir, monkeypatch, backend):
+    """The constraint of required / a named function, compiled for a real tokenizer by either grammar library: a
+    valid call is accepted to its end, a wrong name, a missing key or a wrong type is refused at the first token
+    that makes it wrong; auto takes text, then only a valid call."""
     from specdec import LLM
+    from specdec.grammar import BACKEND_ENV
 
+    monkeypatch.setenv(BACKEND_ENV, backend)
     engine = LLM(str(tiny_llama_dir)).engine
     tok = engine.tokenizer
 
