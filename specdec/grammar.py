@@ -1,7 +1,8 @@
 """Structured output: a request's grammar (JSON schema, any JSON object, regex, EBNF or Lark grammar, a choice
 of strings), compiled by xgrammar, and its per-request matcher state. Where xgrammar is not installed (its pip
-dependencies pull triton) llguidance compiles it instead (`specdec.grammar_llguidance`, the same states); the
-environment variable SPECDEC_GRAMMAR_BACKEND=xgrammar|llguidance chooses (`grammar_backend`).
+dependencies pull triton) llguidance compiles it instead (`specdec.grammar_llguidance`, the same states; its
+`compiler_for` builds the chosen library's compiler); the environment variable
+SPECDEC_GRAMMAR_BACKEND=xgrammar|llguidance chooses (`grammar_backend`).
 
 Why xgrammar first: on our tokenizer (SmolLM2's 49,152 tokens) it fills a next-token mask in 2 us median and
 8 us at p90 over a nested JSON schema, against llguidance's 4 / 6 us (docs/benchmarks.md, "Structured output
@@ -144,14 +145,6 @@ class GrammarCompiler:
     (`MAX_CACHED`, least recently used first out), so a schema every request repeats compiles once."""
 
     MAX_CACHED = 256
-
-    def __new__(cls, *args, **kwargs):
-        """The compiler of `grammar_backend()`'s library: llguidance's subclass where that is the one."""
-        if cls is GrammarCompiler and grammar_backend() == "llguidance":
-            from specdec.grammar_llguidance import LLGuidanceCompiler
-
-            cls = LLGuidanceCompiler
-        return super().__new__(cls)
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
         xgr = _xgrammar()

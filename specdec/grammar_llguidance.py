@@ -30,7 +30,7 @@ import json
 from collections import OrderedDict
 
 from specdec.config import SpecdecError, StructuredOutput
-from specdec.grammar import GrammarCompiler, GrammarState, check_schema
+from specdec.grammar import GrammarCompiler, GrammarState, check_schema, grammar_backend
 
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                 "json_allow_general_unicode_escapes": True}  # "\u00e9" in a string, as xgrammar takes it
@@ -137,6 +137,12 @@ class LLGuidanceCompiler(GrammarCompiler):
     def state(self, so: StructuredOutput) -> GrammarState:
         matcher = LLGuidanceMatcher(self.compile(so).deep_copy(), self.stop_token_ids)
         return GrammarState(matcher, self.vocab_size, self.stop_token_ids)
+
+
+def compiler_for(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompiler:
+    """The compiler of `grammar_backend()`'s library: xgrammar's GrammarCompiler, or this module's subclass."""
+    cls = LLGuidanceCompiler if grammar_backend() == "llguidance" else GrammarCompiler
+    return cls(tokenizer, vocab_size, stop_token_ids)
 
 
 def _first_line(error) -> str:

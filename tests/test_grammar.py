@@ -15,7 +15,8 @@ from jsonschema import validate
 
 from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
 from conftest import MISSING, needs_default_model
-from specdec.grammar import BACKEND_ENV, GrammarCompiler, apply_bitmask, grammar_backend, mask_logits
+from specdec.grammar import BACKEND_ENV, apply_bitmask, grammar_backend, mask_logits
+from specdec.grammar_llguidance import compiler_for
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
@@ -167,7 +168,7 @@ def test_a_draft_tree_is_filtered_by_its_paths_and_masked_per_node(plain, tokeni
     (only the end of text may follow). Kept: a, x, b, c re-indexed as 0, 1, 2, 3 with parents -1, -1, 0, 0."""
     a, b, c, x, q, z = ids(tokenizer, "a", "b", "c", "x", "q", "z")
     eos = tokenizer.eos_token_id
-    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    compiler = compiler_for(tokenizer, plain.engine.model.config.vocab_size, [eos])
     state = compiler.state(StructuredOutput(choice=["ab", "ac", "x"]))
     kept, parents, origin = state.filter_draft([a, x, b, c, q, b, z], [-1, -1, 0, 0, 0, 4, 1])
     assert (kept, parents, origin) == ([a, x, b, c], [-1, -1, 0, 0], [0, 1, 2, 3])
@@ -196,7 +197,7 @@ def test_greedy_rows_are_masked_only_where_the_argmax_is_refused(plain, tokenize
     token)."""
     a, x, q = ids(tokenizer, "a", "x", "q")
     V = plain.engine.model.config.vocab_size
-    compiler = GrammarCompiler(tokenizer, V, [tokenizer.eos_token_id])
+    compiler = compiler_for(tokenizer, V, [tokenizer.eos_token_id])
     so = StructuredOutput(choice=["ab", "x"])
     logits = torch.randn(2, V)
     logits[:, a] = 50.0
@@ -218,7 +219,7 @@ def test_a_greedy_chain_is_masked_as_far_as_verification_walks(plain, tokenizer)
     a, b, x, q = ids(tokenizer, "a", "b", "x", "q")
     eos = tokenizer.eos_token_id
     V = plain.engine.model.config.vocab_size
-    compiler = GrammarCompiler(tokenizer, V, [eos])
+    compiler = compiler_for(tokenizer, V, [eos])
     so = StructuredOutput(choice=["ab", "x"])
     logits = torch.zeros(3, V)
     logits[:, q] = 50.0
@@ -238,7 +239,7 @@ def test_a_chain_is_extended_by_the_text_the_grammar_forces(plain, tokenizer):
     dropped and the forced text drafted instead; a draft that spells the forced text with other tokens is
     kept, and the rest of the text follows it."""
     eos = tokenizer.eos_token_id
-    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    compiler = compiler_for(tokenizer, plain.engine.model.config.vocab_size, [eos])
     state = compiler.state(StructuredOutput(choice=["hello world"]))
     forced = tokenizer.encode("hello world", add_special_tokens=False)
     assert forced == ids(tokenizer, "he", "ll", "o", "Ġ", "w", "or", "ld")
@@ -269,7 +270,7 @@ def test_draft_walks_roll_back_inside_strings_numbers_and_nested_objects(plain, 
         "s": {"type": "string"}, "n": {"type": "integer"}}, "required": ["s", "n"]}}, "required": ["o"]}
     text = '{"o": {"s": "abc", "n": 123}}'
     eos = tokenizer.eos_token_id
-    compiler = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [eos])
+    compiler = compiler_for(tokenizer, plain.engine.model.config.vocab_size, [eos])
     so = StructuredOutput(json=schema)
     tokens = tokenizer.encode(text, add_special_tokens=False)
     cut = next(i for i in range(len(tokens) + 1) if tokenizer.decode(tokens[:i]) == where)
@@ -298,7 +299,7 @@ def accepts(compiler, tokenizer, constraint: dict, text: str, eos: int | None = 
 
 @pytest.fixture(scope="module")
 def compiler(plain, tokenizer, backend):
-    out = GrammarCompiler(tokenizer, plain.engine.model.config.vocab_size, [tokenizer.eos_token_id])
+    out = compiler_for(tokenizer, plain.engine.model.config.vocab_size, [tokenizer.eos_token_id])
     assert type(out).__name__ == {"xgrammar": "GrammarCompiler", "llguidance": "LLGuidanceCompiler"}[backend]
     return out
 

@@ -50,7 +50,8 @@ def test_the_walk_sees_the_whole_package():
     ("specdec.models", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.engine", ("specdec.llm", *LEAVES, "specdec.cli")),
     ("specdec.tool_calls", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
-    ("specdec.grammar", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
+    ("specdec.grammar", ("specdec.grammar_llguidance", "specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES,
+                         "specdec.cli")),
     ("specdec.grammar_llguidance", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
 ])
 def test_imports_never_climb(importers, forbidden):

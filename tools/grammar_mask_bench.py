@@ -16,7 +16,8 @@ import torch
 
 from specdec.bench.machine import cpu_model
 from specdec.config import StructuredOutput
-from specdec.grammar import BACKEND_ENV, GrammarCompiler
+from specdec.grammar import BACKEND_ENV
+from specdec.grammar_llguidance import compiler_for
 from specdec.models.loader import load_tokenizer, resolve
 
 # object, array of strings, a nested object with a pattern, an enum
@@ -35,7 +36,7 @@ ANSWER = ('{"name": "Ada Lovelace", "tags": ["mathematics", "poetry", "analytica
 def setup(backend: str, tokenizer) -> dict:
     os.environ[BACKEND_ENV] = backend
     start = time.perf_counter()
-    compiler = GrammarCompiler(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
+    compiler = compiler_for(tokenizer, len(tokenizer), [tokenizer.eos_token_id])
     setup_s = time.perf_counter() - start
     start = time.perf_counter()
     compiler.compile(StructuredOutput(json=SCHEMA))

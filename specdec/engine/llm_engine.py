@@ -19,6 +19,7 @@ from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
 from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
+from specdec.grammar_llguidance import compiler_for
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import Penalized, TokenLogprob, penalize, sample_requests, token_logprobs
@@ -124,7 +125,7 @@ class LLMEngine:
         if params.structured_output is None:
             return None
         if self._grammars is None:
-            self._grammars = GrammarCompiler(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
+            self._grammars = compiler_for(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
         return self._grammars.state(params.structured_output)
 
     def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
