@@ -214,3 +214,40 @@ def test_a_tool_result_round_trip(served):
     alone = client.chat.completions.create(model=MODEL, messages=ASK, max_tokens=1)
     assert final.usage.prompt_tokens > alone.usage.prompt_tokens + 60  # the call and its result are in the prompt
     idle(served)
+
+
+def test_a_client_gone_ends_every_choice(plain, monkeypatch):
+    """Dropping a stream of n choices, or a non-streaming request's connection, aborts all of its sequences and
+    frees their blocks."""
+    import threading
+
+    import httpx
+
+    aborted = 'specdec_requests_total{finish_reason="abort"}'
+    before = plain.metrics().get(aborted, 0)
+    body = {"model": MODEL, "prompt": REPETITIVE, "n": 4, "max_tokens": 1900, "ignore_eos": True, "stream": True}
+    with httpx.stream("POST", f"{plain.url}/v1/completions", json=body, timeout=30) as r:
+        for i, _ in enumerate(r.iter_lines()):
+            if i > 6:
+                break
+    m = plain.wait_idle()
+    assert m[aborted] == before + 4 and m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
+
+    engine, served, gate = plain.llm.engine, plain.app.state.server.engine, threading.Event()
+    queue_abort = served.abort
+
+    def abort_then_resume(req):  # the server noticed the client left: its abort is queued before any step ends
+        queue_abort(req)
+        gate.set()
+
+    monkeypatch.setattr(served, "abort", abort_then_resume)
+    engine.inject_fault = lambda seqs: gate.wait(10)
+    try:
+        with pytest.raises(httpx.ReadTimeout):
+            httpx.post(f"{plain.url}/v1/completions", json=body | {"stream": False}, timeout=0.3)
+    finally:
+        engine.inject_fault = None
+        gate.set()
+    m = plain.wait_idle(20)
+    assert m[aborted] == before + 8 and m["specdec_requests_running"] == 0
+    assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
