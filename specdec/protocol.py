@@ -379,20 +379,19 @@ class OpenAIProtocol:
     def token_text(self, token: int) -> str:
         return self.llm.tokenizer.decode([token], skip_special_tokens=False)
 
-    def chunk(self, plan: Plan, created: int, choice: dict, usage_: dict | None = None, final_usage: bool = False
-              ) -> dict:
+    def chunk(self, plan: Plan, created: int, choice: dict, usage_: dict | None = None) -> dict:
         """One SSE chunk's body."""
         body = {"id": plan.rid, "object": "chat.completion.chunk" if plan.chat else "text_completion",
                 "created": created, "model": self.model, "choices": [choice] if choice else []}
         if plan.include_usage:
-            body["usage"] = usage_ if final_usage else None
+            body["usage"] = usage_  # null on every chunk but the last
         return body
 
 
 def _rest(parser: StreamParser, tools: Tools) -> str:
     """The text left at the end: content, except a call cut short (finish "length") where only calls may be
     written (required, a named function): there it is no answer at all."""
-    rest = parser.finish()[0]
+    rest = parser.finish()
     return "" if tools.choice in ("required", "function") else rest
 
 

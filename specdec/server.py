@@ -337,9 +337,9 @@ class AsyncEngine:
 
     def _fail_all(self, error: APIError) -> None:
         failed = {id(r): r for r, _ in self._active.values()}
-        for seq_id, (req, _) in list(self._active.items()):
+        for req, index in list(self._active.values()):
             with contextlib.suppress(Exception):
-                self.engine.abort(req.seqs[[s.seq_id for s in req.seqs].index(seq_id)])
+                self.engine.abort(req.seqs[index])
             self.metrics.requests.labels("error").inc()
         self._active.clear()
         for req in failed.values():
@@ -514,7 +514,7 @@ class OpenAIServer:
                 outputs[event.index] = event.output
                 yield sse(choice.finish(event.output))
         if not failed and plan.include_usage:
-            yield _sse(self.protocol.chunk(plan, created, {}, usage(plan, outputs), final_usage=True))
+            yield _sse(self.protocol.chunk(plan, created, {}, usage(plan, outputs)))
         yield _sse("[DONE]")
 
 

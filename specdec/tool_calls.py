@@ -204,8 +204,7 @@ def parse(text: str, names: set[str] | None = None) -> tuple[str, list[ToolCall]
     of the text (without the tags' surrounding newlines) is content."""
     parser = StreamParser(names)
     content, calls = parser.feed(text)
-    rest, more = parser.finish()
-    return content + rest, calls + more
+    return content + parser.finish(), calls
 
 
 class StreamParser:
@@ -246,8 +245,8 @@ class StreamParser:
         self.calls += len(calls)
         return "".join(content), calls
 
-    def finish(self) -> tuple[str, list[ToolCall]]:
-        """What is left at the end: an unclosed tag's text is content."""
+    def finish(self) -> str:
+        """What is left at the end, as content (an unclosed tag's text too)."""
         rest = (BEGIN if self.in_call else "") + self.buffer
         self.buffer, self.in_call = "", False
-        return rest, []
+        return rest

@@ -12,7 +12,7 @@ import pytest
 
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams
-from test_server import MODEL, REPETITIVE, Served, serving
+from test_server import MODEL, REPETITIVE, Served, serving, steps_held_until_abort
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},
@@ -219,8 +219,6 @@ def test_a_tool_result_round_trip(served):
 def test_a_client_gone_ends_every_choice(plain, monkeypatch):
     """Dropping a stream of n choices, or a non-streaming request's connection, aborts all of its sequences and
     frees their blocks."""
-    import threading
-
     import httpx
 
     aborted = 'specdec_requests_total{finish_reason="abort"}'
@@ -233,21 +231,8 @@ def test_a_client_gone_ends_every_choice(plain, monkeypatch):
     m = plain.wait_idle()
     assert m[aborted] == before + 4 and m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
 
-    engine, served, gate = plain.llm.engine, plain.app.state.server.engine, threading.Event()
-    queue_abort = served.abort
-
-    def abort_then_resume(req):  # the server noticed the client left: its abort is queued before any step ends
-        queue_abort(req)
-        gate.set()
-
-    monkeypatch.setattr(served, "abort", abort_then_resume)
-    engine.inject_fault = lambda seqs: gate.wait(10)
-    try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{plain.url}/v1/completions", json=body | {"stream": False}, timeout=0.3)
-    finally:
-        engine.inject_fault = None
-        gate.set()
+    with steps_held_until_abort(plain, monkeypatch), pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{plain.url}/v1/completions", json=body | {"stream": False}, timeout=0.3)
     m = plain.wait_idle(20)
     assert m[aborted] == before + 8 and m["specdec_requests_running"] == 0
     assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]

@@ -288,24 +288,31 @@ def test_concurrent_streams_with_cancellations_leak_nothing(spec, offline):
     assert m['specdec_requests_total{finish_reason="abort"}'] - aborts_before == len(cancel)
 
 
-def test_non_streaming_client_that_leaves_is_aborted(plain, monkeypatch):
-    before = plain.metrics()['specdec_requests_total{finish_reason="abort"}']
-    engine, served, gate = plain.llm.engine, plain.app.state.server.engine, threading.Event()
+@contextlib.contextmanager
+def steps_held_until_abort(s: Served, monkeypatch) -> Iterator[None]:
+    """No engine step finishes before the server queued an abort (it saw the client leave), so a request that
+    is left can never end on its own first."""
+    engine, served, gate = s.llm.engine, s.app.state.server.engine, threading.Event()
     queue_abort = served.abort
 
-    def abort_then_resume(req):  # the server noticed the client left: its abort is queued before any step ends
+    def abort_then_resume(req):
         queue_abort(req)
         gate.set()
 
     monkeypatch.setattr(served, "abort", abort_then_resume)
-    engine.inject_fault = lambda seqs: gate.wait(10)  # no step finishes before the server saw the client leave
+    engine.inject_fault = lambda seqs: gate.wait(10)
     try:
-        with pytest.raises(httpx.ReadTimeout):
-            httpx.post(f"{plain.url}/v1/completions", timeout=0.3,
-                       json={"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
+        yield
     finally:
         engine.inject_fault = None
         gate.set()
+
+
+def test_non_streaming_client_that_leaves_is_aborted(plain, monkeypatch):
+    before = plain.metrics()['specdec_requests_total{finish_reason="abort"}']
+    with steps_held_until_abort(plain, monkeypatch), pytest.raises(httpx.ReadTimeout):
+        httpx.post(f"{plain.url}/v1/completions", timeout=0.3,
+                   json={"model": MODEL, "prompt": "Hello", "max_tokens": 500, "ignore_eos": True})
     m = plain.wait_idle()
     assert m['specdec_requests_total{finish_reason="abort"}'] == before + 1
     assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
