@@ -53,7 +53,9 @@ bench-peers: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q llama-cpp-python==0.3.36 diskcache
 
 # Self-distillation data for draft heads: the training prompts answered by the default model itself, packed into
-# data/distill/ (resumable: finished answers are flushed to ~/.cache/specdec/distill; rerun to continue).
+# specdec/data/distill/ (resumable: finished answers are flushed to ~/.cache/specdec/distill; rerun to continue).
+# TRAIN_DATA: the folder of training JSONL files (the developers' copy sits beside the checkout).
 PER_SOURCE ?= 1000
+TRAIN_DATA ?= ../shared/data/train
 distill: setup
-	$(VENV)/bin/specdec distill --per-source $(PER_SOURCE)
+	$(VENV)/bin/specdec distill --data-dir $(TRAIN_DATA) --per-source $(PER_SOURCE)

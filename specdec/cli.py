@@ -7,7 +7,9 @@ import os
 import sys
 from pathlib import Path
 
-from specdec.config import SpecdecError, registered_methods
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import registered_methods
 from specdec.models.loader import DEFAULT_MODEL
 
 
@@ -109,7 +111,7 @@ def build_parser() -> argparse.ArgumentParser:
                    "--concurrency level (writes JSON and a PNG plot)")
     b.add_argument("--structured", action="store_true",
                    help="constrained decoding on JSON-extraction prompts instead (--prompts default: "
-                   "data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
+                   "specdec/data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
                    "drafting, validity against each schema, the masks' share of time")
     b.add_argument("--agent", action="store_true",
                    help="an agent's workload instead: --num-prompts tasks, each a tool-calling turn (tool_choice "
@@ -187,8 +189,8 @@ def build_parser() -> argparse.ArgumentParser:
 
     d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
     d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
-    d.add_argument("--data-dir", default=None, help="training JSONL files (default: ../shared/data/train)")
-    d.add_argument("--out", default=None, help="the packed answers (default: data/distill/<model>.npz in the repo)")
+    d.add_argument("--data-dir", required=True, help="the folder of training JSONL files (chat 'messages' rows)")
+    d.add_argument("--out", default=None, help="the packed answers (default: specdec/data/distill/<model>.npz in the package)")
     d.add_argument("--per-source", type=int, default=1000, help="prompts per training file (default 1000)")
     d.add_argument("--sampled-share", type=float, default=0.25,
                    help="share of prompts answered by sampling at temperature 0.7, the rest greedy (default 0.25)")
@@ -203,7 +205,7 @@ def build_parser() -> argparse.ArgumentParser:
 
 def add_prompt_set_args(p: argparse.ArgumentParser, max_tokens: int, batch_sizes: str, out: str) -> None:
     p.add_argument("--prompts", default=None,
-                   help="JSONL with 'turns' (default: ../shared/data/spec_bench/question.jsonl)")
+                   help="JSONL with 'turns' (default: the Spec-Bench prompts shipped in specdec/data/spec_bench)")
     p.add_argument("--num-prompts", type=int, default=8, help="taken round-robin across categories (default 8)")
     p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"greedy tokens per prompt (default {max_tokens})")
     p.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated batch sizes (default {batch_sizes})")
@@ -258,12 +260,12 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
-    from specdec import distill
+    from specdec.training import distill
     from specdec.llm import LLM
 
-    out = args.out or Path(__file__).resolve().parents[1] / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
+    out = args.out or Path(__file__).resolve().parent / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
     llm = LLM(args.model, speculative_config="off")
-    summary = distill.regenerate(llm, args.data_dir or distill.default_data_dir(), out, per_source=args.per_source, sampled_share=args.sampled_share,
+    summary = distill.regenerate(llm, args.data_dir, out, per_source=args.per_source, sampled_share=args.sampled_share,
                                  max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
                                  cache_dir=args.cache_dir, limit=args.limit)
     print(json.dumps(summary))
@@ -271,8 +273,8 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
-    from specdec.api import Limits
-    from specdec.server import serve
+    from specdec.serving.api import Limits
+    from specdec.serving.server import serve
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
@@ -294,7 +296,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
             engine_kwargs[name] = getattr(args, name)
     if args.replicas is not None:
         try:
-            from specdec.replicas import ReplicaSpec, serve_replicas
+            from specdec.serving.replicas import ReplicaSpec, serve_replicas
         except ImportError as e:
             raise SpecdecError(f"--replicas needs Ray Serve: pip install 'specdec[ray]' ({e})") from None
         llm_kwargs = {"dtype": args.dtype, "device": args.device, "speculative_config": args.speculative_config,
@@ -358,7 +360,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train" and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
             return launch_ranks(args.nproc, argv if argv is not None else sys.argv[1:])
         elif args.command == "train":
-            from specdec.train import run_train
+            from specdec.training.train import run_train
 
             run_train(args)
         elif args.command == "distill":

@@ -10,7 +10,9 @@ from typing import Any
 import torch
 from tqdm import tqdm
 
-from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig, from_kwargs
+from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
+
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
 from specdec.engine.parallel import Workers, launched_by_torchrun
 from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer
@@ -155,7 +157,7 @@ class LLM:
     @property
     def renders_tools(self) -> bool:
         """Whether the chat template renders tools itself (then it is given `tools`, assistant `tool_calls` and
-        `tool` messages as they are; else specdec.tool_calls writes them as plain messages)."""
+        `tool` messages as they are; else specdec.serving.tool_calls writes them as plain messages)."""
         template = getattr(self.tokenizer, "chat_template", None)
         return isinstance(template, str) and "tools" in template
 

@@ -65,10 +65,20 @@ def test_bad_prompts_file(tiny_model: Path, tmp_path: Path, capsys, name, conten
 
 def test_missing_default_prompts(tmp_path: Path, monkeypatch, capsys) -> None:
     monkeypatch.chdir(tmp_path)
-    monkeypatch.setattr(prompt_sets, "_REPO_PROMPTS", tmp_path / "elsewhere" / "question.jsonl")
+    monkeypatch.setattr(prompt_sets, "DEFAULT_PROMPTS", tmp_path / "elsewhere" / "question.jsonl")
     assert main(["bench", "--out", str(tmp_path / "b.json")]) == 2
     err = capsys.readouterr().err
     assert "no --prompts given" in err and "elsewhere" in err and "pass --prompts" in err
+
+
+def test_default_prompts_ship_inside_the_package(tmp_path: Path, monkeypatch) -> None:
+    """A plain clone or install has Spec-Bench's prompts without any folder beside it, whatever the cwd."""
+    monkeypatch.chdir(tmp_path)
+    path = prompt_sets.prompts_path(None)
+    assert path.is_relative_to(Path(prompt_sets.__file__).resolve().parents[1])
+    rows = prompt_sets.load_questions(path)
+    assert len(rows) == 400
+    assert {r["category"] for r in rows} == {"translation", "summarization", "qa", "math_reasoning", "rag"}
 
 
 def test_unknown_dtype(tiny_model: Path, tmp_path: Path, capsys) -> None:

@@ -5,7 +5,7 @@ import json
 
 from specdec.bench.tune import MIN_GAIN
 from specdec.cli import main
-from specdec.config import SpeculativeConfig
+from specdec.drafting.registry import SpeculativeConfig
 
 
 def test_tune_writes_a_dispatch_table_that_speculative_config_loads(tiny_llama_dir, tmp_path, capsys):

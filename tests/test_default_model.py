@@ -16,7 +16,7 @@ from specdec.models.quant import QuantWeight
 
 pytestmark = needs_default_model
 
-DISTILLED = Path(__file__).resolve().parents[1] / "data" / "distill" / "smollm2-135m.npz"
+DISTILLED = Path(__file__).resolve().parents[1] / "specdec" / "data" / "distill" / "smollm2-135m.npz"
 PROMPTS = [
     [{"role": "user", "content": "What is the capital of France?"}],
     [{"role": "user", "content": "Write a Python function that reverses a string."}],

@@ -8,7 +8,7 @@ import pytest
 
 from conftest import save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec import distill
+from specdec.training import distill
 
 
 @pytest.fixture(scope="module")

@@ -138,7 +138,7 @@ def test_eagle3_tree_nodes_follow_the_heads_own_chain(target_dir, head_dir):
 
 
 def test_dynamic_trees_are_refused_for_eagle3(head_dir):
-    from specdec.config import SpeculativeConfig
+    from specdec.drafting.registry import SpeculativeConfig
 
     with pytest.raises(SpecdecError, match="eagle3 drafts chains and static trees"):
         SpeculativeConfig.parse({"method": "eagle3", "model": str(head_dir),

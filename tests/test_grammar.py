@@ -15,8 +15,8 @@ from jsonschema import validate
 
 from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
 from conftest import MISSING, needs_default_model
-from specdec.grammar import BACKEND_ENV, apply_bitmask, grammar_backend, mask_logits
-from specdec.grammar_llguidance import compiler_for
+from specdec.structured import BACKEND_ENV, apply_bitmask, grammar_backend, mask_logits
+from specdec.structured import compiler_for
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
@@ -300,7 +300,7 @@ def accepts(compiler, tokenizer, constraint: dict, text: str, eos: int | None = 
 @pytest.fixture(scope="module")
 def compiler(plain, tokenizer, backend):
     out = compiler_for(tokenizer, plain.engine.model.config.vocab_size, [tokenizer.eos_token_id])
-    assert type(out).__name__ == {"xgrammar": "GrammarCompiler", "llguidance": "LLGuidanceCompiler"}[backend]
+    assert type(out).__name__ == {"xgrammar": "XGrammarCompiler", "llguidance": "LLGuidanceCompiler"}[backend]
     return out
 
 

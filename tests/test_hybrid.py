@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 
 from specdec import LLM, SpecdecError
-from specdec.config import SpeculativeConfig
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.drafting.base import Draft, DraftRequest, Drafter
 from specdec.drafting.hybrid import HybridDrafter
 from test_drafters import GREEDY, PROMPTS, other_draft_dir, reference, target_dir  # noqa: F401 (module fixtures)

@@ -1,5 +1,7 @@
-"""The package's imports follow runtime order: drafters never reach into the engine, models know nothing of
-drafting or the engine, and the leaves (api, protocol, server, replicas, train, distill, bench) are imported by the CLI alone."""
+"""The package's imports follow runtime order (config -> models -> kv cache -> structured / tree / sampling / verify
+-> drafting -> engine -> llm -> serving / training / bench -> cli): drafters never reach into the engine, models know
+nothing of the cache, drafting or the engine, and the leaves (the serving front doors, training, bench) are imported
+by the CLI alone."""
 from __future__ import annotations
 
 import ast
@@ -8,7 +10,10 @@ from pathlib import Path
 import pytest
 
 PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
-LEAVES = ("specdec.api", "specdec.protocol", "specdec.server", "specdec.replicas", "specdec.train", "specdec.distill", "specdec.bench")
+LEAVES = ("specdec.serving.api", "specdec.serving.protocol", "specdec.serving.server", "specdec.serving.engine_thread",
+          "specdec.serving.replicas", "specdec.training", "specdec.bench")
+FROM_DRAFTING = ("specdec.drafting", "specdec.engine", "specdec.llm", "specdec.serving", *LEAVES, "specdec.cli")
+ABOVE_MODELS = ("specdec.kv_cache", "specdec.structured", "specdec.sampling", "specdec.verify", *FROM_DRAFTING)
 
 
 def module_name(path: Path) -> str:
@@ -46,13 +51,18 @@ def test_the_walk_sees_the_whole_package():
 
 
 @pytest.mark.parametrize("importers, forbidden", [
-    ("specdec.drafting", ("specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
-    ("specdec.models", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
-    ("specdec.engine", ("specdec.llm", *LEAVES, "specdec.cli")),
-    ("specdec.tool_calls", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
-    ("specdec.grammar", ("specdec.grammar_llguidance", "specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES,
-                         "specdec.cli")),
-    ("specdec.grammar_llguidance", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
+    ("specdec.config", ("specdec.models", *ABOVE_MODELS)),
+    ("specdec.tree", ("specdec.models", *ABOVE_MODELS)),
+    ("specdec.models", ABOVE_MODELS),
+    ("specdec.kv_cache", ABOVE_MODELS[1:]),  # the models do not import it either (models.attention.KVLayers)
+    ("specdec.structured", FROM_DRAFTING),
+    ("specdec.structured.grammar", ("specdec.structured.xgrammar_backend", "specdec.structured.llguidance_backend")),
+    ("specdec.sampling", ("specdec.structured", "specdec.verify", *FROM_DRAFTING)),
+    ("specdec.verify", ("specdec.structured", *FROM_DRAFTING)),
+    ("specdec.drafting", FROM_DRAFTING[1:]),
+    ("specdec.engine", ("specdec.llm", "specdec.serving", *LEAVES, "specdec.cli")),
+    ("specdec.llm", ("specdec.serving", *LEAVES, "specdec.cli")),
+    ("specdec.serving.tool_calls", ("specdec.drafting", "specdec.engine", "specdec.llm", *LEAVES, "specdec.cli")),
 ])
 def test_imports_never_climb(importers, forbidden):
     assert offenders(importers, forbidden) == []

@@ -13,7 +13,8 @@ import torch
 
 import specdec
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.config import EngineConfig, SpeculativeConfig, method_info, register_method, registered_methods
+from specdec.config import EngineConfig
+from specdec.drafting.registry import SpeculativeConfig, method_info, register_method, registered_methods
 from specdec.drafting import Draft, DraftEnv, DraftRequest, Drafter
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.model_runner import ModelRunner
@@ -252,3 +253,21 @@ def test_drafts_are_checked_where_the_method_declares_it(tiny_llama_dir, monkeyp
     monkeypatch.setattr(Draft, "validate", lambda self, *args: checks.append(args))
     trusted = plain.with_speculative_config({"method": "echo_test", "num_speculative_tokens": 2})
     assert trusted.generate(PROMPTS[:1], GREEDY)[0].metrics["num_drafts"] > 0 and not checks
+
+
+@pytest.mark.parametrize("first_import", ["specdec.drafting.registry", "specdec.config", "specdec.cli"])
+def test_the_registry_is_full_whatever_was_imported_first(first_import):
+    """A fresh interpreter that imports only one module and then looks methods up sees every method the package's
+    files register: the registry does not depend on which module happened to be imported first."""
+    import re
+    import subprocess
+    import sys
+
+    files = (Path(specdec.__file__).parent / "drafting").glob("*.py")
+    declared = {m for f in files for m in re.findall(r'register_method\(\s*"(\w+)"', f.read_text())}
+    code = (f"import {first_import}\n"
+            "from specdec.drafting.registry import registered_methods, SpeculativeConfig\n"
+            "print(' '.join(registered_methods()))\n"
+            "SpeculativeConfig.parse({'method': 'suffix'})\n")
+    out = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True).stdout
+    assert set(out.split()) == declared and len(declared) >= 14

@@ -1,4 +1,4 @@
-"""Ray Serve replicas (specdec.replicas): the routing table and policy exactly, then two engine replicas of
+"""Ray Serve replicas (specdec.serving.replicas): the routing table and policy exactly, then two engine replicas of
 a tiny model on a local Ray cluster driven by the official openai client: answers equal offline greedy
 decoding, errors pass through in OpenAI's shape, a shared prefix sticks to one replica while load spreads,
 /metrics covers every replica, and a killed replica is replaced while the other keeps serving."""
@@ -22,9 +22,9 @@ from conftest import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.config import SpecdecError
-from specdec.replicas import (APP_NAME, CHUNK_CHARS, PrefixTable, ReplicaSpec, build_app, preferred, prefix_keys,
+from specdec.serving.replicas import (APP_NAME, CHUNK_CHARS, PrefixTable, ReplicaSpec, build_app, preferred, prefix_keys,
                               routing_text)
-from specdec.api import ChatBody, CompletionBody
+from specdec.serving.api import ChatBody, CompletionBody
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 SYSTEM = "You are a terse assistant. The quick brown fox jumps over the lazy dog. " * 6  # 438 characters
@@ -94,10 +94,10 @@ def test_the_spec_refuses_what_every_replica_would_fail_on(tiny_llama_dir):
 
 
 def test_cli_serve_replicas_deploys_the_spec_it_is_asked_for(tiny_llama_dir, monkeypatch):
-    import specdec.replicas
+    import specdec.serving.replicas
 
     calls = []
-    monkeypatch.setattr(specdec.replicas, "serve_replicas", lambda spec, **kw: calls.append((spec, kw)))
+    monkeypatch.setattr(specdec.serving.replicas, "serve_replicas", lambda spec, **kw: calls.append((spec, kw)))
     assert main(["serve", str(tiny_llama_dir), "--replicas", "3", "--port", "9002", "--max-num-seqs", "8",
                  "--speculative-config", json.dumps(SPEC), "--served-model-name", "m", "--api-key", "k"]) == 0
     spec, kw = calls[-1]
@@ -122,7 +122,7 @@ def cluster(replica_model_dir):
         s.bind(("127.0.0.1", 0))
         port = s.getsockname()[1]
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False, object_store_memory=128 * 2**20)
-    from specdec import replicas
+    from specdec.serving import replicas
 
     spec = ReplicaSpec(str(replica_model_dir), {"speculative_config": json.dumps(SPEC), "max_num_seqs": 8},
                        replicas=2, served_model_name="tiny")

@@ -24,9 +24,9 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import LLM, SamplingParams
 from specdec.cli import main
-from specdec.api import Limits
-from specdec.protocol import streamable_length
-from specdec.server import create_app
+from specdec.serving.api import Limits
+from specdec.serving.protocol import streamable_length
+from specdec.serving.server import create_app
 
 MODEL = "tiny"
 SPEC = {"method": "ngram", "num_speculative_tokens": 4}
@@ -596,10 +596,10 @@ def test_health_reports_a_dead_engine(tiny_llama_dir):
 
 # -- the command line --------------------------------------------------------------------------------------
 def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch):
-    import specdec.server
+    import specdec.serving.server
 
     calls = []
-    monkeypatch.setattr(specdec.server, "serve", lambda llm, **kw: calls.append((llm, kw)))
+    monkeypatch.setattr(specdec.serving.server, "serve", lambda llm, **kw: calls.append((llm, kw)))
     assert main(["serve", str(tiny_llama_dir), "--speculative-config", "off"]) == 0
     llm, kw = calls[-1]
     assert llm.engine.speculator is None and kw == {"host": "127.0.0.1", "port": 8000, "api_key": None,

@@ -8,7 +8,7 @@ import torch
 from conftest import accelerator_checks, assert_logprobs_equal
 
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.config import SpeculativeConfig
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.speculator import Speculator
 

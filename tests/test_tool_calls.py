@@ -1,4 +1,4 @@
-"""Tool calling's pieces (specdec.tool_calls): requests checked, the default prompt format, the constraint that
+"""Tool calling's pieces (specdec.serving.tool_calls): requests checked, the default prompt format, the constraint that
 makes invalid calls impossible, and the parser, whole and streamed in any split."""
 from __future__ import annotations
 
@@ -6,7 +6,7 @@ import json
 
 import pytest
 
-from specdec.tool_calls import (BEGIN, END, StreamParser, ToolError, call_text, constraint, default_conversation,
+from specdec.serving.tool_calls import (BEGIN, END, StreamParser, ToolError, call_text, constraint, default_conversation,
                                 parse, parse_tools)
 
 FN = {"type": "function", "function": {"name": "add", "parameters": {
@@ -77,7 +77,7 @@ def test_forced_choices_admit_only_valid_calls(tiny_llama_dir, monkeypatch, back
     valid call is accepted to its end, a wrong name, a missing key or a wrong type is refused at the first token
     that makes it wrong; auto takes text, then only a valid call."""
     from specdec import LLM
-    from specdec.grammar import BACKEND_ENV
+    from specdec.structured import BACKEND_ENV
 
     monkeypatch.setenv(BACKEND_ENV, backend)
     engine = LLM(str(tiny_llama_dir)).engine

@@ -14,7 +14,7 @@ from specdec.cli import main
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.eagle3 import Eagle3Head, default_aux_layers
-from specdec.train import head_loss, target_outputs
+from specdec.training.train import head_loss, target_outputs
 
 
 @pytest.fixture(scope="module")
@@ -151,7 +151,7 @@ def test_bad_training_input_is_refused(target_dir, tmp_path, capsys):
 
 def test_data_lines_may_hold_unicode_line_separators(tmp_path):
     """JSONL splits on newlines only: U+2028 inside a JSON string (seen in our training data) is content."""
-    from specdec.train import load_conversations
+    from specdec.training.train import load_conversations
 
     data = tmp_path / "d.jsonl"
     data.write_text(json.dumps({"messages": [{"role": "user", "content": "a\u2028b"},
@@ -163,7 +163,7 @@ def test_feature_cache_gives_the_targets_outputs_in_bfloat16(target_dir, tmp_pat
     """Cached outputs are the target's own, rounded to bfloat16 (features and hidden state: relative error
     below 2^-8 per element; logits recomputed from the rounded hidden state stay within 0.05); a second
     cache over the same samples reuses the shards instead of rerunning the target."""
-    from specdec.train import FeatureCache
+    from specdec.training.train import FeatureCache
 
     model = LLM(str(target_dir)).engine.model
     layers = default_aux_layers(model.config.num_hidden_layers)
@@ -206,7 +206,7 @@ def test_training_from_the_feature_cache_matches_training_without_it(target_dir,
 
 def test_learning_rate_schedule_table():
     """Linear warmup to the peak, then a cosine to a tenth of it at the last step (or constant)."""
-    from specdec.train import lr_factor
+    from specdec.training.train import lr_factor
 
     table = {1: 0.1, 5: 0.5, 10: 1.0, 60: 0.55, 110: 0.1}
     assert {u: round(lr_factor(u, 110, 10, "cosine"), 6) for u in table} == table
@@ -215,7 +215,7 @@ def test_learning_rate_schedule_table():
 
 
 def test_warm_start_keeps_shared_weights_and_the_rows_of_shared_draft_tokens(target_dir):
-    from specdec.train import warm_start
+    from specdec.training.train import warm_start
 
     model = LLM(str(target_dir)).engine.model
     old = Eagle3Head.create("eagle3", model, draft_ids=torch.tensor([5, 7, 9]))
@@ -232,7 +232,7 @@ def test_warm_start_keeps_shared_weights_and_the_rows_of_shared_draft_tokens(tar
 def test_epochs_batches_and_schedule_in_the_log(target_dir, tmp_path):
     """--epochs sets the steps (every conversation once per epoch), --batch accumulates before each optimizer
     step, and the logged learning rate follows the warmup and cosine."""
-    from specdec.train import lr_factor
+    from specdec.training.train import lr_factor
 
     data = tmp_path / "data.jsonl"
     data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},

@@ -20,8 +20,8 @@ from schemathesis.specs.openapi.checks import (content_type_conformance, respons
                                                status_code_conformance)
 
 from specdec import LLM
-from specdec.api import Limits
-from specdec.server import create_app
+from specdec.serving.api import Limits
+from specdec.serving.server import create_app
 
 
 def main() -> None:

@@ -14,7 +14,7 @@ import httpx
 import uvicorn
 
 from specdec import LLM
-from specdec.server import create_app
+from specdec.serving.server import create_app
 
 
 def main() -> None:

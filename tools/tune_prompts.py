@@ -2,7 +2,7 @@
 trained head) never saw, in Spec-Bench's layout ({"category", "turns"} per line), so tuning the default
 touches neither the evaluation prompts nor the head's own training prompts.
 
-    python tools/tune_prompts.py --per-source 4 --out data/tune_prompts.jsonl
+    python tools/tune_prompts.py --per-source 4 --out specdec/data/tune_prompts.jsonl
 """
 from __future__ import annotations
 
@@ -11,19 +11,19 @@ import json
 import random
 from pathlib import Path
 
-from specdec import distill
+from specdec.training import distill
 
 ROOT = Path(__file__).resolve().parent.parent
 
 
 def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    ap.add_argument("--data", default=str(distill.default_data_dir()))
-    ap.add_argument("--distilled", default=str(ROOT / "data" / "distill" / "smollm2-135m.npz"))
+    ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "train"))
+    ap.add_argument("--distilled", default=str(ROOT / "specdec" / "data" / "distill" / "smollm2-135m.npz"))
     ap.add_argument("--per-source", type=int, default=4)
     ap.add_argument("--max-chars", type=int, default=3000, help="skip longer prompts (tune times decoding)")
     ap.add_argument("--seed", type=int, default=0)
-    ap.add_argument("--out", default=str(ROOT / "data" / "tune_prompts.jsonl"))
+    ap.add_argument("--out", default=str(ROOT / "specdec" / "data" / "tune_prompts.jsonl"))
     args = ap.parse_args()
 
     _, records = distill.load(Path(args.distilled))

@@ -15,7 +15,7 @@ import time
 
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams
-from specdec.tool_calls import constraint, default_conversation, parse, parse_tools
+from specdec.serving.tool_calls import constraint, default_conversation, parse, parse_tools
 
 SYSTEM = ("You are a travel assistant. Use the tools to look things up; never guess prices, times or weather. "
           "Answer in one or two sentences.")

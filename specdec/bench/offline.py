@@ -19,7 +19,8 @@ from specdec.bench.engines import load_hf, load_llamacpp, time_group, time_hf, t
 from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
 from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_report, output_path, ratio
-from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.config import SamplingParams, SpecdecError
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import default_speculative_config, resolve
 
 

@@ -9,8 +9,8 @@ from typing import Any
 
 from specdec.config import SpecdecError
 
-DEFAULT_PROMPTS = Path("../shared/data/spec_bench/question.jsonl")
-_REPO_PROMPTS = Path(__file__).resolve().parents[2].parent / "shared/data/spec_bench/question.jsonl"
+# Spec-Bench's single-turn rows, shipped inside the package (specdec/data/README.md: source, commit, license)
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
 
 
 @dataclass
@@ -21,17 +21,16 @@ class BenchPrompt:
 
 
 def prompts_path(arg: str | None) -> Path:
-    """--prompts as given, else the Spec-Bench file next to the repo (from the cwd, then from this file)."""
+    """--prompts as given, else the Spec-Bench prompts the package ships."""
     if arg is not None:
         path = Path(arg).expanduser()
         if not path.is_file():
             raise SpecdecError(f"prompts file {path} " + ("is a directory" if path.is_dir() else "does not exist"))
         return path
-    for path in (DEFAULT_PROMPTS, _REPO_PROMPTS):
-        if path.is_file():
-            return path
-    raise SpecdecError(f"no --prompts given and the default Spec-Bench file is in neither {DEFAULT_PROMPTS.resolve()} "
-                       f"nor {_REPO_PROMPTS}; pass --prompts FILE.jsonl")
+    if DEFAULT_PROMPTS.is_file():
+        return DEFAULT_PROMPTS
+    raise SpecdecError(f"no --prompts given and the Spec-Bench prompts this package ships are missing "
+                       f"({DEFAULT_PROMPTS}: a broken install?); reinstall specdec or pass --prompts FILE.jsonl")
 
 
 def load_questions(path: Path) -> list[dict]:

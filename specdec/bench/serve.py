@@ -28,7 +28,8 @@ from pathlib import Path
 from specdec.bench.machine import machine_info
 from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_table, output_path
-from specdec.config import SpecdecError, SpeculativeConfig
+from specdec.config import SpecdecError
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.llm import parse_device
 from specdec.models.loader import default_speculative_config
 

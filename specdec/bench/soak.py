@@ -227,8 +227,8 @@ def run_soak(args: argparse.Namespace) -> dict:
     import httpx
     import uvicorn
 
-    from specdec.api import Limits
-    from specdec.server import create_app
+    from specdec.serving.api import Limits
+    from specdec.serving.server import create_app
 
     rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
     prompts = [row["turns"][0][:2000] for row in rows]

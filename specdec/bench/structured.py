@@ -12,9 +12,9 @@ from specdec.bench.engines import time_specdec
 from specdec.bench.prompts import BenchPrompt
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams, SpecdecError
-from specdec.grammar import grammar_backend
+from specdec.structured import grammar_backend
 
-DEFAULT_PROMPTS = Path(__file__).resolve().parents[2] / "data" / "structured_prompts.jsonl"
+DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "structured_prompts.jsonl"
 
 
 def load_tasks(path: Path) -> list[dict]:

@@ -30,7 +30,8 @@ from specdec.bench.offline import parse_batch_sizes
 from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.bench.verify_cost import token_cost
-from specdec.config import SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.config import SamplingParams, SpecdecError
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 

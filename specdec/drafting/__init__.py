@@ -1,15 +1,15 @@
 """Drafting methods, one file each, behind the `Drafter` interface.
 
 Every module of this package is imported here, so the methods it defines register themselves
-(`specdec.config.register_method`): a new method is a new file, and nothing else changes.
+(`specdec.drafting.registry.register_method`): a new method is a new file, and nothing else changes.
 """
 from __future__ import annotations
 
 import importlib
 import pkgutil
 
-from specdec.config import SpeculativeConfig
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
+from specdec.drafting.registry import MethodInfo, SpeculativeConfig, method_info, register_method, registered_methods
 
 for _module in pkgutil.iter_modules(__path__):
     importlib.import_module(f"{__name__}.{_module.name}")
@@ -20,4 +20,5 @@ def build_drafter(cfg: SpeculativeConfig, env: DraftEnv) -> Drafter:
     return cfg.info.build(cfg, env)
 
 
-__all__ = ["Draft", "DraftEnv", "DraftRequest", "Drafter", "HeadOptions", "build_drafter"]
+__all__ = ["Draft", "DraftEnv", "DraftRequest", "Drafter", "HeadOptions", "MethodInfo", "SpeculativeConfig",
+           "build_drafter", "method_info", "register_method", "registered_methods"]

@@ -12,7 +12,7 @@ A chain is a tree, so trees need no second code path.
 What a drafter sees is plain data, never the engine: per step a `DraftRequest` for each sequence, and once,
 when its method builds it, a `DraftEnv` with the target model, the shared block geometry and `inputs`, the
 one way to lay tokens out over the paged cache. Adding a method means adding one file here that defines
-its options dataclass and its Drafter and registers them (`specdec.config.register_method`).
+its options dataclass and its Drafter and registers them (`specdec.drafting.registry.register_method`).
 """
 from __future__ import annotations
 

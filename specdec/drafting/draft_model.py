@@ -8,7 +8,9 @@ from __future__ import annotations
 
 from dataclasses import dataclass
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv, check_quantization_name
 from specdec.drafting.tree_draft import TreeDrafter
 from specdec.models.loader import QUANTIZATIONS

@@ -25,7 +25,7 @@ from typing import ClassVar
 
 import torch
 
-from specdec.config import SpeculativeConfig, register_method
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
 from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.eagle import EagleHead

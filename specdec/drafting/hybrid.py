@@ -34,7 +34,9 @@ import dataclasses
 import heapq
 from dataclasses import dataclass, field
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_number
 from specdec.tree import PAD, ROOT
 

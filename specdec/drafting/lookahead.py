@@ -24,7 +24,7 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
-from specdec.config import SpeculativeConfig, register_method
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.tree import ROOT
 

@@ -18,7 +18,9 @@ from typing import ClassVar
 
 import torch
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
 from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.medusa import MedusaHeads

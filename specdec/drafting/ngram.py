@@ -31,7 +31,9 @@ from __future__ import annotations
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.models.loader import token_codec
 

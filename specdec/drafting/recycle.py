@@ -16,7 +16,9 @@ from dataclasses import dataclass, field
 
 import numpy as np
 
-from specdec.config import SpecdecError, SpeculativeConfig, register_method
+from specdec.config import SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.tree import ROOT
 

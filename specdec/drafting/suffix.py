@@ -27,7 +27,7 @@ from dataclasses import dataclass
 
 import numpy as np
 
-from specdec.config import SpeculativeConfig, register_method
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.tree import ROOT
 

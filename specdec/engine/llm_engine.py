@@ -10,7 +10,9 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.config import EngineConfig, SamplingParams, SpecdecError, SpeculativeConfig
+from specdec.config import EngineConfig, SamplingParams, SpecdecError
+
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.drafting import DraftEnv, build_drafter
 from specdec.engine.graphs import GraphRunner
 from specdec.engine.model_runner import ModelRunner
@@ -18,8 +20,7 @@ from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
-from specdec.grammar import GrammarCompiler, GrammarState, mask_logits
-from specdec.grammar_llguidance import compiler_for
+from specdec.structured import GrammarCompiler, GrammarState, compiler_for, mask_logits
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import Penalized, TokenLogprob, penalize, sample_requests, token_logprobs

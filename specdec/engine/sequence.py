@@ -8,7 +8,7 @@ from enum import Enum, auto
 import torch
 
 from specdec.config import SamplingParams
-from specdec.grammar import GrammarState
+from specdec.structured.grammar import GrammarState
 from specdec.kv_cache import BlockTable
 
 

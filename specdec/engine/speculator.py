@@ -17,12 +17,12 @@ import time
 
 import torch
 
-from specdec.config import SpeculativeConfig
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
-from specdec.grammar import apply_bitmask, charge_grammar_time, mask_logits
+from specdec.structured.grammar import apply_bitmask, charge_grammar_time, mask_logits
 from specdec.sampling import (Penalized, SamplingTensors, greedy_tokens, logits_to_probs, penalize, sample,
                               token_logprobs)
 from specdec.tree import PAD, SpecShape, TreeFeed

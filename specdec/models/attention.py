@@ -13,9 +13,18 @@ flattened into T rows (sequence i owns `query_lens[i]` consecutive rows), and ea
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import Protocol
 
 import torch
 import torch.nn.functional as F
+
+
+class KVLayers(Protocol):
+    """What a model reads and writes of a K/V cache: one paged K and one paged V tensor per layer, [num_blocks,
+    block_size, Hkv, D] each (`specdec.kv_cache.KVPool` is one; the models never import it)."""
+
+    k: list[torch.Tensor]
+    v: list[torch.Tensor]
 
 
 @dataclass

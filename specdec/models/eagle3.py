@@ -146,7 +146,7 @@ class Eagle3Head(nn.Module):
     def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
                        normed: torch.Tensor, steps: int) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor,
                                                                   torch.Tensor | None]:
-        """What the trainer fits for one sequence of T tokens (see `specdec.train.sequence_loss`): terms
+        """What the trainer fits for one sequence of T tokens (see `specdec.training.train.sequence_loss`): terms
         (head output [n, H], ahead, first row), the regression goal per token and the target ids of the
         head's vocabulary. The target's features, last-layer output and normed state are [T, *]; embeds are
         tokens 1..T-1. Unrolled step s is meaningful from row s on; EAGLE-3 regresses the last layer's output."""

@@ -8,20 +8,16 @@ Logits are only computed for the rows that ask for them.
 from __future__ import annotations
 
 import math
-from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.attention import AttentionMetadata, paged_attention
+from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models import kernels, native
 from specdec.models.kernels import linear, on_native, rms_norm
 from specdec.models.quant import QuantWeight
-
-if TYPE_CHECKING:  # the cache is built after the model; it is only a type here
-    from specdec.kv_cache import KVPool
 
 
 def replace_parameter(module: nn.Module, attr: str, value: QuantWeight) -> None:
@@ -296,7 +292,7 @@ class LlamaModel(nn.Module):
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
-                kv: "KVPool", output_layers: tuple[int, ...] = (), num_layers: int | None = None
+                kv: KVLayers, output_layers: tuple[int, ...] = (), num_layers: int | None = None
                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor]]:
         """tokens, positions: [T], the new tokens of every sequence, flattened.
 

@@ -1,7 +1,7 @@
 """Structured output on llguidance: the grammar backend that installs with plain pip (xgrammar's pip dependencies
 pull triton, GPU-only and 1 GB), used where xgrammar is not importable or `SPECDEC_GRAMMAR_BACKEND=llguidance`.
 
-`specdec.grammar.GrammarState` drives either library through the same matcher calls; `LLGuidanceMatcher` gives
+`specdec.structured.grammar.GrammarState` drives either library through the same matcher calls; `LLGuidanceMatcher` gives
 llguidance's `LLMatcher` xgrammar's meaning for them:
 
     call                       xgrammar                      llguidance, through this adapter
@@ -16,7 +16,7 @@ llguidance's `LLMatcher` xgrammar's meaning for them:
     find_jump_forward_string   the forced text               compute_ff_bytes, cut to whole characters
     is_completed               the grammar may end here      is_accepting
 
-Constraints are written as `specdec.grammar` writes them for xgrammar, so both accept the same texts: JSON
+Constraints are written as `specdec.structured.grammar` writes them for xgrammar, so both accept the same texts: JSON
 with compact separators (", " and ": ", no free whitespace, so keys and punctuation are forced text that
 jump-forward drafts), read as xgrammar reads a schema (`strict_schema`), the same keywords refused
 (`check_schema`); a choice, an EBNF grammar (through llguidance's GBNF converter) and a structural tag as Lark,
@@ -27,10 +27,9 @@ strings, and refuses a `format` it does not know (xgrammar ignores it).
 from __future__ import annotations
 
 import json
-from collections import OrderedDict
 
 from specdec.config import SpecdecError, StructuredOutput
-from specdec.grammar import GrammarCompiler, GrammarState, check_schema, grammar_backend
+from specdec.structured.grammar import GrammarCompiler, GrammarState, check_schema
 
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                 "json_allow_general_unicode_escapes": True}  # "\u00e9" in a string, as xgrammar takes it
@@ -95,14 +94,12 @@ class LLGuidanceCompiler(GrammarCompiler):
     `LLMatcher` that never moves; each request's state is a copy of it (5 us, against 0.6 ms and up to build)."""
 
     def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+        super().__init__(vocab_size, stop_token_ids)
         llg = _llguidance()
-        self.vocab_size = vocab_size
-        self.stop_token_ids = sorted(stop_token_ids)
         try:
             self.tokenizer = llg.hf.from_tokenizer(tokenizer, n_vocab=vocab_size, eos_token=self.stop_token_ids)
         except ValueError as e:
             raise SpecdecError(f"structured output on llguidance needs a fast (Rust) tokenizer: {e}") from None
-        self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def _compile(self, kind: str, text: str):
         llg = _llguidance()
@@ -137,12 +134,6 @@ class LLGuidanceCompiler(GrammarCompiler):
     def state(self, so: StructuredOutput) -> GrammarState:
         matcher = LLGuidanceMatcher(self.compile(so).deep_copy(), self.stop_token_ids)
         return GrammarState(matcher, self.vocab_size, self.stop_token_ids)
-
-
-def compiler_for(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompiler:
-    """The compiler of `grammar_backend()`'s library: xgrammar's GrammarCompiler, or this module's subclass."""
-    cls = LLGuidanceCompiler if grammar_backend() == "llguidance" else GrammarCompiler
-    return cls(tokenizer, vocab_size, stop_token_ids)
 
 
 def _first_line(error) -> str:

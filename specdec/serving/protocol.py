@@ -3,7 +3,7 @@ and SamplingParams per choice, tokenized later on the engine thread), and what t
 OpenAI's JSON (`answer`) or its SSE chunks (`ChoiceStream`): text, logprobs, tool calls, usage.
 
 Every field is checked here, where its name is known, so a bad one is a 400 naming it. Nothing here touches the
-engine: `specdec.server` runs plans on its engine thread and hands the outputs back.
+engine: `specdec.serving.server` runs plans on its engine thread and hands the outputs back.
 """
 from __future__ import annotations
 
@@ -17,12 +17,12 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.api import APIError, ChatBody, CompletionBody, Limits, check_text
+from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text
 from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError, StructuredOutput, from_kwargs
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
-from specdec.tool_calls import StreamParser, ToolCall, ToolError, Tools, constraint, default_conversation, parse_tools
+from specdec.serving.tool_calls import StreamParser, ToolCall, ToolError, Tools, constraint, default_conversation, parse_tools
 
 
 def _is_set(value: Any) -> bool:

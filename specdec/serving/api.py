@@ -1,4 +1,4 @@
-"""The OpenAI-compatible HTTP surface that `specdec serve` and the Ray Serve ingress (specdec.replicas) share:
+"""The OpenAI-compatible HTTP surface that `specdec serve` and the Ray Serve ingress (specdec.serving.replicas) share:
 request and response shapes (the OpenAPI schema documents every status), OpenAI-shaped errors, the checks at
 the edge and the operator's limits, and the FastAPI app (routes, API key, body limit). What answers a
 request is given to `api_app`; nothing here touches an engine.
@@ -275,7 +275,7 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
             models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
             metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
             max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None) -> FastAPI:
-    """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.replicas) share: the routes,
+    """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.serving.replicas) share: the routes,
     the API key check and OpenAI-shaped errors; what answers a request is given."""
     def check_api_key(request: Request) -> None:
         if api_key is None:

@@ -1,5 +1,5 @@
 """`specdec serve`: an OpenAI-compatible HTTP API (chat and text completions, SSE streaming, /metrics) over one
-engine; its HTTP surface (shapes, errors, limits, routes) is specdec.api.
+engine; its HTTP surface (shapes, errors, limits, routes) is specdec.serving.api.
 
 The engine is not thread-safe, so one engine thread owns it: it tokenizes prompts, admits requests,
 steps the engine while there is work (it sleeps on its inbox when idle) and hands every request its
@@ -26,11 +26,11 @@ from fastapi.responses import JSONResponse, Response, StreamingResponse
 from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, Histogram, generate_latest
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
-from specdec.api import APIError, ChatBody, CompletionBody, Limits, api_app, internal_error
+from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, api_app, internal_error
 from specdec.config import SpecdecError
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
-from specdec.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
+from specdec.serving.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
 
 log = logging.getLogger("specdec.server")
 

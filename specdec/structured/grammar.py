@@ -1,16 +1,9 @@
-"""Structured output: a request's grammar (JSON schema, any JSON object, regex, EBNF or Lark grammar, a choice
-of strings), compiled by xgrammar, and its per-request matcher state. Where xgrammar is not installed (its pip
-dependencies pull triton) llguidance compiles it instead (`specdec.grammar_llguidance`, the same states; its
-`compiler_for` builds the chosen library's compiler); the environment variable
-SPECDEC_GRAMMAR_BACKEND=xgrammar|llguidance chooses (`grammar_backend`).
+"""Structured output, whatever the grammar library: the constraint texts both libraries share, the compiled-grammar
+cache (`GrammarCompiler`, one subclass per library: `xgrammar_backend`, `llguidance_backend`), a request's matcher
+state (`GrammarState`), and masking a step's logits by it (`mask_logits`, `apply_bitmask`).
 
-Why xgrammar first: on our tokenizer (SmolLM2's 49,152 tokens) it fills a next-token mask in 2 us median and
-8 us at p90 over a nested JSON schema, against llguidance's 4 / 6 us (docs/benchmarks.md, "Structured output
-on llguidance": llguidance's masks cost less on bounded strings); both roll back any number of tokens and
-find the jump-forward string.
-
-How the engine uses a `GrammarState` (on the host; xgrammar's accept and rollback take microseconds, a mask
-fill 3-1,300 us depending on the grammar's state):
+How the engine uses a `GrammarState` (on the host; accept and rollback take microseconds, a mask fill 3-1,300 us
+depending on the grammar's state):
 
     plain step:       sampled rows: logits masked by the grammar before sampling; greedy rows: masked only when
                       the target's argmax is refused (then the masked argmax is taken); the committed token is
@@ -26,9 +19,7 @@ so speculative output is constrained decoding's own output, token for token (gre
 from __future__ import annotations
 
 import functools
-import importlib
 import json
-import os
 import time
 from collections import OrderedDict
 
@@ -38,37 +29,6 @@ from specdec.config import SpecdecError, StructuredOutput
 from specdec.models import native
 from specdec.models.loader import token_codec
 from specdec.sampling import greedy_tokens
-
-
-def _xgrammar():
-    try:
-        import xgrammar
-    except ImportError as e:  # pragma: no cover - a broken install
-        raise SpecdecError("structured output needs the xgrammar package (pip install --no-deps xgrammar "
-                           "apache-tvm-ffi); see the README's setup") from e
-    return xgrammar
-
-
-BACKEND_ENV = "SPECDEC_GRAMMAR_BACKEND"
-
-
-def grammar_backend() -> str:
-    """The grammar library: $SPECDEC_GRAMMAR_BACKEND, else xgrammar where it imports (its masks are the
-    faster), else llguidance (the one `pip install specdec[serve]` brings)."""
-    chosen = os.environ.get(BACKEND_ENV, "").strip().lower()
-    if chosen in ("xgrammar", "llguidance"):
-        return chosen
-    if chosen:
-        raise SpecdecError(f"{BACKEND_ENV}={chosen!r}: expected xgrammar or llguidance")
-    for name in ("xgrammar", "llguidance"):
-        try:
-            importlib.import_module(name)
-            return name
-        except ImportError:
-            pass
-    raise SpecdecError("structured output needs a grammar library: pip install llguidance (or specdec[serve]), "
-                       "or xgrammar (pip install --no-deps xgrammar apache-tvm-ffi; see the README's setup)")
-
 
 # Keywords xgrammar 0.2.8 accepts but does not enforce (measured: the grammar is the same without them, or
 # accepts what they forbid). A schema using one is refused rather than silently not honoured.
@@ -104,55 +64,20 @@ def check_schema(node, path: str = "#") -> None:
                 check_schema(sub, f"{where}/{i}")
 
 
-# xgrammar 0.2.8 writes a string with minLength / maxLength as characters from [^"\\\r\n], which lets control
-# characters through unescaped (invalid JSON); every other string rule it writes excludes them.
-_LOOSE_CHAR = r'[^\"\\\r\n]'
-_STRICT_CHAR = r'[^\0-\x1f\"\\]'
-
-
-def json_schema_ebnf(schema: str) -> str:
-    """The EBNF grammar of a JSON schema (xgrammar's, compact separators), its characters strict JSON's."""
-    check_schema(json.loads(schema))
-    grammar = _xgrammar().Grammar.from_json_schema(schema, any_whitespace=False)
-    return str(grammar).replace(_LOOSE_CHAR, _STRICT_CHAR)
-
-
 def choice_grammar(choices: list[str]) -> str:
     """An EBNF grammar whose only sentences are the given strings (JSON string literals are valid EBNF ones)."""
     return "root ::= " + " | ".join(json.dumps(c) for c in choices)
 
 
-def structural_tag_grammar(tag: dict):
-    """xgrammar's grammar of a structural tag whose JSON schema contents are written as `json_schema_ebnf` writes
-    them (compact and strict, so a tool call's keys and punctuation are forced text: jump-forward drafts them)."""
-    def strict(node):
-        if isinstance(node, list):
-            return [strict(n) for n in node]
-        if not isinstance(node, dict):
-            return node
-        if node.get("type") == "json_schema" and "json_schema" in node:
-            schema = node["json_schema"]
-            return {"type": "grammar", "grammar": json_schema_ebnf(schema if isinstance(schema, str) else json.dumps(schema))}
-        return {k: strict(v) for k, v in node.items()}
-
-    if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):
-        raise ValueError('a structural tag is {"type": "structural_tag", "format": {...}}')
-    return _xgrammar().Grammar.from_structural_tag(json.dumps(strict(tag)))
-
-
 class GrammarCompiler:
     """Compiles structured-output constraints for one tokenizer; compiled grammars are kept by their text
-    (`MAX_CACHED`, least recently used first out), so a schema every request repeats compiles once."""
+    (`MAX_CACHED`, least recently used first out), so a schema every request repeats compiles once. A library's
+    subclass builds its library's compiler and writes `_compile` and `state`."""
 
     MAX_CACHED = 256
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
-        xgr = _xgrammar()
-        self.vocab_size = vocab_size
-        self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,
-                                                       stop_token_ids=sorted(stop_token_ids))
-        self.compiler = xgr.GrammarCompiler(self.info, max_threads=1, cache_enabled=False)
-        self.stop_token_ids = sorted(stop_token_ids)
+    def __init__(self, vocab_size: int, stop_token_ids: list[int]) -> None:
+        self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
     def compile(self, so: StructuredOutput):
@@ -181,26 +106,13 @@ class GrammarCompiler:
         return compiled
 
     def _compile(self, kind: str, text: str):
-        field = {"json_object": "json_object", "choice": "choice"}.get(kind, kind.split(":")[0])
-        try:
-            if kind in ("json", "json_object"):
-                json.loads(text or "{}")  # a clearer message than the compiler's for text that is not JSON at all
-                return self.compiler.compile_grammar(json_schema_ebnf(text or '{"type": "object"}'))
-            if kind == "regex":
-                return self.compiler.compile_regex(text)
-            if kind == "structural_tag":
-                return self.compiler.compile_grammar(structural_tag_grammar(json.loads(text)))
-            if kind == "grammar:lark":
-                return self.compiler.compile_lark(text)
-            return self.compiler.compile_grammar(text)  # EBNF (GBNF), and the choice grammar
-        except json.JSONDecodeError as e:
-            raise SpecdecError(f"structured_output.{field} is not valid JSON: {e}") from None
-        except (RuntimeError, ValueError, TypeError) as e:
-            message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
-            raise SpecdecError(f"invalid structured_output.{field}: {message}") from None
+        """The library's compiled grammar of one constraint (kind: json, json_object, regex, choice,
+        structural_tag, grammar:ebnf or grammar:lark)."""
+        raise NotImplementedError
 
     def state(self, so: StructuredOutput) -> "GrammarState":
-        return GrammarState(_xgrammar().GrammarMatcher(self.compile(so)), self.vocab_size, self.stop_token_ids)
+        """A fresh matcher state for one request."""
+        raise NotImplementedError
 
 
 class GrammarState:

@@ -54,13 +54,6 @@ class Record:
 
 
 # ---------------------------------------------------------------------------------------------- sources
-def default_data_dir() -> Path:
-    """../shared/data/train from the working directory, else beside this checkout."""
-    here = Path("../shared/data/train")
-    beside = Path(__file__).resolve().parents[2] / "shared" / "data" / "train"
-    return here if here.is_dir() or not beside.is_dir() else beside
-
-
 def read_sources(data_dir: str | Path) -> dict[str, list[list[dict] | None]]:
     """The prompts of every training file (`*.jsonl` directly in `data_dir`, never `spec_bench/`), by file stem."""
     data_dir = Path(data_dir).expanduser()

@@ -44,7 +44,9 @@ import torch
 import torch.nn.functional as F
 from tqdm import tqdm
 
-from specdec.config import SamplingParams, SpecdecError, method_info, registered_methods
+from specdec.config import SamplingParams, SpecdecError
+
+from specdec.drafting.registry import method_info, registered_methods
 from specdec.models.kernels import linear
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
@@ -215,7 +217,7 @@ def head_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logit
 
 # ---------------------------------------------------------------------------------------------- run
 def head_class(method: str) -> type:
-    """The model class of a registered draft-head method (`specdec.config.register_method(..., head=...)`)."""
+    """The model class of a registered draft-head method (`specdec.drafting.registry.register_method(..., head=...)`)."""
     heads = registered_methods(head=True)
     if method not in heads:
         raise SpecdecError(f"--method {method}: the trainer supports {heads}")
@@ -252,7 +254,7 @@ def _train(args: argparse.Namespace, cls, rank: int, world: int) -> dict:
     target, tok = llm.engine.model, llm.tokenizer
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
     if args.distilled:  # the target's own answers, made by `specdec distill`
-        from specdec import distill
+        from specdec.training import distill
 
         samples = distill.samples(args.distilled, args.data[0], llm, args.max_len)
         random.Random(args.seed).shuffle(samples)

@@ -15,7 +15,7 @@ Ray owns placement, health checks and replacement of dead replicas; we own what 
 request goes. Ray is optional (`pip install specdec[ray]`); only this module imports it.
 
 Entry points: `specdec serve --replicas N` (a local Ray cluster, or the one RAY_ADDRESS names) and
-`serve run specdec.replicas:build_app replicas=2 model=... speculative_config=...` for Serve configs.
+`serve run specdec.serving.replicas:build_app replicas=2 model=... speculative_config=...` for Serve configs.
 """
 from __future__ import annotations
 
@@ -45,9 +45,11 @@ from ray.exceptions import ActorUnavailableError, RayActorError
 from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
-from specdec.config import EngineConfig, SpecdecError, SpeculativeConfig, from_kwargs
+from specdec.config import EngineConfig, SpecdecError, from_kwargs
+
+from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import DEFAULT_MODEL, resolve
-from specdec.api import APIError, ChatBody, CompletionBody, Limits, api_app
+from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, api_app
 
 log = logging.getLogger("specdec.replicas")
 
@@ -154,7 +156,7 @@ class PrefixAffinityRouter(RequestRouter):
         self.min_chars, self.imbalance = min_chars, imbalance
         # Ray ships a router's module by value, so this module's globals here are copies: register with
         # the module the process imported, where the ingress reads /metrics.
-        from specdec import replicas
+        from specdec.serving import replicas
 
         replicas._routers.add(self)
 
@@ -197,13 +199,13 @@ def replica_metrics() -> dict[str, str]:
 class EngineReplica:
     """One engine: what `specdec serve` runs, minus HTTP. The LLM is built on the thread that then runs the
     engine loop (the thread that loaded the model owns the OpenMP team; computing from another one ran ~1.6x
-    slower, see specdec.server.serve)."""
+    slower, see specdec.serving.server.serve)."""
 
     def __init__(self, model: str, llm_kwargs: dict, served_model_name: str | None, threads: int,
                  limits: Limits | None = None) -> None:
         from specdec.engine.parallel import share_threads
         from specdec.llm import LLM
-        from specdec.server import OpenAIServer
+        from specdec.serving.server import OpenAIServer
 
         self.name = serve.get_replica_context().replica_id.unique_id
         self.server: OpenAIServer | None = None
@@ -410,7 +412,7 @@ class ReplicaSpec:
 
 
 def build_app(args: dict[str, str]):
-    """`serve run specdec.replicas:build_app model=... replicas=2 speculative_config='{...}'`: the same
+    """`serve run specdec.serving.replicas:build_app model=... replicas=2 speculative_config='{...}'`: the same
     deployment from a Serve config's args (strings; llm_kwargs as JSON); Serve config fields (num_replicas,
     ray_actor_options, ...) override it per deployment."""
     args = dict(args)
