@@ -186,38 +186,46 @@ class LLM:
         return self._run([(None, self.apply_chat_template(c)) for c in conversations], sampling_params)
 
     def stream(self, prompt_token_ids: list[int], params: SamplingParams | None = None) -> Iterator[str]:
-        """Yield text as it is produced for one request (holds back incomplete UTF-8)."""
+        """Yield text as it is produced for one request (holds back incomplete UTF-8); its whole output is then
+        `last_output`."""
         engine = self.engine
-        seq = engine.add_request(prompt_token_ids, params or SamplingParams())
-        emitted = ""
+        request_id = engine.add_request(prompt_token_ids, params or SamplingParams(), stream=True)
+        emitted, out = "", None
         try:
-            while not seq.is_finished:
-                engine.step()
-                text = engine.output(seq).text if seq.is_finished else engine.text(seq)
-                if len(text) > len(emitted):
-                    yield text[len(emitted):]
-                    emitted = text
+            while out is None:
+                for update in engine.step():
+                    if update.request_id != request_id:
+                        continue
+                    out = update.output
+                    if len(update.text) > len(emitted):
+                        yield update.text[len(emitted):]
+                        emitted = update.text
         finally:
-            engine.abort(seq)
-        self.last_output = engine.output(seq)
+            if out is None:
+                out = engine.abort(request_id)  # the caller stopped early: free the blocks
+        self.last_output = out
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool = False) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(encoded))
         engine = self.engine
-        seqs = []
+        ids: list[int] = []
+        outputs: dict[int, RequestOutput] = {}
         bar = tqdm(total=len(encoded), desc="generate", unit="req", disable=not use_tqdm, file=sys.stderr)
         try:
-            for (_, ids), p in zip(encoded, params):
-                seqs.append(engine.add_request(ids, p))
-            while not all(s.is_finished for s in seqs):
-                engine.step()
-                bar.update(sum(s.is_finished for s in seqs) - bar.n)
+            for (_, prompt_ids), p in zip(encoded, params):
+                ids.append(engine.add_request(prompt_ids, p))
+            while len(outputs) < len(ids):
+                outputs.update((u.request_id, u.output) for u in engine.step() if u.finished)
+                bar.update(len(outputs) - bar.n)
         finally:
             bar.close()
-            for s in seqs:
-                engine.abort(s)  # frees blocks if we were interrupted
-        return [engine.output(s, prompt) for s, (prompt, _) in zip(seqs, encoded)]
+            for request_id in ids:
+                if request_id not in outputs:
+                    engine.abort(request_id)  # frees blocks if we were interrupted
+        for (prompt, _), request_id in zip(encoded, ids):
+            outputs[request_id].prompt = prompt
+        return [outputs[i] for i in ids]
 
     @staticmethod
     def _params_per_prompt(sp: SamplingParams | Seq[SamplingParams] | None, n: int) -> list[SamplingParams]:

@@ -248,11 +248,3 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     sub = st.select(rows)
     tokens[rows] = sample_from_probs(logits_to_probs(logits[rows], sub), sub.generators)
     return tokens
-
-
-def sample_requests(logits: torch.Tensor, requests: Sequence[Any], device: torch.device | str = "cpu") -> torch.Tensor:
-    """`sample` for one row per request (anything with `.params` and `.generator`); an all-greedy batch, most
-    steps, builds no sampling tensors."""
-    if all(r.params.greedy for r in requests):
-        return greedy_tokens(logits)
-    return sample(logits, SamplingTensors.from_requests(requests, device))

@@ -141,7 +141,7 @@ def test_bench_fails_loudly_when_requests_fail(tiny_model: Path, tmp_path: Path,
     def broken(self, seqs):
         raise RuntimeError("Expected all tensors to be on the same device, but got index is on cpu")
 
-    monkeypatch.setattr(Speculator, "step", broken)
+    monkeypatch.setattr(Speculator, "draft", broken)
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     code = main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "2",
                  "--max-tokens", "6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',

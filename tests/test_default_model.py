@@ -45,12 +45,13 @@ def hf_model():
 
 def prompt_logits(llm: LLM, ids: list[int]) -> torch.Tensor:
     eng = llm.engine
-    seq = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+    request_id = eng.add_request(ids, SamplingParams(temperature=0, max_tokens=1))
+    seq = eng.sequence(request_id)
     eng.allocator.allocate(seq.block_table, len(ids))
     tokens, positions, meta = sequence_inputs(eng.runner, [seq], [len(ids)])
     hidden, _ = eng.model(tokens, positions, meta, eng.kv)
     logits = eng.model.compute_logits(hidden)
-    eng.abort(seq)
+    eng.abort(request_id)
     return logits
 
 

@@ -229,8 +229,9 @@ def test_choices_of_one_prompt_share_its_blocks(tiny_llama_dir, spec):
     choices = [SamplingParams(temperature=temperature, seed=7 + j, max_tokens=12, ignore_eos=True) for j in range(4)]
     alone = [LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec,
                  enable_prefix_caching=False).generate({"prompt_token_ids": prompt}, p)[0].token_ids for p in choices]
-    first = eng.add_request(prompt, choices[0])
-    rest = [eng.add_request(prompt, p, share_prompt_with=first) for p in choices[1:]]
+    first_id = eng.add_request(prompt, choices[0])
+    first = eng.sequence(first_id)
+    rest = [eng.sequence(eng.add_request(prompt, p, share_prompt_with=first_id)) for p in choices[1:]]
     seqs = [first] + rest
     while eng.has_unfinished():
         eng.step()
@@ -243,8 +244,9 @@ def test_a_choice_shares_nothing_without_the_prefix_cache_and_still_runs(tiny_ll
     llm = LLM(str(tiny_llama_dir), block_size=4, enable_prefix_caching=False)
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=5, ignore_eos=True)
-    first = eng.add_request(SYSTEM, params)
-    other = eng.add_request(SYSTEM, params, share_prompt_with=first)
+    first_id = eng.add_request(SYSTEM, params)
+    first = eng.sequence(first_id)
+    other = eng.sequence(eng.add_request(SYSTEM, params, share_prompt_with=first_id))
     while eng.has_unfinished():
         eng.step()
     assert other.output_token_ids == first.output_token_ids and other.num_prefix_hit == 0

@@ -124,10 +124,12 @@ def test_a_custom_drafter_must_be_a_drafter(tiny_llama_dir):
 # ---- a closed registry: what a method can do is declared with it, and the engine never names one -------------
 
 ROOT = Path(specdec.__file__).parent
-NO_METHOD_NAMES = sorted([*(ROOT / "engine").glob("*.py"), ROOT / "llm.py", ROOT / "server.py",
-                          ROOT / "bench" / "tune.py"])  # not api.py: OpenAI's request has a "suffix" field
+SERVING = ROOT / "serving"
+NO_METHOD_NAMES = sorted([*(ROOT / "engine").glob("*.py"), ROOT / "llm.py", *SERVING.glob("server.py"),
+                          *SERVING.glob("engine_thread.py"), ROOT / "bench" / "tune.py"])  # not api.py: OpenAI's
+                                                                                             # request has a "suffix"
 NO_DRAFTER_REACH = sorted([*(ROOT / "engine").glob("*.py"), *(ROOT / "bench").glob("*.py"), ROOT / "llm.py",
-                           ROOT / "server.py", ROOT / "api.py", ROOT / "replicas.py"])
+                           *SERVING.glob("*.py")])
 
 
 def builtin_methods() -> list[str]:

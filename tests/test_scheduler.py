@@ -14,7 +14,7 @@ def llm(tiny_llama_dir):
 def test_seats_limit_admission_and_later_requests_wait(llm):
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=4, ignore_eos=True)
-    seqs = [eng.add_request([5 + i, 6, 7], params) for i in range(3)]
+    seqs = [eng.sequence(eng.add_request([5 + i, 6, 7], params)) for i in range(3)]
     eng.step()
     assert len(eng.scheduler.running) == 2 and len(eng.scheduler.waiting) == 1
     while eng.has_unfinished():
@@ -26,9 +26,9 @@ def test_a_long_prompt_does_not_stall_decoding(llm):
     """While a long prompt is prefilled chunk by chunk, the request already decoding keeps getting tokens."""
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
-    short = eng.add_request([5, 6, 7], params)
+    short = eng.sequence(eng.add_request([5, 6, 7], params))
     eng.step()  # prefill of the short prompt
-    long = eng.add_request(list(range(10, 60)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True))
+    long = eng.sequence(eng.add_request(list(range(10, 60)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
     gained_while_long_prefills = 0
     while long.num_cached < len(long.prompt_token_ids):
         before = len(short.output_token_ids)
@@ -45,10 +45,11 @@ def test_a_long_prompt_does_not_stall_decoding(llm):
 def test_aborting_waiting_and_running_requests_frees_everything(llm):
     eng = llm.engine
     params = SamplingParams(temperature=0, max_tokens=50, ignore_eos=True)
-    seqs = [eng.add_request(list(range(5, 25)), params) for _ in range(3)]
+    ids = [eng.add_request(list(range(5, 25)), params) for _ in range(3)]
+    seqs = [eng.sequence(i) for i in ids]
     for _ in range(4):
         eng.step()
-    for s in seqs:
-        eng.abort(s)
+    for i in ids:
+        eng.abort(i)
     assert not eng.has_unfinished() and eng.allocator.num_used == 0
     assert all(s.finish_reason == "abort" for s in seqs)

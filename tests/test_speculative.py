@@ -8,6 +8,7 @@ import torch
 from conftest import accelerator_checks, assert_logprobs_equal
 
 from specdec import LLM, SamplingParams, SpecdecError
+from specdec.engine.scheduler import ScheduledBatch
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.drafting import Draft, DraftRequest, Drafter
 from specdec.engine.speculator import Speculator
@@ -498,13 +499,14 @@ def test_a_tree_step_runs_on_the_engine_device(tiny_llama_dir, temperature):
 
     engine = LLM(str(tiny_llama_dir), device="meta",
                  speculative_config={"method": "custom", "num_speculative_tokens": 5, "drafter": Tree()}).engine
-    seqs = [engine.add_request([1, 2, 3, 4, 5, 6][: 4 + i], SamplingParams(temperature=temperature, max_tokens=10))
+    seqs = [engine.sequence(engine.add_request([1, 2, 3, 4, 5, 6][: 4 + i],
+                                               SamplingParams(temperature=temperature, max_tokens=10)))
             for i in range(2)]
     for seq in seqs:  # as if prefilled (a meta cache holds nothing anyway)
         engine.allocator.allocate(seq.block_table, len(seq.token_ids) + 6)
         seq.num_cached, seq.spec.recent_acceptance = len(seq.token_ids) - 1, 1.0
     with accelerator_checks(), pytest.raises((NotImplementedError, RuntimeError)) as reached:
-        engine.speculator.step(seqs)
+        engine._compute(ScheduledBatch(seqs, [1] * len(seqs), False))  # one decode step: draft, verify
     where = [Path(str(entry.path)).name for entry in reached.traceback]
     assert "verify.py" in where and "meta" in str(reached.value), (where, reached.value)  # the host read, in verify
 

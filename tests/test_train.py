@@ -106,7 +106,7 @@ def test_training_raises_the_acceptance_length_of_a_head(target_dir, tmp_path, m
     measured by the serving engine rises well above the untrained head's (which is accepted almost never).
     Not Medusa: its heads start as the identity (Medusa's initialisation), which already guesses this tiny
     target's repetitive greedy text (acceptance length 2.1 untrained); its training on the real model is
-    measured in docs/benchmarks.md."""
+    measured in docs/benchmarks-history.md."""
     rng = random.Random(0)
     words = "the cat sat on a mat and then the dog ran to the park".split()
     data = tmp_path / "data.jsonl"

@@ -1,4 +1,4 @@
-"""What a grammar's next-token mask costs on each backend (docs/benchmarks.md, "Structured output"): the
+"""What a grammar's next-token mask costs on each backend (docs/benchmarks-history.md, "Structured output"): the
 tokenizer's setup, one compile, then a mask per token of a valid answer to a nested JSON schema, from a fresh
 state each pass: the library's own fill of one row, and in the other passes the engine's `GrammarState.masks`
 (the fill, its tensor, the dead-end check).

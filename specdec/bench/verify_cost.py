@@ -16,8 +16,9 @@ def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dic
     shapes are interleaved repetition by repetition, so drift of the machine hits them alike; the fed tokens
     are written past the committed ones and never committed."""
     vocab = engine.model.config.vocab_size
-    seq = engine.add_request([(1000 + i) % vocab for i in range(context)],
-                             SamplingParams(temperature=0, max_tokens=max(tokens) + 1))
+    request_id = engine.add_request([(1000 + i) % vocab for i in range(context)],
+                                    SamplingParams(temperature=0, max_tokens=max(tokens) + 1))
+    seq = engine.sequence(request_id)  # a measuring tool: it feeds the runner past the engine's bookkeeping
     try:
         while seq.num_cached < context:  # the prompt's prefill
             engine.step()
@@ -31,7 +32,7 @@ def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dic
                 engine.runner.model.compute_logits(hidden).argmax(-1).tolist()  # the step's one copy back (a GPU waits)
                 times[n].append(time.perf_counter() - start)
     finally:
-        engine.abort(seq)
+        engine.abort(request_id)
     return {n: statistics.median(t) for n, t in times.items()}
 
 

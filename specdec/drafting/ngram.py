@@ -10,7 +10,7 @@ sizes), never a scan of the whole history. The pool options TensorRT-LLM documen
   `MAX_VOTERS` latest) occurrences still agreeing so far continue with, ties going to the latest. A phrase
   the text repeats in several ways then drafts its most common wording rather than its last one (on
   Spec-Bench outputs of the default model: acceptance length 1.62 against 1.59 for "latest", see
-  docs/benchmarks.md);
+  docs/benchmarks-history.md);
 - `ngram_branches`: propose up to this many continuations that start with different tokens, as branches
   of a tree (verification accepts at most one), instead of a single chain.
 

@@ -11,19 +11,18 @@ from dataclasses import dataclass, field
 import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError
-
-from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting import DraftEnv, build_drafter
+from specdec.drafting import DraftEnv, SpeculativeConfig, build_drafter
 from specdec.engine.graphs import GraphRunner
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
-from specdec.structured import GrammarCompiler, GrammarState, compiler_for, mask_logits
+from specdec.engine.token_choice import StepDrafts, choose_tokens
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import Penalized, TokenLogprob, penalize, sample_requests, token_logprobs
+from specdec.sampling import TokenLogprob, token_logprobs
+from specdec.structured import GrammarCompiler, GrammarState, compiler_for
 from specdec.tree import SpecShape
 
 log = logging.getLogger("specdec.engine")
@@ -47,6 +46,23 @@ class RequestOutput:
     @property
     def finished(self) -> bool:
         return self.finish_reason is not None
+
+
+@dataclass
+class RequestUpdate:
+    """What one request gained in a step: what every front door (`LLM`, the server's engine thread, the Ray Serve
+    replicas) reads of the engine. A finished request's last update carries its whole `output`."""
+
+    request_id: int
+    new_token_ids: list[int]
+    text: str | None  # the output's text so far (requests added with stream=True; else only with `output`)
+    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when SamplingParams.logprobs asked
+    prompt_logprobs: list[TokenLogprob] | None = None  # with the request's first update, when it asked for them
+    output: RequestOutput | None = None  # the finished request's result (its metrics included)
+
+    @property
+    def finished(self) -> bool:
+        return self.output is not None
 
 
 def eos_ids(model: LlamaModel, tokenizer) -> frozenset[int]:
@@ -112,6 +128,8 @@ class LLMEngine:
             self.allocator.match_next_token = self.speculator.cache_reads_next_token
         self.eos_token_ids = eos_ids(model, tokenizer)
         self._ids = itertools.count()
+        self._requests: dict[int, Sequence] = {}  # request id -> its sequence, until its output is handed out
+        self._streamed: set[int] = set()  # requests whose updates carry their text so far
         self._texts: dict[int, str] = {}
         self._detok: dict[int, IncrementalText] = {}  # sequences whose text is read while they run
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
@@ -129,10 +147,11 @@ class LLMEngine:
             self._grammars = compiler_for(self.tokenizer, self.model.config.vocab_size, list(self.eos_token_ids))
         return self._grammars.state(params.structured_output)
 
-    def add_request(self, prompt_token_ids: list[int], params: SamplingParams,
-                    share_prompt_with: Sequence | None = None) -> Sequence:
-        """Queue a request. `share_prompt_with`: an earlier request with the same prompt (another of n choices);
-        this one waits for that one's prefill and shares its prompt's K/V blocks (through the prefix cache)."""
+    def add_request(self, prompt_token_ids: list[int], params: SamplingParams, share_prompt_with: int | None = None,
+                    stream: bool = False) -> int:
+        """Queue a request; returns its id. `share_prompt_with`: an earlier request with the same prompt (another of
+        n choices); this one waits for that one's prefill and shares its prompt's K/V blocks (through the prefix
+        cache). stream: every update carries the output's text so far (decoded incrementally)."""
         n = len(prompt_token_ids)
         if n == 0:
             raise SpecdecError("prompt is empty: give at least one token")
@@ -151,16 +170,30 @@ class LLMEngine:
         grammar = self.grammar_state(params)
         seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len,
                        self.eos_token_ids, generator, grammar=grammar)
-        if share_prompt_with is not None and share_prompt_with.prompt_token_ids == seq.prompt_token_ids:
-            seq.prompt_source = share_prompt_with
+        source = self._requests.get(share_prompt_with) if share_prompt_with is not None else None
+        if source is not None and source.prompt_token_ids == seq.prompt_token_ids:
+            seq.prompt_source = source
         self.scheduler.add(seq)
-        return seq
+        self._requests[seq.seq_id] = seq
+        if stream:
+            self._streamed.add(seq.seq_id)
+        return seq.seq_id
 
-    def abort(self, seq: Sequence, reason: str = "abort", stop_reason: str | None = None) -> None:
-        """End a request now (a client gone: "abort"; a server limit: "length", with why in stop_reason)."""
+    def abort(self, request_id: int, reason: str = "abort", stop_reason: str | None = None) -> RequestOutput | None:
+        """End a request now (a client gone: "abort"; a server limit: "length", with why in stop_reason) and return
+        its output: what it generated so far. None for a request whose output was already handed out (or unknown)."""
+        seq = self._requests.get(request_id)
+        if seq is None:
+            return None
         if not seq.is_finished:
             seq.stop_reason = stop_reason
             self._finish(seq, reason)
+        return self._output(seq)
+
+    def sequence(self, request_id: int) -> Sequence:
+        """A running request's engine state (for the engine's own tests and measuring tools; front doors read
+        `RequestUpdate`s)."""
+        return self._requests[request_id]
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
         self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
@@ -200,41 +233,88 @@ class LLMEngine:
             "requests_failed": self.num_failed,
         }
 
-    def step(self) -> list[tuple[Sequence, list[int]]]:
-        """Advance every scheduled sequence; returns (sequence, tokens it gained this step)."""
+    def step(self) -> list[RequestUpdate]:
+        """Advance every scheduled sequence: schedule -> draft -> run the model -> choose tokens -> commit.
+        Returns an update per request that gained tokens or finished."""
         batch = self.scheduler.schedule()
         if batch is None:
             return []
         try:
             if self.inject_fault is not None:
                 self.inject_fault(batch.seqs)
-            if self.speculator is not None and not batch.is_prefill and self.speculator.drafts(batch.seqs):
-                outputs = self.speculator.step(batch.seqs)
-            else:
-                # a prefill, plain decoding, or a batch size the dispatcher does not speculate at (and no forced
-                # text to draft); the plain step still gathers the target features a feature drafter will need
-                outputs = self._forward(batch)
+            outputs = self._compute(batch)
         except SpecdecError:  # the engine's own failure (a tensor-parallel rank gone): every request's
             raise
         except Exception as e:  # noqa: BLE001  anything else: only the request at fault may fail
-            return self._isolate(batch, e)
+            self._isolate(batch, e)
+            return [self._update(seq, [], None) for seq in batch.seqs if seq.is_finished]
         self.scheduler.cleared(batch)
         self.scheduler.update(batch, outputs)
-        events = []
+        updates = []
         for seq, out in zip(batch.seqs, outputs):
             if out.tokens is None:
                 continue
             seq.num_steps += 1
             kept = self._commit(seq, out.tokens)
-            if out.logprobs is not None:
-                seq.logprobs += out.logprobs[:len(kept)]
-            events.append((seq, kept))
+            new_logprobs = out.logprobs[:len(kept)] if out.logprobs is not None else None
+            if new_logprobs is not None:
+                seq.logprobs += new_logprobs
+            updates.append(self._update(seq, kept, new_logprobs))
         for seq in batch.seqs:
             if not seq.is_finished:
                 self._register_prefix(seq)
-        return events
+        return updates
 
-    def _isolate(self, batch: ScheduledBatch, error: Exception) -> list[tuple[Sequence, list[int]]]:
+    def _update(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestUpdate:
+        first = seq.num_steps == 1 and seq.params.prompt_logprobs is not None
+        update = RequestUpdate(seq.seq_id, new_ids, None, new_logprobs, list(seq.prompt_logprobs) if first else None)
+        if seq.is_finished:
+            update.output = self._output(seq)
+            update.text = update.output.text
+        elif seq.seq_id in self._streamed:
+            update.text = self._text(seq)
+        return update
+
+    def _compute(self, batch: ScheduledBatch) -> list[StepOutput]:
+        """One forward and the tokens it yields. Every sequence feeds its scheduled tokens (a prefill chunk, or its
+        last token) and, in a speculative decode step, its draft after them; a sequence whose input is then fully
+        cached chooses its next tokens through `token_choice` (no drafts: a plain step). A prefill or plain step
+        still gathers the target features a feature drafter will need."""
+        seqs, counts = batch.seqs, batch.num_new_tokens
+        speculating = self.speculator is not None and not batch.is_prefill and self.speculator.drafts(seqs)
+        drafts = self.speculator.draft(seqs) if speculating else StepDrafts.none(len(seqs))
+        feeds = [s.token_ids[s.num_cached:s.num_cached + n] + d for s, n, d in zip(seqs, counts, drafts.tokens)]
+        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds,
+                                           drafts.trees if drafts.any_tree else None, self.feature_layers)
+        starts = list(itertools.accumulate((len(f) for f in feeds), initial=0))  # sequence i's rows: starts[i]..
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            if seq.params.prompt_logprobs is not None:
+                self._prompt_logprobs(seq, hidden, starts[i], n)
+        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
+        choice = None
+        if ready:  # each one's rows: after its last fed token, then after each draft node
+            rows = [r for i in ready for r in range(starts[i] + counts[i] - 1, starts[i + 1])]
+            logits = self.runner.logits(hidden, rows)
+            chosen = [seqs[i] for i in ready]
+            if speculating:  # a decode step: every sequence feeds its one last token, so all are ready
+                choice = choose_tokens(chosen, logits, drafts, self.speculator.watches_target)
+                self.speculator.settle(chosen, drafts, logits, choice)
+            else:
+                choice = choose_tokens(chosen, logits, StepDrafts.none(len(ready)))
+        outputs, k = [], 0
+        for i, (seq, n) in enumerate(zip(seqs, counts)):
+            if not ready or ready[k:k + 1] != [i]:  # a prefill chunk short of the prompt's end
+                outputs.append(StepOutput(n, None, None if features is None else features[starts[i]:starts[i] + n]))
+                continue
+            nodes = choice.result.accepted_nodes[k]  # accepted drafts were moved to the slots after the fed tokens
+            kept = slice(starts[i], starts[i] + n) if not nodes else \
+                list(range(starts[i], starts[i] + n)) + [starts[i] + n + node for node in nodes]
+            outputs.append(StepOutput(n + len(nodes), choice.result.emitted_tokens[k],
+                                      None if features is None else features[kept], choice.logprobs[k]))
+            k += 1
+        return outputs
+
+    def _isolate(self, batch: ScheduledBatch, error: Exception) -> None:
         """A step raised before any sequence kept anything from it. A sequence that ran alone fails (finish
         reason "error", the cause in stop_reason); a batch's sequences are each run alone next (scheduler
         `suspects`), so the others go on, and with greedy decoding their tokens are those of an unbroken run
@@ -243,45 +323,13 @@ class LLMEngine:
             log.warning("a step of %d sequences failed (%s: %s); running each alone", len(batch.seqs),
                         type(error).__name__, error)
             self.scheduler.suspect(batch.seqs)
-            return []
+            return
         seq = batch.seqs[0]
         log.error("request %d failed: %s: %s", seq.seq_id, type(error).__name__, error,
                   exc_info=(type(error), error, error.__traceback__))
         self.num_failed += 1
-        self.abort(seq, "error", f"{type(error).__name__}: {error}")
-        return [(seq, [])]
-
-    def _forward(self, batch: ScheduledBatch) -> list[StepOutput]:
-        """A step without drafts (a prefill chunk, or plain decoding): feed the scheduled tokens, and sample
-        the next token of every sequence whose input is then fully cached."""
-        seqs, counts = batch.seqs, batch.num_new_tokens
-        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
-                                           [s.token_ids[s.num_cached:s.num_cached + n] for s, n in zip(seqs, counts)],
-                                           feature_layers=self.feature_layers)
-        ends = list(itertools.accumulate(counts))
-        for seq, n, end in zip(seqs, counts, ends):
-            if seq.params.prompt_logprobs is not None:
-                self._prompt_logprobs(seq, hidden, end - n, n)
-        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
-        tokens: list[list[int] | None] = [None] * len(seqs)
-        logprobs: list[list | None] = [None] * len(seqs)
-        if ready:
-            logits = self.runner.logits(hidden, [ends[i] - 1 for i in ready])
-            asked = [k for k, i in enumerate(ready) if seqs[i].params.logprobs is not None]
-            raw = logits[asked] if asked else None  # a copy: the model's own logits, before penalties
-            penalized = [Penalized(k, s.params, s.prompt_token_ids, s.output_token_ids, [[]])
-                         for k, s in enumerate(seqs[i] for i in ready) if s.params.penalized]
-            if penalized:
-                penalize(logits, penalized)
-            if any(seqs[i].grammar is not None for i in ready):
-                mask_logits(logits, [(seqs[i].grammar, [], [], seqs[i].params.greedy) for i in ready])
-            next_tokens = sample_requests(logits, [seqs[i] for i in ready], self.model.device).tolist()
-            for i, token in zip(ready, next_tokens):
-                tokens[i] = [token]
-            for row, k in enumerate(asked):
-                logprobs[ready[k]] = token_logprobs(raw[row:row + 1], [next_tokens[k]], seqs[ready[k]].params.logprobs)
-        return [StepOutput(n, t, None if features is None else features[end - n:end], lp)
-                for n, t, end, lp in zip(counts, tokens, ends, logprobs)]
+        seq.stop_reason = f"{type(error).__name__}: {error}"
+        self._finish(seq, "error")
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row: int, n: int) -> None:
         """Log-probabilities of the prompt tokens this prefill chunk predicts (rows row .. row + n - 1 hold
@@ -348,7 +396,7 @@ class LLMEngine:
     def _hit_stop_string(self, seq: Sequence) -> bool:
         if not seq.params.stop:
             return False
-        text = self.text(seq)
+        text = self._text(seq)
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
             return False
@@ -360,7 +408,7 @@ class LLMEngine:
     def decode(self, token_ids: list[int]) -> str:
         return self.tokenizer.decode(token_ids, skip_special_tokens=True)
 
-    def text(self, seq: Sequence) -> str:
+    def _text(self, seq: Sequence) -> str:
         """The output text of a running sequence so far, decoded incrementally (stop strings, streaming);
         an incomplete UTF-8 character at the end is held back."""
         detok = self._detok.get(seq.seq_id)
@@ -368,11 +416,14 @@ class LLMEngine:
             detok = self._detok[seq.seq_id] = IncrementalText(self.decode)
         return detok.update(seq.output_token_ids)
 
-    def output(self, seq: Sequence, prompt: str | None = None) -> RequestOutput:
-        text = self._texts.pop(seq.seq_id, None) if seq.is_finished else None
+    def _output(self, seq: Sequence) -> RequestOutput:
+        """A finished request's result, handed out once: the engine forgets the request."""
+        text = self._texts.pop(seq.seq_id, None)
         if text is None:
             text = self.decode(seq.output_token_ids)
-        return RequestOutput(seq.seq_id, prompt, seq.prompt_token_ids, seq.output_token_ids, text,
+        self._requests.pop(seq.seq_id, None)
+        self._streamed.discard(seq.seq_id)
+        return RequestOutput(seq.seq_id, None, seq.prompt_token_ids, seq.output_token_ids, text,
                              seq.finish_reason, seq.stop_reason, request_metrics(seq),
                              list(seq.logprobs) if seq.params.logprobs is not None else None,
                              list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)

@@ -1,32 +1,27 @@
-"""One speculative decode step: draft -> target scores every draft token in one forward -> verify.
+"""Speculation's part of a decode step: what to draft (`draft`), and what follows verification (`settle`).
 
     fed rows per sequence:  [last committed token, d1, ..., dk]        (k may differ per sequence)
     target logits rows:     p(. | ..last), p(. | ..d1), ..., p(. | ..dk)
     after verification:     the K/V of `last` and the a accepted drafts stay; the cache is rewound past them
 
 A tree is fed the same way, one row per node, with the tree mask and per-depth positions (see
-model_runner). The step returns what each sequence keeps and the scheduler applies it (a rewind:
-accepted tokens of a chain are already in place, so nothing is copied; for a tree the accepted path is
-first moved down to consecutive slots here).
+model_runner). The engine runs the target and chooses the tokens (`token_choice`, the same path as a plain
+step); the scheduler applies what each sequence keeps (a rewind: accepted tokens of a chain are already in
+place, so nothing is copied; for a tree `settle` first moves the accepted path down to consecutive slots).
 """
 from __future__ import annotations
 
-import itertools
 import logging
 import time
 
 import torch
 
-from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting import Draft, DraftRequest, Drafter
+from specdec.drafting import Draft, DraftRequest, Drafter, SpeculativeConfig
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.scheduler import StepOutput
 from specdec.engine.sequence import Sequence, SpecStats
-from specdec.structured.grammar import apply_bitmask, charge_grammar_time, mask_logits
-from specdec.sampling import (Penalized, SamplingTensors, greedy_tokens, logits_to_probs, penalize, sample,
-                              token_logprobs)
+from specdec.engine.token_choice import Choice, StepDrafts
+from specdec.structured import apply_bitmask, charge_grammar_time
 from specdec.tree import PAD, SpecShape, TreeFeed
-from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
 
 log = logging.getLogger("specdec.engine")
 
@@ -35,27 +30,6 @@ log = logging.getLogger("specdec.engine")
 LOW_ACCEPTANCE = 0.3  # below: one draft token per step
 PAUSE_ACCEPTANCE = 0.1  # below: no drafting for 2, 4, ... MAX_PAUSE steps, then a one-token probe
 MAX_PAUSE = 32
-
-
-def plain_result(tokens: torch.Tensor) -> VerifyResult:
-    """The verification result of a step without drafts: one sampled token per sequence."""
-    B = tokens.shape[0]
-    zeros = torch.zeros(B, dtype=torch.long)
-    return VerifyResult([[] for _ in range(B)], [[t] for t in tokens.tolist()], zeros, zeros - 1, tokens)
-
-
-def penalty_rows(seqs: list[Sequence], drafted: list[list[int]], parents: list[list[int]]) -> list[Penalized]:
-    """The rows of each penalized sequence in a step's logits: after its output, then after each draft node's path
-    (its ancestors and itself), as `sampling.penalize` takes them."""
-    out, row = [], 0
-    for seq, tokens, links in zip(seqs, drafted, parents):
-        if seq.params.penalized:
-            paths: list[list[int]] = [[]]
-            for token, parent in zip(tokens, links):  # a parent comes before its children
-                paths.append(paths[parent + 1] + [token])
-            out.append(Penalized(row, seq.params, seq.prompt_token_ids, seq.output_token_ids, paths))
-        row += 1 + len(tokens)
-    return out
 
 
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None) -> DraftRequest:
@@ -125,10 +99,10 @@ class Speculator:
         return (drafting and bool(self.shape_for(len(seqs)).k)) or (self.cfg.jump_forward > 0 and
                                                                     any(s.grammar is not None for s in seqs))
 
-    def step(self, seqs: list[Sequence]) -> list[StepOutput]:
-        """What each sequence keeps this step: the last token and the accepted drafts are cached, and it emits
-        the accepted drafts, then the recovered or bonus token. The draft shape (chain, tree or none) follows
-        the batch size through the tree dispatcher."""
+    def draft(self, seqs: list[Sequence]) -> StepDrafts:
+        """This step's drafts: the drafter's proposals within each request's budget (the draft shape, chain, tree
+        or none, follows the batch size through the tree dispatcher), filtered and extended by the grammars of
+        structured requests."""
         shape = self.shape_for(len(seqs))
         requests = [draft_request(s, self.draft_budget(s, shape), shape) for s in seqs]
         if shape.k and self.feature_layers:  # hand over the target features gathered since the last draft
@@ -136,8 +110,7 @@ class Speculator:
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
         draft = self.propose(seqs, requests) if shape.k else Draft.chains([[] for _ in seqs])
-        constrained = any(s.grammar is not None for s in seqs)
-        if constrained:  # within each request's budget after this, and structured chains may be extended
+        if any(s.grammar is not None for s in seqs):  # within each request's budget after this, maybe extended
             draft = self.constrain(seqs, requests, draft)
             counts = draft.num_nodes() if draft.tokens.numel() else [0] * len(seqs)
         else:
@@ -146,49 +119,35 @@ class Speculator:
         drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
         parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
-        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs],
-                                           [s.token_ids[s.num_cached:] + d for s, d in zip(seqs, drafted)],
-                                           trees if any(t is not None for t in trees) else None, self.feature_layers)
-        logits = self.runner.logits(hidden)
-        # the rows of requests that return log-probabilities, copied before penalties and masks change them
-        starts = list(itertools.accumulate((1 + n for n in counts), initial=0))  # sequence i's rows: starts[i]..
-        asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None
-                 for r in range(starts[i], starts[i + 1])]
-        raw = logits[asked] if asked else None
-        raw_row = {r: k for k, r in enumerate(asked)}
-        if any(s.params.penalized for s in seqs):  # the target's distribution at every node, before any mask
-            penalize(logits, penalty_rows(seqs, drafted, parents))
-        top = None  # every row's argmax, where masking computed it
-        if constrained:  # row j of a constrained sequence: the target's distribution after node j's path
-            top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy) for s, d, p in zip(seqs, drafted, parents)])
-        result = self._verify(seqs, draft, counts, drafted, trees, logits, top)
-        k_obs = self.drafter.observe_topk
-        top1 = (top or greedy_tokens(logits).tolist()) if self.drafter.observe_drafts else None
-        outputs = []
+        return StepDrafts(drafted, parents, trees, draft)
+
+    @property
+    def watches_target(self) -> bool:
+        """Whether the drafter wants every row's argmax (`Drafter.observe_draft`)."""
+        return self.drafter.observe_drafts
+
+    def settle(self, seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor, choice: Choice) -> None:
+        """After verification: show the drafter what the target did, move accepted tree nodes' K/V down to
+        consecutive slots, record each request's acceptance (and its back-off)."""
+        k_obs, top1, result = self.drafter.observe_topk, choice.top1, choice.result
         row = 0
         for i, seq in enumerate(seqs):
-            nodes = result.accepted_nodes[i]
-            kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
+            nodes, n = result.accepted_nodes[i], len(drafts.tokens[i])
             if k_obs and seq.spec.draft_error is None:  # the target's candidates after each kept token (recycling)
-                fed = [seq.token_ids[seq.num_cached]] + [drafted[i][node] for node in nodes]
+                kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
+                fed = [seq.token_ids[seq.num_cached]] + [drafts.tokens[i][node] for node in nodes]
                 self.drafter.observe(seq.seq_id, fed, logits[kept].topk(k_obs, dim=-1).indices.tolist())
-            if top1 is not None and counts[i]:  # the target's guess after every node (Jacobi iterations)
-                self.drafter.observe_draft(seq.seq_id, drafted[i], top1[row:row + 1 + counts[i]])
-            row += 1 + counts[i]
-            if trees[i] is not None:
+            if top1 is not None and n:  # the target's guess after every node (Jacobi iterations)
+                self.drafter.observe_draft(seq.seq_id, drafts.tokens[i], top1[row:row + 1 + n])
+            row += 1 + n
+            tree = drafts.trees[i]
+            if tree is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)
-            seq.spec.record(counts[i], len(nodes), counts[i] if trees[i] is None else max(trees[i].rope))
-            self.back_off(seq.spec, counts[i], len(nodes))
-            self.totals.record(counts[i], len(nodes))
+            seq.spec.record(n, len(nodes), n if tree is None else max(tree.rope))
+            self.back_off(seq.spec, n, len(nodes))
+            self.totals.record(n, len(nodes))
             if self.trace is not None:
-                self.trace.append((nodes, counts[i]))
-            logprobs = None  # emitted token j was predicted by row kept[j]
-            if raw is not None and seq.params.logprobs is not None:
-                logprobs = token_logprobs(raw[[raw_row[r] for r in kept]], result.emitted_tokens[i],
-                                          seq.params.logprobs)
-            outputs.append(StepOutput(1 + len(nodes), result.emitted_tokens[i],
-                                      features[kept] if features is not None else None, logprobs))
-        return outputs
+                self.trace.append((nodes, n))
 
     def propose(self, seqs: list[Sequence], requests: list[DraftRequest]) -> Draft:
         """The drafter's proposals for the requests it still drafts for. A drafter that raises is asked again
@@ -260,34 +219,6 @@ class Speculator:
                     row = row / row.sum()
                 probs[i, j] = row
         return probs
-
-    def _verify(self, seqs: list[Sequence], draft: Draft, counts: list[int], drafted: list[list[int]],
-                trees: list[TreeFeed | None], logits: torch.Tensor, top: list[int] | None = None) -> VerifyResult:
-        """logits: [T, V], rows of sequence i = its 1 + counts[i] fed tokens (`top`: their argmax, if known). A
-        greedy batch of chains (most steps) is verified on host lists; trees and sampled requests on tensors."""
-        greedy = all(s.params.greedy for s in seqs)
-        if greedy and all(t is None for t in trees):
-            return verify_greedy_chains(drafted, top if top is not None else greedy_tokens(logits).tolist())
-        B, N, device = len(seqs), max(counts), logits.device
-        # Drafts come from the host (n-gram, suffix, ...) or the device (model drafters): verification runs
-        # where the logits are, one upload of the draft, one copy of the result back (`verify._result`).
-        tokens = draft.tokens[:, :N].to(device)
-        real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
-        parents = torch.where(real, draft.parents[:, :N].cpu(), PAD).to(device)
-        rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
-        start = 0
-        for i, n in enumerate(counts):
-            rows[i, : n + 1] = torch.arange(start, start + n + 1)
-            start += n + 1
-        rows = rows.to(device)
-        if greedy:
-            return verify_greedy(tokens, parents, greedy_tokens(logits)[rows.clamp(min=0)])  # target ids [B, N + 1]
-        st = SamplingTensors.from_requests(seqs, logits.device)
-        if N == 0:  # nobody drafted: a plain decode step
-            return plain_result(sample(logits, st))
-        probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
-        q = draft.probs[:, :N].to(device) if draft.probs is not None else None
-        return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)
 
     # ---- what the engine asks of the drafter (it talks to the speculator only) --------------------------
     @property

@@ -205,16 +205,15 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
                 params = SamplingParams(temperature=job.temperature, seed=job.seed if job.temperature else None,
                                         max_tokens=max_tokens)
                 running.append((job, ids, engine.add_request(ids, params)))
-            if running:
-                engine.step()
+            finished = {u.request_id: u.output for u in engine.step() if u.finished} if running else {}
             still = []
-            for job, ids, seq in running:
-                if not seq.is_finished:
-                    still.append((job, ids, seq))
+            for job, ids, request_id in running:
+                answer = finished.get(request_id)
+                if answer is None:
+                    still.append((job, ids, request_id))
                     continue
-                tokens = list(seq.output_token_ids)
-                engine.output(seq)  # releases the engine's per-request text state
-                fresh.append(Record(job, len(ids), crc(ids), seq.finish_reason, tokens))
+                tokens = list(answer.token_ids)
+                fresh.append(Record(job, len(ids), crc(ids), answer.finish_reason, tokens))
                 new_tokens += len(tokens)
                 bar.update()
                 bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
@@ -223,8 +222,8 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
                 flush()
     finally:
         bar.close()
-        for _, _, seq in running:
-            engine.abort(seq)
+        for _, _, request_id in running:
+            engine.abort(request_id)
         flush()
     save(out, list(done.values()), meta)
     elapsed = time.perf_counter() - start
