@@ -198,7 +198,7 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-prompt-tokens", type=int, default=1536, help="longer prompts are skipped (default 1536)")
     d.add_argument("--limit", type=int, default=None, help="stop after this many new answers (resume later)")
     d.add_argument("--cache-dir", default=None,
-                   help="chunks of finished answers, outside the repo (default ~/.cache/specdec/distill/<target>)")
+                   help="chunks of finished answers, outside the repo (default $SPECDEC_CACHE/distill/<target>, $SPECDEC_CACHE defaulting to ~/.cache/specdec)")
     d.add_argument("--seed", type=int, default=0)
     return parser
 

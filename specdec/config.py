@@ -7,10 +7,21 @@ from __future__ import annotations
 
 import dataclasses
 import math
+import os
 from dataclasses import dataclass
+from pathlib import Path
 from typing import Any
 
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+
+
+CACHE_ENV = "SPECDEC_CACHE"
+
+
+def cache_root() -> Path:
+    """Where specdec keeps what it builds or converts once (kernel builds, tokenizers, retrieval datastores,
+    distillation chunks): $SPECDEC_CACHE, else ~/.cache/specdec."""
+    return Path(os.environ.get(CACHE_ENV) or Path.home() / ".cache" / "specdec").expanduser()
 
 
 class SpecdecError(ValueError):

@@ -5,6 +5,10 @@ every test independent of the ones before it:
   (SPECDEC_KV_FILL, inherited by the server and replica processes the tests start), so a kernel that reads a
   slot nobody wrote fails deterministically, whatever ran before;
 - each test starts from the same seeds and gets back the thread counts and environment it found;
+- what specdec caches on disk (the native kernels' builds, converted tokenizers, retrieval datastores) goes to a
+  folder of the tests' own under the system's temporary folder ($SPECDEC_CACHE, inherited by the processes the
+  tests start), never the user's ~/.cache/specdec, where a specdec process of theirs may be loading kernels
+  (kept between runs, so the kernels are built once: builds are keyed and locked, runs may share it);
 - a test skipped because a piece is missing (the model package, the native kernels) is counted by reason on
   the run's last line, and fails the run under CI (CI=true), where everything must be installed.
 """
@@ -15,6 +19,7 @@ import contextlib
 import importlib.util
 import os
 import random
+import tempfile
 from pathlib import Path
 
 import numpy as np
@@ -24,6 +29,8 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ["SPECDEC_KV_FILL"] = "nan"  # before any engine is built; see specdec.kv_cache.FILL_ENV
+# before the kernels are built (needs_native, below); see specdec.models.native.cache_dir
+os.environ["SPECDEC_CACHE"] = str(Path(tempfile.gettempdir()) / f"specdec-tests-{os.getuid()}")
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
                  "{% if add_generation_prompt %}<|assistant|>{% endif %}")

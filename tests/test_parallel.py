@@ -87,6 +87,23 @@ def test_two_ranks_on_the_default_model():
         two.shutdown()
 
 
+def test_shutdown_gives_the_process_back_its_threads(tiny_llama_dir):
+    """Rank 0 takes its share of the cores while the ranks run (share_threads); shutdown() gives back the count
+    it found, also when a rank died first (the failure closed the engine, shutdown() still frees the process group,
+    so the next tensor-parallel engine starts)."""
+    torch.set_num_threads(4)  # a count that 2 ranks halve, whatever this machine has (conftest restores it)
+    for kill_a_rank in (True, False):
+        two = LLM(str(tiny_llama_dir), speculative_config="off", tensor_parallel_size=2)
+        assert torch.get_num_threads() == 2
+        if kill_a_rank:
+            two.workers.processes[0].kill()
+            two.workers.processes[0].wait()
+            with pytest.raises(SpecdecError, match="rank 1 exited"):
+                two.generate([{"prompt_token_ids": PROMPTS[0]}], SamplingParams(temperature=0, max_tokens=4))
+        two.shutdown()
+        assert torch.get_num_threads() == 4
+
+
 # -- two ranks --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):

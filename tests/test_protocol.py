@@ -216,6 +216,25 @@ def test_a_tool_result_round_trip(served):
     idle(served)
 
 
+def test_a_tool_message_without_its_tool_call_id_is_refused(plain):
+    """A tool message names the call it answers (OpenAI and vLLM answer 400 without it), whether or not an
+    assistant's call comes before it; the error names the message's field."""
+    call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
+    for history in (ASK + [{"role": "tool", "content": "3"}],
+                    ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "3"}],
+                    ASK + [{"role": "tool", "content": "3", "tool_call_id": None}]):
+        resp = plain.post("/v1/chat/completions", {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 2})
+        assert resp.status_code == 400, resp.text
+        err = resp.json()["error"]
+        assert f"messages[{len(history) - 1}].tool_call_id" in err["message"], err
+        assert (err["type"], err["param"]) == ("invalid_request_error", "messages")
+    ok = ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                {"role": "tool", "content": "3", "tool_call_id": "call_1"}]
+    assert plain.post("/v1/chat/completions", {"model": MODEL, "messages": ok, "tools": TOOLS,
+                                               "max_tokens": 2}).status_code == 200
+    idle(plain)
+
+
 def test_a_client_gone_ends_every_choice(plain, monkeypatch):
     """Dropping a stream of n choices, or a non-streaming request's connection, aborts all of its sequences and
     frees their blocks."""

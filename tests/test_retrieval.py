@@ -96,6 +96,16 @@ def test_text_corpora_are_tokenized_once_and_cached(target_dir, reference, tmp_p
     assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == reference
 
 
+def test_the_datastore_is_cached_under_specdec_cache(target_dir, reference, tmp_path, monkeypatch):
+    """Without a folder of its own (CACHE_DIR), the datastore is cached under $SPECDEC_CACHE, as the kernels' builds
+    and converted tokenizers are (the tests point it at a folder of theirs, never the user's ~/.cache)."""
+    monkeypatch.setattr(retrieval, "CACHE_DIR", None)
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec"))
+    corpus = token_file(tmp_path / "answers.npz", [list(r) for r in reference])
+    LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus), "num_speculative_tokens": 4})
+    assert len(list((tmp_path / "specdec" / "retrieval").glob("*.npz"))) == 1
+
+
 SAMPLED_PROMPT = [5, 6, 7]
 
 

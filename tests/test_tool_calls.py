@@ -6,8 +6,9 @@ import json
 
 import pytest
 
-from specdec.serving.tool_calls import (BEGIN, END, StreamParser, ToolError, call_text, constraint, default_conversation,
-                                parse, parse_tools)
+from conftest import needs_default_model
+from specdec.serving.tool_calls import (BEGIN, END, StreamParser, ToolError, Tools, call_text, constraint,
+                                        default_conversation, parse, parse_tools)
 
 FN = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -108,3 +109,61 @@ def test_forced_choices_admit_only_valid_calls(tiny_llama_dir, monkeypatch, back
     assert accepts(auto, "Just text.", complete=False)
     assert accepts(auto, "Text, then " + call_text("add", {"a": 1, "b": 2}), complete=False)
     assert not accepts(auto, "Text, then " + call_text("add", {"a": 1, "b": "x"}), complete=False)
+
+
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_a_named_choice_and_required_without_parallel_calls_end_after_one_call(tiny_llama_dir, monkeypatch, backend):
+    """A named function (whatever parallel_tool_calls says) and required without parallel calls: one call, then
+    nothing but the end of the text (the model cannot repeat the call until max_tokens, as vLLM's answer ends);
+    required with parallel calls takes several."""
+    from specdec import LLM
+    from specdec.config import SamplingParams
+    from specdec.structured import BACKEND_ENV
+
+    monkeypatch.setenv(BACKEND_ENV, backend)
+    engine = LLM(str(tiny_llama_dir)).engine
+    tok = engine.tokenizer
+    one = call_text("echo", {"text": "x"})
+    named = {"type": "function", "function": {"name": "echo"}}
+    cases = [parse_tools([FN, OTHER], named, parallel) for parallel in (True, None, False)]
+    cases += [Tools(cases[0].functions, "function", "echo", parallel=True), parse_tools([FN, OTHER], "required", False)]
+    for tools in cases:
+        state = engine.grammar_state(SamplingParams(structured_output=constraint(tools)))
+        assert all(state.accept(t) for t in tok.encode(one, add_special_tokens=False)), tools
+        assert state.matcher.is_completed(), tools
+        assert not state.accept(tok.encode("\n", add_special_tokens=False)[0]), tools  # no separator, no 2nd call
+        assert state.accept(tok.eos_token_id), tools  # only the end
+    state = engine.grammar_state(SamplingParams(structured_output=constraint(parse_tools([FN, OTHER], "required",
+                                                                                         True))))
+    assert all(state.accept(t) for t in tok.encode(one + "\n" + one, add_special_tokens=False))
+
+
+@needs_default_model
+@pytest.mark.parametrize("backend", ["xgrammar", "llguidance"])
+def test_the_default_model_calls_a_named_function_once(monkeypatch, backend):
+    """What instructor's TOOLS mode and the OpenAI Agents SDK send: a named tool_choice, max_tokens to spare. The
+    answer is exactly one call and finish_reason "tool_calls" (SmolLM2 would otherwise repeat the call until
+    max_tokens: finish "length", an incomplete output)."""
+    from specdec import LLM
+    from specdec.structured import BACKEND_ENV
+    from test_server import serving
+
+    monkeypatch.setenv(BACKEND_ENV, backend)  # read when the engine compiles its first grammar
+    tool = {"type": "function", "function": {"name": "multiply", "description": "Multiply two integers.",
+                                             "parameters": {"type": "object", "properties": {
+                                                 "a": {"type": "integer"}, "b": {"type": "integer"}},
+                                                 "required": ["a", "b"]}}}
+    with serving(LLM("smollm2-135m"), served_model_name="smollm2") as served:
+        for parallel in (None, True):
+            body = {"model": "smollm2", "messages": [{"role": "user", "content": "What is 12 times 7?"}],
+                    "tools": [tool], "tool_choice": {"type": "function", "function": {"name": "multiply"}},
+                    "max_tokens": 200, "temperature": 0}
+            if parallel is not None:
+                body["parallel_tool_calls"] = parallel
+            answer = served.post("/v1/chat/completions", body).json()
+            choice = answer["choices"][0]
+            calls = choice["message"]["tool_calls"]
+            assert len(calls) == 1 and calls[0]["function"]["name"] == "multiply", answer
+            assert set(json.loads(calls[0]["function"]["arguments"])) == {"a", "b"}
+            assert choice["finish_reason"] == "tool_calls" and not choice["message"]["content"], answer
+            assert answer["usage"]["completion_tokens"] < 100, answer

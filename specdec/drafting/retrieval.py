@@ -3,7 +3,8 @@ its continuations weighted by how often each one followed.
 
 The datastore is the corpus as token ids (documents separated by -1) and a suffix array over them, sorted by
 their first `max_match + 32` tokens (prefix doubling in numpy; int32 both, 8 bytes per corpus token, built once
-and cached on disk by the corpus's content and the target). A step finds the longest suffix of the sequence,
+and cached on disk by the corpus's content and the target, under $SPECDEC_CACHE/retrieval: by default
+~/.cache/specdec/retrieval). A step finds the longest suffix of the sequence,
 from `max_match` down to `min_match` tokens, that occurs in the corpus (binary search in the suffix array;
 presence of a suffix implies every shorter one's, so the length is found by bisection), reads the tokens that
 follow up to `max_candidates` of its occurrences (spread evenly over them), counts those continuations in a
@@ -24,14 +25,22 @@ from pathlib import Path
 
 import numpy as np
 
-from specdec.config import SpecdecError
+from specdec.config import SpecdecError, cache_root
 
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.drafting.suffix import Node, grow
 
 SORT_DEPTH_EXTRA = 32  # the suffix array orders suffixes by max_match + this many tokens
-CACHE_DIR = Path("~/.cache/specdec/retrieval")
+CACHE_DIR: Path | None = None  # where datastores are cached; None: cache_dir()'s default
+
+
+def cache_dir() -> Path:
+    """The datastores' folder: CACHE_DIR when set, else retrieval/ under $SPECDEC_CACHE (default ~/.cache/specdec,
+    as the native kernels' builds and converted tokenizers)."""
+    if CACHE_DIR is not None:
+        return Path(CACHE_DIR).expanduser()
+    return cache_root() / "retrieval"
 
 
 @dataclass
@@ -235,7 +244,7 @@ def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> 
     fingerprint = model_fingerprint(target) if target is not None else None
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     key = f"{digest}-{fingerprint}-{opts.max_match + SORT_DEPTH_EXTRA}"
-    cached = CACHE_DIR.expanduser() / f"{key}.npz"
+    cached = cache_dir() / f"{key}.npz"
     if cached.is_file():
         try:
             with np.load(cached) as z:

@@ -166,7 +166,9 @@ class Workers:
 
     def __init__(self, tp: TPGroup, processes: list) -> None:
         self.tp, self.processes = tp, processes
-        self.closed = False
+        self.closed = False  # no more commands (shut down, or a rank failed)
+        self.shut = False  # close() ran: the ranks, the group, the shared memory and the threads are given back
+        self._finalizer: weakref.finalize | None = None  # spawned ranks: what goes at exit without close()
         self._engines = 0
         self.released: list[int] = []  # engines of rank 0 that were collected: their pools go at the next command
 
@@ -174,7 +176,8 @@ class Workers:
     def spawn(cls, world: int, model: str, dtype, device: torch.device, quantization: str | None,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> "Workers":
         """Start ranks 1..world-1 as fresh interpreters (`main`: no script of the user's is re-imported) loading
-        the same model, and join them as rank 0; each rank gets an equal share of this machine's threads."""
+        the same model, and join them as rank 0; each rank gets an equal share of this machine's threads (this
+        process's count comes back at close(), or at exit)."""
         import subprocess
         import sys
 
@@ -182,7 +185,8 @@ class Workers:
             raise SpecdecError("a tensor-parallel engine already runs in this process (torch.distributed is "
                                "initialized); call shutdown() on its LLM first")
         address = f"tcp://127.0.0.1:{free_port()}"
-        threads = max(1, torch.get_num_threads() // world)
+        found = torch.get_num_threads()
+        threads = max(1, found // world)
         name = dtype if isinstance(dtype, str) else str(dtype).removeprefix("torch.")
         entry = "import sys; from specdec.engine.parallel import main; main(sys.argv[1:])"
         env = {**os.environ, "OMP_NUM_THREADS": str(threads), "NUMBA_NUM_THREADS": str(threads)}
@@ -200,7 +204,7 @@ class Workers:
         workers = cls(tp, procs)
         if tp.shared is not None:
             tp.shared.alive = workers.gone
-        weakref.finalize(workers, Workers._release, procs, tp.shared)
+        workers._finalizer = weakref.finalize(workers, Workers._release, procs, tp.shared, (found, threads))
         return workers
 
     def new_engine(self) -> int:
@@ -237,31 +241,40 @@ class Workers:
         return counts[1:]
 
     def close(self) -> None:
-        if self.closed:
+        """Stop the other ranks (in order while they still answer; a rank failed: the others are killed), then
+        give back what this process holds for them: the shared memory, the process group, its threads."""
+        if self.shut:
             return
-        self.closed = True
-        try:
-            _send(("stop",))
-            _stopped()
-        except RuntimeError:
-            pass
-        for p in self.processes:
+        self.shut = True
+        if not self.closed:
+            self.closed = True
             try:
-                p.wait(timeout=10)
-            except Exception:
+                _send(("stop",))
+                _stopped()
+            except RuntimeError:
                 pass
+            for p in self.processes:
+                try:
+                    p.wait(timeout=10)
+                except Exception:
+                    pass
         Workers._stop(self.processes)
         if self.tp.shared is not None:
             self.tp.shared.close(unlink=self.tp.rank == 0)
         if dist.is_initialized():
             dist.destroy_process_group()
+        if self._finalizer is not None:
+            self._finalizer()  # the thread count back (it runs once: not again at exit)
 
     @staticmethod
-    def _release(processes: list, shared: SharedExchange | None) -> None:
-        """At exit or collection without shutdown(): stop the spawned ranks, remove the shared memory."""
+    def _release(processes: list, shared: SharedExchange | None, threads: tuple[int, int] | None = None) -> None:
+        """At close(), exit or collection without shutdown(): stop the spawned ranks, remove the shared memory,
+        and give back the thread count rank 0 found (threads: (found, its share)), unless it was changed since."""
         Workers._stop(processes)
         if shared is not None and shared.shm is not None:
             shared.close(unlink=True)
+        if threads is not None and torch.get_num_threads() == threads[1]:
+            torch.set_num_threads(threads[0])
 
     @staticmethod
     def _stop(processes: list) -> None:

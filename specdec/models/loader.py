@@ -16,7 +16,7 @@ from pathlib import Path
 
 import torch
 
-from specdec.config import ModelConfig, SpecdecError
+from specdec.config import ModelConfig, SpecdecError, cache_root
 from specdec.models import native
 from specdec.models.llama import LlamaModel
 from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
@@ -209,7 +209,7 @@ def load_tokenizer(src: ModelSource):
         return AutoTokenizer.from_pretrained(str(src.path))
     st = src.gguf_file.stat()
     key = hashlib.sha1(f"{src.gguf_file.resolve()}:{st.st_size}:{st.st_mtime_ns}".encode()).hexdigest()[:16]
-    cache = Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "tokenizers" / key
+    cache = cache_root() / "tokenizers" / key
     if (cache / "tokenizer_config.json").is_file():
         try:
             return AutoTokenizer.from_pretrained(str(cache))

@@ -296,7 +296,10 @@ class OpenAIProtocol:
             if m.role == "assistant" and m.tool_calls:
                 message["tool_calls"] = [_checked_call(c, i, j) for j, c in enumerate(m.tool_calls)]
             if m.role == "tool":
-                message["tool_call_id"] = m.tool_call_id or ""
+                if m.tool_call_id is None:  # as OpenAI and vLLM answer: the call it answers cannot be told
+                    raise APIError(400, f"messages[{i}].tool_call_id is required: a tool message gives the id of the "
+                                   "tool call it answers", param="messages", code="missing_required_parameter")
+                message["tool_call_id"] = m.tool_call_id
             messages.append(message)
         self.check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in messages)
                          + len(json.dumps(body.tools or [])), "messages")

@@ -14,7 +14,8 @@ while streaming: text outside the tags streams as content, a call is sent once i
 
 `tool_choice` is a structured-output constraint (`constraint`), so speculation stays lossless and the forced
 parts (the tag, `{"name": "`, a named function's name, `", "arguments": `) are drafted by jump-forward:
-"required" and a named function allow nothing but calls whose arguments match their function's JSON schema;
+"required" and a named function allow nothing but calls whose arguments match their function's JSON schema: a named
+function exactly one call, then the end of the answer (as vLLM's), and so "required" without parallel_tool_calls;
 "auto" lets the model write text, and once it opens a tag, only a valid call; "none" leaves tools out of the
 prompt and the output unconstrained.
 """
@@ -48,7 +49,7 @@ class Tools:
     functions: list[dict]  # each {"name", "description"?, "parameters"?}, as the request gave them
     choice: str = "auto"  # "auto" | "required" | "none" | "function" (then `name`)
     name: str | None = None  # the function tool_choice names
-    parallel: bool = True  # several calls in one answer
+    parallel: bool = True  # several calls in one answer (never for a named function: it is called once)
 
     @property
     def offered(self) -> list[dict]:
@@ -97,7 +98,7 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tools
         if name not in names:
             raise ToolError(f"tool_choice names the function {name!r}, which is not among the tools "
                             f"({sorted(names)})", "tool_choice")
-        return Tools(functions, "function", name, parallel)
+        return Tools(functions, "function", name, False)  # one call, as vLLM and OpenAI answer
     raise ToolError('tool_choice must be "none", "auto", "required" or {"type": "function", "function": '
                     '{"name": ...}}', "tool_choice")
 
@@ -109,18 +110,21 @@ def _call_schema(fn: dict) -> dict:
 
 def constraint(tools: Tools) -> StructuredOutput | None:
     """The structured-output constraint that `tool_choice` asks for (None under "none"). Each function is one
-    tag whose begin holds its name, so the name and the keys are forced text; its arguments follow the schema."""
+    tag whose begin holds its name, so the name and the keys are forced text; its arguments follow the schema.
+    A named function, or any call without parallel calls, ends the answer after one call (`stop_after_first`:
+    only the end of the text may follow), so a model cannot repeat it until max_tokens."""
     if tools.choice == "none":
         return None
+    single = not tools.parallel or tools.name is not None
     tags = [{"type": "tag", "begin": f'{_OPEN}{{"name": {json.dumps(fn["name"])}, "arguments": ',
              "content": {"type": "json_schema", "json_schema": fn["parameters"]}, "end": "}" + _CLOSE}
             for fn in tools.offered]
     if tools.choice == "auto":
         fmt = {"type": "triggered_tags", "triggers": [BEGIN], "tags": tags, "at_least_one": False,
-               "stop_after_first": not tools.parallel}
+               "stop_after_first": single}
     else:  # required, or one named function: calls only, one after another
         fmt = {"type": "tags_with_separator", "tags": tags, "separator": "\n", "at_least_one": True,
-               "stop_after_first": not tools.parallel}
+               "stop_after_first": single}
     return StructuredOutput(structural_tag={"type": "structural_tag", "format": fmt})
 
 

@@ -25,7 +25,7 @@ from pathlib import Path
 import numpy as np
 from tqdm import tqdm
 
-from specdec.config import SamplingParams, SpecdecError
+from specdec.config import SamplingParams, SpecdecError, cache_root
 from specdec.models.loader import model_fingerprint  # noqa: F401  (callers import it from here too)
 
 FORMAT = 1
@@ -165,7 +165,7 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
     out = Path(out)
     meta = {"model": model_fingerprint(llm.engine.model), "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
             "seed": seed}
-    cache = Path(cache_dir or Path.home() / ".cache" / "specdec" / "distill" / meta["model"]).expanduser()
+    cache = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill" / meta["model"]
     cache.mkdir(parents=True, exist_ok=True)
     done: dict[tuple[str, int], Record] = {}
     for path in ([out] if out.is_file() else []) + sorted(cache.glob("chunk-*.npz")):
