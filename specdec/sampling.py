@@ -248,3 +248,34 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
     sub = st.select(rows)
     tokens[rows] = sample_from_probs(logits_to_probs(logits[rows], sub), sub.generators)
     return tokens
+
+
+# ---- position-keyed sampling -------------------------------------------------------------------------------
+# A sampled request draws the token at output position t by inverse CDF with a uniform keyed by (its seed, t):
+# the first token whose cumulative probability exceeds u(seed, t) times the row's total. The draw depends on the
+# processed distribution and the key alone, never on the batch, the step or the drafts, so a speculative step
+# that keeps a draft token exactly when it equals the target's own keyed sample emits plain decoding's tokens.
+_MASK64 = (1 << 64) - 1
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def keyed_uniform(seed: int, position: int) -> float:
+    """u in (0, 1) for a request's seed and an output position: splitmix64 of the seed, mixed with the position
+    and mixed again, its top 53 bits (every u is a multiple of 2^-53 plus half a step, so never 0 or 1)."""
+    x = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
+    return ((x >> 11) + 0.5) / float(1 << 53)
+
+
+def keyed_sample(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
+    """One token per row of probs [R, V] (unnormalized is fine) by inverse CDF at uniforms[r]: the first token whose
+    cumulative probability exceeds u times the row's total, in float64. A token of probability 0 is never chosen.
+    Returns [R] long, on probs' device."""
+    cdf = probs.double().cumsum(-1)  # [R, V]
+    x = torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]  # [R], below each total
+    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)

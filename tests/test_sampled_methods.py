@@ -62,10 +62,11 @@ def successor(i: int, steps: int = 1) -> int:
     return (i + steps) % len(LIKELY)
 
 
-def prior_target(path):
+def prior_target(path, seed: int = 0, layers: int = 4):
     """A tiny random Llama (4 layers: layer_skip drafts with 2; matrix widths multiples of 32: quantized_self's
-    q4_0 blocks) with the preferences described in the module docstring."""
-    save_tiny_model(path, "llama", num_hidden_layers=4, intermediate_size=128)
+    q4_0 blocks) with the preferences described in the module docstring (another seed: a draft model with other
+    random weights and the same preferences)."""
+    save_tiny_model(path, "llama", seed=seed, num_hidden_layers=layers, intermediate_size=128)
     weights = load_file(path / "model.safetensors")
     embed, lm_head = weights["model.embed_tokens.weight"], weights["lm_head.weight"]
     embed[:, CARRIED] = 0
@@ -181,6 +182,11 @@ CASES = [  # (method, its keys, sampling, max_tokens)
     ("eagle3", {"tree": "D2-BF2"}, TOP_P, 4),
     ("ngram", {"prompt_lookup_min": 1, "ngram_draft_length": "fixed"}, PENALIZED, 4),
     ("eagle3", {"tree": "D2-BF2"}, PENALIZED, 4),
+    # multi-round rejection sampling, where a config asks for it instead of keyed verification (the default)
+    ("layer_skip", {"sampled_verification": "rejection"}, TOP_K, 4),  # q sampled by the draft
+    ("eagle3", {"tree": "D2-BF2", "sampled_verification": "rejection"}, TOP_P, 4),
+    ("ngram", {"prompt_lookup_min": 1, "ngram_draft_length": "fixed", "sampled_verification": "rejection"},
+     PENALIZED, 4),
 ]
 
 
@@ -209,7 +215,7 @@ def shape(method: str, options: dict) -> str:
 
 def case_id(method: str, options: dict, sampling: dict, max_tokens: int) -> str:
     kind = "top_k" if sampling is TOP_K else "top_p" if sampling is TOP_P else "penalized"
-    return f"{method}-{shape(method, options)}-{kind}"
+    return f"{method}-{shape(method, options)}-{kind}" + ("-rejection" if "sampled_verification" in options else "")
 
 
 @pytest.mark.parametrize("method, options, sampling, max_tokens", [pytest.param(*c, id=case_id(*c)) for c in CASES])

@@ -434,6 +434,26 @@ def test_bad_requests_get_openai_errors_naming_the_field(plain, path, body, stat
         assert err["code"] == "model_not_found"
 
 
+def test_a_seed_gives_the_same_choices_with_speculation_on_or_off(plain, spec):
+    """The OpenAI `seed` with n = 3 sampled choices: the server that drafts (n-gram) answers every choice with the
+    text the plain server gives, streamed or not, chat and completions."""
+    kw = dict(model=MODEL, max_tokens=24, temperature=0.8, top_p=0.95, seed=11, n=3)
+    for create, extra in ((lambda c, **k: c.chat.completions.create(messages=CHAT, **k), {}),
+                          (lambda c, **k: c.completions.create(prompt=REPETITIVE, **k), {"frequency_penalty": 0.3})):
+        answers = []
+        for served in (plain, spec):
+            whole = create(served.client(), **kw, **extra)
+            texts = [getattr(c, "message", None) and c.message.content or getattr(c, "text", None) for c in whole.choices]
+            streamed = ["", "", ""]
+            for chunk in create(served.client(), **kw, **extra, stream=True):
+                for c in chunk.choices:
+                    streamed[c.index] += (c.delta.content or "") if hasattr(c, "delta") else (c.text or "")
+            assert streamed == texts
+            answers.append(texts)
+        assert answers[0] == answers[1] and len(set(answers[0])) > 1, answers  # the same, and 3 different choices
+    assert spec.metrics()["specdec_spec_draft_tokens_total"] > 0
+
+
 def test_penalties_and_logit_bias_through_the_openai_client(served, offline):
     """The fields ordinary apps send, streamed and not, with speculation or without: the server answers what the
     offline engine generates under the same penalties; a logit_bias of -100 bans a token, +100 forces it."""

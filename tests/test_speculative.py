@@ -266,7 +266,8 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     params = [SamplingParams(max_tokens=5, ignore_eos=True, seed=i, **sampling) for i in range(n)]
     plain = LLM(str(tiny_llama_dir), max_num_seqs=256)
     spec = LLM(str(tiny_llama_dir), max_num_seqs=256,
-               speculative_config={"method": "custom", "num_speculative_tokens": 3, "drafter": SkewedDrafter()})
+               speculative_config={"method": "custom", "num_speculative_tokens": 3, "drafter": SkewedDrafter(),
+                                   "sampled_verification": "rejection"})  # keyed: the plain output itself
     # Token 0 comes from the prefill; tokens 1 and 2 from the first speculative step (root, then node 0).
     a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
     spec_outs = spec.generate(prompts, params)

@@ -77,7 +77,12 @@ class DraftRequest:
     num_new: int  # how many of its last tokens were committed since the drafter's last call
     max_tokens: int  # the most draft tokens this step may verify (k, or fewer near the length limit)
     params: SamplingParams | None = None  # the request's sampling (drafters that sample use its temperature...)
-    generator: torch.Generator | None = None  # its seeded generator, if any
+    generator: torch.Generator | None = None  # its seeded generator, if any (rejection sampling's draws)
+    # Keyed verification (`SpeculativeConfig.sampled_verification`): a drafter that samples draws the token at output
+    # position `position + j` with `sampling.keyed_uniform(sampling_seed, position + j)` on its own q, as the target
+    # draws there (a coupling: where q is close to p the two agree). None: it samples with `generator`.
+    sampling_seed: int | None = None
+    position: int = 0  # the output position of the first draft token
     block_table: list[int] | None = None  # its KV blocks, in order: slot of position p = table[p // bs] * bs + p % bs
     num_cached: int = 0  # leading tokens whose target K/V are in the cache
     num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at admission (draft K/V came too)

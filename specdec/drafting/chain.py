@@ -18,7 +18,7 @@ import torch
 from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
 from specdec.kv_cache import KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import SamplingTensors, logits_to_probs, sample_from_probs
+from specdec.sampling import SamplingTensors, keyed_sample, keyed_uniform, logits_to_probs, sample_from_probs
 
 
 @dataclass
@@ -64,7 +64,7 @@ class ChainDrafter(Drafter):
         for step in range(steps):
             hidden = self.run(tables, starts, feeds)
             last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
-            tok, q = self._sample(self.model.compute_logits(hidden[last]), st)
+            tok, q = self._sample(self.model.compute_logits(hidden[last]), st, requests, step)
             tokens.append(tok)
             probs.append(q)
             starts = [start + len(f) for start, f in zip(starts, feeds)]
@@ -90,12 +90,16 @@ class ChainDrafter(Drafter):
         return max(cache.valid_prefix(request.token_ids, request.epoch), request.num_prefix_hit)
 
     @staticmethod
-    def _sample(logits: torch.Tensor, st: SamplingTensors) -> tuple[torch.Tensor, torch.Tensor | None]:
+    def _sample(logits: torch.Tensor, st: SamplingTensors, requests: list[DraftRequest], step: int
+                ) -> tuple[torch.Tensor, torch.Tensor | None]:
         """Greedy rows take the argmax; sampled rows draw from the draft's distribution, processed with the
-        request's own temperature / top-k / top-p, and report it as q."""
+        request's own temperature / top-k / top-p, and report it as q. Under keyed verification a sampled row
+        draws with the key the target uses at the same position (greedy rows: q is one-hot, the same argmax)."""
         if st.all_greedy:
             return logits.argmax(-1), None
         q = logits_to_probs(logits, st)
+        if all(r.sampling_seed is not None for r in requests):
+            return keyed_sample(q, [keyed_uniform(r.sampling_seed, r.position + step) for r in requests]), q
         return sample_from_probs(q, st.generators), q
 
     def release(self, seq_id: int) -> None:

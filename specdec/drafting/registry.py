@@ -107,6 +107,11 @@ class SpeculativeConfig:
     min_acceptance: float = 0.0
     # Whether sampled requests draft too (false: only greedy ones do; a step of sampled requests alone is plain)
     sampled: bool = True
+    # How sampled requests' drafts are verified. "keyed": against the target's own sample at each position, keyed by
+    # the request's seed and the position, so the output is plain decoding's, token for token, whatever was drafted
+    # (the same seed gives the same text with speculation on or off, any drafter, any batch). "rejection":
+    # multi-round rejection sampling with the draft's q (the same distribution; the tokens depend on the drafts).
+    sampled_verification: str = "keyed"
     options: Any = None  # the method's own keys (its options dataclass); None: the method's defaults
 
     def __post_init__(self) -> None:
@@ -123,6 +128,9 @@ class SpeculativeConfig:
                                "forced text per step), or true / false")
         if not isinstance(self.sampled, bool):
             raise SpecdecError(f"invalid sampled={self.sampled!r}: must be true or false")
+        if self.sampled_verification not in ("keyed", "rejection"):
+            raise SpecdecError(f"invalid sampled_verification={self.sampled_verification!r}: \"keyed\" (the output "
+                               "equals plain decoding's for the same seed) or \"rejection\"")
         if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
             raise SpecdecError(f"invalid min_acceptance={self.min_acceptance!r}: a number in [0, 1)")
         k = self.num_speculative_tokens

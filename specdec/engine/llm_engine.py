@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import itertools
 import logging
+import random
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -168,8 +169,8 @@ class LLMEngine:
         if params.seed is not None:
             generator = torch.Generator(device=self.model.device).manual_seed(params.seed)
         grammar = self.grammar_state(params)
-        seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len,
-                       self.eos_token_ids, generator, grammar=grammar)
+        seq = Sequence(next(self._ids), list(prompt_token_ids), params, self.max_model_len, self.eos_token_ids,
+                       generator, params.seed if params.seed is not None else random.getrandbits(64), grammar=grammar)
         source = self._requests.get(share_prompt_with) if share_prompt_with is not None else None
         if source is not None and source.prompt_token_ids == seq.prompt_token_ids:
             seq.prompt_source = source
@@ -297,7 +298,8 @@ class LLMEngine:
             logits = self.runner.logits(hidden, rows)
             chosen = [seqs[i] for i in ready]
             if speculating:  # a decode step: every sequence feeds its one last token, so all are ready
-                choice = choose_tokens(chosen, logits, drafts, self.speculator.watches_target)
+                choice = choose_tokens(chosen, logits, drafts, self.speculator.watches_target,
+                                       self.speculator.cfg.sampled_verification == "rejection")
                 self.speculator.settle(chosen, drafts, logits, choice)
             else:
                 choice = choose_tokens(chosen, logits, StepDrafts.none(len(ready)))

@@ -73,7 +73,8 @@ class Sequence:
     params: SamplingParams
     max_len: int  # the context limit: prompt + output never exceeds it
     eos_token_ids: frozenset[int] = frozenset()
-    generator: torch.Generator | None = None
+    generator: torch.Generator | None = None  # seeded requests: rejection sampling's draws (`sampled_verification`)
+    sampling_seed: int = 0  # the key of its sampled tokens: its seed, or a random one (`sampling.keyed_uniform`)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at the latest admission

@@ -32,11 +32,14 @@ PAUSE_ACCEPTANCE = 0.1  # below: no drafting for 2, 4, ... MAX_PAUSE steps, then
 MAX_PAUSE = 32
 
 
-def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None) -> DraftRequest:
+def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None, keyed: bool = True
+                  ) -> DraftRequest:
     """What a drafter sees of a sequence: plain values (the token and block lists are the sequence's own,
     read-only)."""
     return DraftRequest(seq.seq_id, seq.token_ids, seq.num_uncached, max_tokens, params=seq.params,
-                        generator=seq.generator, block_table=seq.block_table.blocks, num_cached=seq.num_cached,
+                        generator=seq.generator, sampling_seed=seq.sampling_seed if keyed else None,
+                        position=len(seq.token_ids) - seq.num_prompt_tokens,
+                        block_table=seq.block_table.blocks, num_cached=seq.num_cached,
                         num_prefix_hit=seq.num_prefix_hit, epoch=seq.num_preemptions,
                         tree=shape.tree if shape else None, dynamic=shape.dynamic if shape else None,
                         max_depth=seq.params.max_tokens - len(seq.output_token_ids) - 1)
@@ -104,7 +107,8 @@ class Speculator:
         or none, follows the batch size through the tree dispatcher), filtered and extended by the grammars of
         structured requests."""
         shape = self.shape_for(len(seqs))
-        requests = [draft_request(s, self.draft_budget(s, shape), shape) for s in seqs]
+        keyed = self.cfg.sampled_verification == "keyed"
+        requests = [draft_request(s, self.draft_budget(s, shape), shape, keyed) for s in seqs]
         if shape.k and self.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
                 if r.max_tokens:  # a request that does not draft keeps gathering them

@@ -6,12 +6,22 @@ tokens, then after each of its n_i draft nodes' paths (n_i = 0 in a plain step o
     logits [T, V] ─┬─> raw copy of the rows whose requests want logprobs (the model's own distribution)
                    ├─> logit_bias and penalties, each row counting the tokens on its own path
                    ├─> grammar masks, each row after its own path (structured output)
-                   ├─> verification: greedy (argmax, host lists for chains) or sampled (multi-round rejection
-                   │   sampling over trees); with no drafts that is the plain greedy choice or one sample per row
+                   ├─> the target's own token at every row: greedy rows its argmax, sampled rows its keyed sample
+                   │   (inverse CDF at a uniform keyed by the request's seed and the row's output position)
+                   ├─> verification: keep the draft nodes equal to the target's token after their parent, then
+                   │   emit the target's token after the last one kept; with no drafts, the target's token
                    └─> logprobs of every emitted token, from the raw row that predicted it
 
 So each sampling feature is written once and holds under speculation by construction: a draft row sees exactly
-the distribution plain decoding would see after the same tokens.
+the distribution plain decoding would see after the same tokens, and samples with the same key, so speculative
+output is plain output token for token, greedy or sampled, whatever was drafted. (A speculative config may ask
+for multi-round rejection sampling with the draft's q instead, `sampled_verification: "rejection"`: the same
+distribution, but the tokens then depend on the drafts.)
+
+Keyed verification loses nothing against rejection sampling for deterministic drafts (n-gram, suffix, heads'
+top-k trees): a node is kept with the target's probability of its token, and a node's children together with the
+sum of theirs, as rejection sampling with one-hot q gives. For sampled drafts the draft model samples with the same
+key on its own q (a coupling), which accepts about as often where q is close to p.
 """
 from __future__ import annotations
 
@@ -22,8 +32,8 @@ import torch
 
 from specdec.drafting import Draft
 from specdec.engine.sequence import Sequence
-from specdec.sampling import (Penalized, SamplingTensors, TokenLogprob, greedy_tokens, logits_to_probs, penalize,
-                              sample, token_logprobs)
+from specdec.sampling import (Penalized, SamplingTensors, TokenLogprob, greedy_tokens, keyed_sample, keyed_uniform,
+                              logits_to_probs, penalize, token_logprobs)
 from specdec.structured import mask_logits
 from specdec.tree import PAD, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
@@ -60,10 +70,12 @@ class Choice:
     top1: list[int] | None  # every row's argmax after penalties and masks, where it was computed
 
 
-def choose_tokens(seqs: list[Sequence], logits: torch.Tensor, drafts: StepDrafts, want_top1: bool = False) -> Choice:
+def choose_tokens(seqs: list[Sequence], logits: torch.Tensor, drafts: StepDrafts, want_top1: bool = False,
+                  rejection: bool = False) -> Choice:
     """Turn a step's logits [T, V] (sequence i's 1 + n_i rows after one another) into the tokens each sequence
     emits. Penalties and masks are applied to `logits` in place. want_top1: return every row's argmax too (a
-    drafter that watches the target's guesses)."""
+    drafter that watches the target's guesses). rejection: verify sampled requests' drafts by multi-round
+    rejection sampling instead of against the target's keyed samples."""
     counts = drafts.counts
     starts = list(itertools.accumulate((1 + n for n in counts), initial=0))  # sequence i's rows: starts[i]..
     asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None for r in range(starts[i], starts[i + 1])]
@@ -74,7 +86,7 @@ def choose_tokens(seqs: list[Sequence], logits: torch.Tensor, drafts: StepDrafts
     if any(s.grammar is not None for s in seqs):  # row j of a constrained sequence: after node j's path
         top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy)
                                    for s, d, p in zip(seqs, drafts.tokens, drafts.parents)])
-    result = _verify(seqs, drafts, logits, top)
+    result = _verify_rejection(seqs, drafts, logits, top) if rejection else _verify(seqs, drafts, logits, top)
     logprobs: list[list[TokenLogprob] | None] = [None] * len(seqs)
     if raw is not None:
         raw_row = {r: k for k, r in enumerate(asked)}
@@ -101,26 +113,57 @@ def penalty_rows(seqs: list[Sequence], drafted: list[list[int]], parents: list[l
     return out
 
 
-def plain_result(tokens: torch.Tensor) -> VerifyResult:
-    """The verification result of a step without drafts: one sampled token per sequence."""
-    B = tokens.shape[0]
-    zeros = torch.zeros(B, dtype=torch.long)
-    return VerifyResult([[] for _ in range(B)], [[t] for t in tokens.tolist()], zeros, zeros - 1, tokens)
+def row_levels(parents: list[int]) -> list[int]:
+    """How many tokens after the sequence's committed ones each of its rows predicts from: 0 for the first row,
+    then each draft node's depth (a child of the last committed token: 1)."""
+    levels = [0]
+    for parent in parents:
+        levels.append(levels[parent + 1] + 1)
+    return levels
+
+
+def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor,
+                  top: list[int] | None) -> torch.Tensor:
+    """The target's own token at every row [T], on the logits' device: greedy rows its argmax (`top`, when masking
+    computed it), sampled rows its keyed sample, keyed by the request's seed and the output position the row
+    predicts."""
+    ids = torch.tensor(top, device=logits.device) if top is not None else greedy_tokens(logits)
+    if all(s.params.greedy for s in seqs):
+        return ids
+    rows, owners, uniforms, start = [], [], [], 0
+    for i, seq in enumerate(seqs):
+        n = 1 + len(drafts.tokens[i])
+        if not seq.params.greedy:
+            position = len(seq.token_ids) - seq.num_prompt_tokens  # the output position row 0 predicts
+            rows += range(start, start + n)
+            owners += [i] * n
+            uniforms += [keyed_uniform(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
+        start += n
+    st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
+    index = torch.tensor(rows, device=logits.device)
+    ids = ids.clone()
+    ids[index] = keyed_sample(logits_to_probs(logits[index], st), uniforms)
+    return ids
 
 
 def _verify(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor, top: list[int] | None) -> VerifyResult:
-    """logits: [T, V], the rows of every sequence (`top`: their argmax, if known). A greedy batch of chains (every
-    plain greedy step, most speculative ones) is verified on host lists; trees and sampled requests on tensors."""
-    greedy = all(s.params.greedy for s in seqs)
-    if greedy and not drafts.any_tree:
-        return verify_greedy_chains(drafts.tokens, top if top is not None else greedy_tokens(logits).tolist())
-    counts = drafts.counts
-    N = max(counts)
-    if not greedy and N == 0:  # nobody drafted: a plain step, one sample per row (greedy rows take the argmax)
-        return plain_result(sample(logits, SamplingTensors.from_requests(seqs, logits.device)))
-    B, device, draft = len(seqs), logits.device, drafts.draft
-    # Drafts come from the host (n-gram, suffix, ...) or the device (model drafters): verification runs where
-    # the logits are, one upload of the draft, one copy of the result back (`verify._result`).
+    """Keep the draft nodes equal to the target's own token after their parent (`target_tokens`), then emit the
+    target's token after the last node kept: greedy verification, whatever the request samples. Chains on host
+    lists (one copy of the ids); trees on tensors (one upload of the draft, one copy of the result)."""
+    if not drafts.any_tree:
+        if top is not None and all(s.params.greedy for s in seqs):
+            return verify_greedy_chains(drafts.tokens, top)
+        return verify_greedy_chains(drafts.tokens, target_tokens(seqs, drafts, logits, top).tolist())
+    tokens, parents, rows = _padded(drafts, logits.device)
+    return verify_greedy(tokens, parents, target_tokens(seqs, drafts, logits, top)[rows.clamp(min=0)])
+
+
+def _padded(drafts: StepDrafts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+    """The drafts as padded tensors on `device`: tokens and parents [B, N], and the logits row of each (sequence,
+    node + 1) [B, N + 1] (-1: padding). Drafts come from the host (n-gram, suffix, ...) or the device (model
+    drafters): verification runs where the logits are, and copies its result back once (`verify._result`)."""
+    counts, draft = drafts.counts, drafts.draft
+    B, N = len(counts), max(counts)
     tokens = draft.tokens[:, :N].to(device)
     real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
     parents = torch.where(real, draft.parents[:, :N].cpu(), PAD).to(device)
@@ -129,10 +172,19 @@ def _verify(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor, top:
     for i, n in enumerate(counts):
         rows[i, : n + 1] = torch.arange(start, start + n + 1)
         start += n + 1
-    rows = rows.to(device)
-    if greedy:
-        return verify_greedy(tokens, parents, greedy_tokens(logits)[rows.clamp(min=0)])  # target ids [B, N + 1]
+    return tokens, parents, rows.to(device)
+
+
+def _verify_rejection(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor,
+                      top: list[int] | None) -> VerifyResult:
+    """Multi-round rejection sampling for sampled requests (`verify.verify`, with the draft's q where it sampled);
+    greedy batches as `_verify`. The output keeps the target's distribution; its tokens depend on the drafts."""
+    greedy = all(s.params.greedy for s in seqs)
+    if greedy or max(drafts.counts) == 0:
+        return _verify(seqs, drafts, logits, top)
+    tokens, parents, rows = _padded(drafts, logits.device)
+    counts, N = drafts.counts, tokens.shape[1]
     st = SamplingTensors.from_requests(seqs, logits.device)
     probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
-    q = draft.probs[:, :N].to(device) if draft.probs is not None else None
+    q = drafts.draft.probs[:, :N].to(logits.device) if drafts.draft.probs is not None else None
     return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)
