@@ -104,8 +104,8 @@ def build_parser() -> argparse.ArgumentParser:
                    "interleaved prompt by prompt")
     b.add_argument("--threads", type=int, default=None, help="torch intra-op threads (default: torch's choice)")
     b.add_argument("--temperature", type=float, default=0.0,
-                   help="0: greedy (default); above 0 every prompt samples with a fixed seed, so speculative and "
-                   "plain outputs differ by design and only speed is compared")
+                   help="0: greedy (default); above 0 every prompt samples with a fixed seed (speculative output "
+                   "equals plain output under keyed verification, the default sampled_verification)")
     b.add_argument("--serve", action="store_true",
                    help="load-test `specdec serve` over HTTP instead: plain vs --speculative-config at each "
                    "--concurrency level (writes JSON and a PNG plot)")

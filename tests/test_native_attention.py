@@ -155,16 +155,32 @@ def test_logprob_rows_are_torchs_log_softmax_and_topk(isa):
     assert ids[1].tolist() == [3, 40000] and torch.allclose(ref[1, 3], ref[1, 40000])
 
 
-def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load():
+def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_path, monkeypatch):
     """torch's extension builder waits forever on its lock file; one left by a process killed mid-build
     used to hang every later load. Under specdec's own lock (released by the kernel when a process dies)
-    such a leftover is removed, and a fresh process loads the kernels."""
+    such a leftover is removed, and a fresh process builds and loads the kernels. In a cache of this test's own:
+    a lock file put in a shared one would hang whichever process builds there (about 30 s of building here)."""
     import subprocess
     import sys
 
-    native.ops()  # built, so the load below has nothing to compile
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec"))
     lock = native.cache_dir() / "lock"  # what torch's builder leaves when its process is killed
+    lock.parent.mkdir(parents=True)
     lock.touch()
     done = subprocess.run([sys.executable, "-c", "from specdec.models import native; native.ops(); print('loaded')"],
-                          capture_output=True, text=True, timeout=120)
-    assert done.stdout.strip() == "loaded" and not lock.exists()
+                          capture_output=True, text=True, timeout=600)
+    assert done.stdout.strip() == "loaded", done.stderr[-2000:]
+    assert not lock.exists() and list(lock.parent.glob("*.so"))
+
+
+def test_the_tests_keep_out_of_the_users_cache():
+    """What specdec caches on disk (kernels' builds, retrieval datastores, converted tokenizers: all under
+    $SPECDEC_CACHE) goes to the tests' own folder (conftest), not the user's ~/.cache/specdec."""
+    import os
+    from pathlib import Path
+
+    from specdec.drafting import retrieval
+
+    home = (Path.home() / ".cache").resolve()
+    for path in (Path(os.environ.get("SPECDEC_CACHE", home)), native.cache_dir(), retrieval.cache_dir()):
+        assert not path.resolve().is_relative_to(home), path

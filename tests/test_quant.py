@@ -124,7 +124,7 @@ def test_vector_paths_agree_bit_for_bit_and_the_scalar_path_within_rounding(name
 
 
 def test_every_path_quantizes_activations_to_the_same_integers():
-    """The AVX2 activation quantizer computes the scalar definition's values (quant.cpp), bit for bit: with a
+    """The AVX2 activation quantizer computes the scalar definition's values (activations.h), bit for bit: with a
     Q8_0 identity matrix (d = 1, one 1 per row) y is each activation's int8 times its block scale, exactly."""
     k = 256
     raw = np.zeros((k, k // 32, 34), np.uint8)

@@ -228,7 +228,11 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     plain = runs[0]
     plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
                                  plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
-    comparisons = [{**compare(other, plain), "sampled": params.temperature > 0}
+    def differs_by_design(method: str) -> bool:  # rejection sampling's tokens depend on the drafts; keyed ones do not
+        speculator = engines[("specdec", method)].engine.speculator
+        return params.temperature > 0 and speculator is not None and speculator.cfg.sampled_verification == "rejection"
+
+    comparisons = [{**compare(other, plain), "sampled": differs_by_design(other["config"]["method"])}
                    for other in runs[1:] if other["config"]["engine"] == "specdec"]
     # Against peers: our plain decoding, and every speculative configuration, over each peer's plain decoding.
     peers = [other for other in runs[1:] if other["config"]["engine"] != "specdec"]

@@ -82,8 +82,8 @@ def comparison_line(c: dict) -> str:
     text = (f"{cand['engine']}/{cand['method']} vs {base['engine']}/{base['method']} ({cand['dtype']}, batch 1): "
             f"e2e {_num(c['e2e_speedup'], '.2f')}x, decode {_num(c['decode_speedup'], '.2f')}x, "
             f"TTFT {_num(c['ttft_speedup'], '.2f')}x; " + (
-                f"greedy token ids identical on {c['identical_prompts']}/{c['num_prompts']} prompts"
-                if not c.get("sampled") else "sampled: outputs differ from plain decoding by design"))
+                f"token ids identical on {c['identical_prompts']}/{c['num_prompts']} prompts"
+                if not c.get("sampled") else "rejection sampling: outputs differ from plain decoding by design"))
     if c["divergences"] and not c.get("sampled"):
         text += " (first divergence: " + ", ".join(f"#{d['index']} at token {d['position']}"
                                                    for d in c["divergences"]) + ")"

@@ -30,8 +30,10 @@ import platform
 from functools import lru_cache
 from pathlib import Path
 
+from specdec.config import cache_root
+
 CSRC = Path(__file__).resolve().parent / "csrc"
-SOURCE = CSRC / "quant.cpp"  # includes the headers beside it
+SOURCE = CSRC / "bindings.cpp"  # the one translation unit: includes every header beside it
 FLAGS = ["-O3", "-ffp-contract=off", "-fno-math-errno", "-std=c++17", "-fopenmp"]  # every ISA's, then its own
 ISA_ENV = "SPECDEC_ISA"  # the process's default ISA
 
@@ -107,7 +109,7 @@ def build_key(isa: str | None = None) -> str:
 
 def cache_dir(isa: str | None = None) -> Path:
     """Where the build of these sources for this CPU and instruction set lives."""
-    return Path(os.environ.get("SPECDEC_CACHE", Path.home() / ".cache" / "specdec")) / "kernels" / build_key(isa)
+    return cache_root() / "kernels" / build_key(isa)
 
 
 @lru_cache(maxsize=None)

@@ -14,7 +14,7 @@
 //     crumbs   64 bytes    byte 32c + 4i + b, bits 2k, 2k + 1: bits 4-5 of weight 4(c + 2k) + b of row i (Q6_K)
 //     bytes    256 bytes   byte 32e + 4i + b: weight 4e + b of row i
 //   so u[e] (e = 0..7) = the 8 rows' weights 4e..4e+3 in the 8 lanes, and one broadcast of 4 activation bytes
-//   multiplies all 8 rows at once (quant.cpp). KIND says how a value u becomes a weight:
+//   multiplies all 8 rows at once (gemm.h). KIND says how a value u becomes a weight:
 //     K_MIN     w = scale * u + minimum              (Q4_1, Q5_1, Q4_K, Q5_K)
 //     K_OFFSET  w = scale * (u - OFFSET)             (Q4_0, Q5_0)
 //     K_SIGNED  w = scale * u, u int8                (Q8_0, IQ4_NL, IQ4_XS)

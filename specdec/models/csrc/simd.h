@@ -21,7 +21,7 @@
 #if defined(__AVX512VNNI__) && defined(__AVX512VL__)
 #define SPECDEC_VNNI 1
 #define SPECDEC_DPBUSD(acc, u, s) _mm256_dpbusd_epi32(acc, u, s)
-// 512-bit registers too: two groups of 8 weight rows per vector (quant.cpp's x16 tiles), 32 registers for tiles of
+// 512-bit registers too: two groups of 8 weight rows per vector (gemm.h's x16 tiles), 32 registers for tiles of
 // up to 8 activation rows. Each lane still runs the 256-bit path's operations, so the bits are the same.
 #if defined(__AVX512F__) && defined(__AVX512BW__) && defined(__AVX512DQ__)
 #define SPECDEC_AVX512 1

@@ -1,0 +1,201 @@
+// The transformer built from gemm.h's products and attention.h's attention: RMSNorm, SiLU-gated MLP, rotary
+// embedding and q/k norms, the fused decoder layer for a step's tokens (writing their keys and values into the
+// paged pools, StepLayout saying where), and Stack, the whole model's layers in one call. Kept apart from the
+// GEMM so the model's structure reads on its own.
+#pragma once
+#include "gemm.h"
+#include "attention.h"
+
+namespace {
+
+// ---------------------------------------------------------------------------------------------------------
+// The fused decoder layer for a few tokens (decode and verification), in place on x [T, H].
+// ---------------------------------------------------------------------------------------------------------
+
+void rms_norm_rows(const float* x, const float* w, float eps, int64_t T, int64_t H, float* out) {
+  for (int64_t t = 0; t < T; t++) {
+    const float* xr = x + t * H;
+    float ss = dot_f32(xr, xr, H);
+    float inv = 1.f / std::sqrt(ss / (float)H + eps);
+    for (int64_t i = 0; i < H; i++) out[t * H + i] = w[i] * (xr[i] * inv);
+  }
+}
+
+struct Layer {
+  torch::Tensor ln1, qkv_b, q_norm, k_norm, ln2;  // float32 (absent ones empty: ln1 for a layer without input norm)
+  QMatrix qkv, o, gate_up, down;
+  int64_t n_heads, n_kv, head_dim;
+  double eps;
+};
+
+// out[i] = silu(g[i]) * g[inter + i] (the gate and up halves of one row), the same lanes for every row.
+void silu_mul(const float* g, int64_t inter, float* out) {
+  int64_t i = 0;
+#ifdef SPECDEC_AVX2
+  const __m256 one = _mm256_set1_ps(1.f), lim = _mm256_set1_ps(88.f);
+  for (; i + 8 <= inter; i += 8) {
+    __m256 x = _mm256_loadu_ps(g + i);
+    __m256 e = exp_ps(_mm256_min_ps(_mm256_sub_ps(_mm256_setzero_ps(), x), lim));  // exp(-x), finite
+    _mm256_storeu_ps(out + i, _mm256_mul_ps(_mm256_div_ps(x, _mm256_add_ps(one, e)), _mm256_loadu_ps(g + inter + i)));
+  }
+#endif
+  for (; i < inter; i++) out[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
+}
+
+void rope_and_qk_norm(float* qkv, int64_t T, const Layer& L, const float* cos, const float* ssin) {
+  const int64_t D = L.head_dim, heads = L.n_heads + 2 * L.n_kv, half = D / 2;
+  std::vector<float> tmp(D);
+  for (int64_t t = 0; t < T; t++) {
+    for (int64_t h = 0; h < L.n_heads + L.n_kv; h++) {  // q and k heads; v is left alone
+      float* x = qkv + (t * heads + h) * D;
+      if (L.q_norm.numel() > 0) {
+        const float* w = (h < L.n_heads ? L.q_norm : L.k_norm).data_ptr<float>();
+        rms_norm_rows(x, w, (float)L.eps, 1, D, x);
+      }
+      std::memcpy(tmp.data(), x, D * sizeof(float));
+      const float *c = cos + t * D, *sn = ssin + t * D;  // rotate_half: the partner of d is d + half (mod D)
+      for (int64_t d = 0; d < half; d++) x[d] = tmp[d] * c[d] + tmp[d + half] * sn[d];
+      for (int64_t d = half; d < D; d++) x[d] = tmp[d] * c[d] + tmp[d - half] * sn[d];
+    }
+  }
+}
+
+// The pools' element type: float32, or f16 (half the bytes per key; the native target's own pools).
+template <class Fn>
+auto with_kv(const torch::Tensor& k_pool, const torch::Tensor& v_pool, Fn&& fn) {
+  TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && k_pool.is_contiguous() && v_pool.is_contiguous(),
+              "K and V pools must be contiguous and of one dtype");
+  if (k_pool.dtype() == torch::kFloat16)
+    return fn((uint16_t*)k_pool.data_ptr(), (uint16_t*)v_pool.data_ptr());
+  TORCH_CHECK(k_pool.dtype() == torch::kFloat32, "K/V pools must be float32 or float16, got ", k_pool.dtype());
+  return fn(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
+}
+
+// Where the step's tokens go and what each query sees (one per forward: every layer shares it).
+struct StepLayout {
+  const int64_t* slot_mapping;
+  const int64_t* context_slots;
+  int64_t Lk;
+  Visible vis;
+};
+
+StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& context_slots, const torch::Tensor& mask,
+                       const torch::Tensor& query_starts) {
+  TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && context_slots.dtype() == torch::kInt64 &&
+              query_starts.dtype() == torch::kInt64 && mask.dtype() == torch::kBool && slot_mapping.is_contiguous() &&
+              context_slots.is_contiguous() && mask.is_contiguous() && query_starts.is_contiguous(),
+              "attention metadata must be contiguous int64 slots / query starts and a bool mask");
+  const int64_t B = query_starts.size(0) - 1, Lk = context_slots.size(1);
+  return {slot_mapping.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(), Lk,
+          visible_lists(context_slots.data_ptr<int64_t>(), Lk, mask.data_ptr<bool>(), mask.size(1),
+                        query_starts.data_ptr<int64_t>(), B)};
+}
+
+void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
+                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale) {
+  const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
+  const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
+  // per calling thread, grown as needed and never cleared (every element is written before it is read): no
+  // allocation or zero fill per layer
+  static thread_local std::vector<float> h_buf, qkv_buf, attn_buf, out_buf;
+  static thread_local QAct qx;
+  float* h = grow(h_buf, T * std::max(H, inter));
+  float* qkv = grow(qkv_buf, T * W);
+  float* attn = grow(attn_buf, T * Hq * D);
+  float* out = grow(out_buf, T * std::max(H, 2 * inter));
+
+  if (L.ln1.numel() > 0) rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+  else std::memcpy(h, xp, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
+  matmul(L.qkv, h, T, H, qx, qkv, W);
+  if (L.qkv_b.numel() > 0) {
+    const float* bias = L.qkv_b.data_ptr<float>();
+    for (int64_t t = 0; t < T; t++)
+      for (int64_t i = 0; i < W; i++) qkv[t * W + i] += bias[i];
+  }
+  rope_and_qk_norm(qkv, T, L, cos, ssin);
+  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    for (int64_t t = 0; t < T; t++) {  // the new keys and values go in first: queries see themselves
+      narrow(qkv + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+      narrow(qkv + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+    }
+    attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn);
+    return 0;
+  });
+
+  matmul(L.o, attn, T, Hq * D, qx, out, H);
+  for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
+
+  rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
+  matmul(L.gate_up, h, T, H, qx, out, 2 * inter);
+  for (int64_t t = 0; t < T; t++) silu_mul(out + t * 2 * inter, inter, h + t * inter);
+  matmul(L.down, h, T, inter, qx, out, H);
+  for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
+}
+
+void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t D) {
+  TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, H]");
+  TORCH_CHECK(cos.dtype() == torch::kFloat32 && ssin.dtype() == torch::kFloat32 && cos.is_contiguous() &&
+              ssin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == D && ssin.sizes() == cos.sizes(),
+              "rotary tables must be contiguous float32 [T, head_dim]");
+}
+
+// The attention alone (queries q [T, Hq, D] over pools already holding every visible key): what the layers run
+// between their QKV and O projections, for the tests.
+torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
+                           const torch::Tensor& context_slots, const torch::Tensor& mask,
+                           const torch::Tensor& query_starts, double scale) {
+  TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, Hq, D]");
+  TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2) &&
+              q.size(1) % k_pool.size(1) == 0, "pools must be [slots, Hkv, D] with Hq a multiple of Hkv");
+  StepLayout step = step_layout(context_slots.new_empty({0}), context_slots, mask, query_starts);
+  TORCH_CHECK(step.vis.T == q.size(0), "query_starts covers ", step.vis.T, " queries, q has ", q.size(0));
+  auto out = torch::empty_like(q);
+  const int64_t Hq = q.size(1), D = q.size(2);
+  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    attention(q.data_ptr<float>(), Hq * D, Hq, k_pool.size(1), D, kp, vp, step.context_slots, step.Lk, step.vis,
+              (float)scale, out.data_ptr<float>());
+    return 0;
+  });
+  return out;
+}
+
+// One layer in place on x [T, H] (a draft head's layer).
+void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+                   torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
+                   const torch::Tensor& context_slots, const torch::Tensor& mask, const torch::Tensor& query_starts,
+                   double scale) {
+  check_rows(x, cos, ssin, L.head_dim);
+  StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+  decoder_layer(L, x.data_ptr<float>(), x.size(0), x.size(1), cos.data_ptr<float>(), ssin.data_ptr<float>(), k_pool,
+                v_pool, step, scale);
+}
+
+// The first num_layers layers in order, in place on x; returns the final norm of the result, then x after each layer
+// listed in `capture`.
+struct Stack {
+  std::vector<Layer> layers;
+  torch::Tensor norm;  // the final RMSNorm's weight [H]
+  double eps;
+  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+                                     const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
+                                     const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
+                                     const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
+                                     int64_t num_layers, const std::vector<int64_t>& capture) const {
+    TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers &&
+                (int64_t)v_pools.size() >= num_layers, "too few layers or pools");
+    check_rows(x, cos, ssin, layers.empty() ? 0 : layers[0].head_dim);
+    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+    const int64_t T = x.size(0), H = x.size(1);
+    std::vector<torch::Tensor> out(1);
+    for (int64_t i = 0; i < num_layers; i++) {
+      decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
+                    const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), step, scale);
+      if (std::find(capture.begin(), capture.end(), i) != capture.end()) out.push_back(x.clone());
+    }
+    out[0] = torch::empty_like(x);
+    rms_norm_rows(x.data_ptr<float>(), norm.data_ptr<float>(), (float)eps, T, H, out[0].data_ptr<float>());
+    return out;
+  }
+};
+
+}  // namespace
