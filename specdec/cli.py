@@ -8,7 +8,6 @@ import sys
 from pathlib import Path
 
 from specdec.config import SpecdecError
-
 from specdec.drafting.registry import registered_methods
 from specdec.models.loader import DEFAULT_MODEL
 
@@ -232,8 +231,8 @@ def structured_output_arg(args: argparse.Namespace) -> dict | None:
 
 
 def cmd_generate(args: argparse.Namespace) -> None:
-    from specdec.llm import LLM
     from specdec.config import SamplingParams
+    from specdec.llm import LLM
 
     params = SamplingParams(temperature=args.temperature, top_p=args.top_p, top_k=args.top_k, min_p=args.min_p,
                             seed=args.seed, max_tokens=args.max_tokens, structured_output=structured_output_arg(args))
@@ -260,8 +259,8 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
-    from specdec.training import distill
     from specdec.llm import LLM
+    from specdec.training import distill
 
     out = args.out or Path(__file__).resolve().parent / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
     llm = LLM(args.model, speculative_config="off")

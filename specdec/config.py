@@ -51,7 +51,7 @@ class ModelConfig:
     eos_token_id: int | list[int] | None = None
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> "ModelConfig":
+    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
         """Build from a Hugging Face config.json dict; refuses architectures we do not implement."""
         model_type = hf.get("model_type")
         if model_type not in SUPPORTED_MODEL_TYPES:

@@ -4,14 +4,14 @@ from __future__ import annotations
 import os
 import re
 import sys
-from collections.abc import Iterator, Sequence as Seq
+from collections.abc import Iterator
+from collections.abc import Sequence as Seq
 from typing import Any
 
 import torch
 from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
-
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.engine.llm_engine import LLMEngine, RequestOutput
 from specdec.engine.parallel import Workers, launched_by_torchrun
@@ -126,7 +126,7 @@ class LLM:
         if self.workers is not None:
             self.workers.close()
 
-    def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> "LLM":
+    def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> LLM:
         """Another LLM over the same weights and tokenizer, with its own engine and speculation settings
         (how `bench` compares speculative and plain decoding of one model side by side). None means what it
         means for `LLM(...)`: the built-in model's tuned default; "off": no speculation."""

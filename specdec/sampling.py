@@ -34,7 +34,7 @@ class SamplingTensors:
 
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
-                    device: torch.device | str = "cpu") -> "SamplingTensors":
+                    device: torch.device | str = "cpu") -> SamplingTensors:
         def t(values, dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
@@ -52,11 +52,11 @@ class SamplingTensors:
         )
 
     @classmethod
-    def from_requests(cls, requests: Sequence[Any], device: torch.device | str = "cpu") -> "SamplingTensors":
+    def from_requests(cls, requests: Sequence[Any], device: torch.device | str = "cpu") -> SamplingTensors:
         """From anything with `.params` and `.generator` (sequences, draft requests)."""
         return cls.from_params([r.params for r in requests], [r.generator for r in requests], device)
 
-    def select(self, rows: list[int]) -> "SamplingTensors":
+    def select(self, rows: list[int]) -> SamplingTensors:
         """The parameters of rows `rows` (one row per draft position when verifying)."""
         index = torch.tensor(rows, device=self.temperature.device)
         return SamplingTensors(self.temperature[index], self.top_k[index], self.top_p[index], self.min_p[index],
@@ -251,10 +251,12 @@ def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
 
 
 # ---- position-keyed sampling -------------------------------------------------------------------------------
-# A sampled request draws the token at output position t by inverse CDF with a uniform keyed by (its seed, t):
-# the first token whose cumulative probability exceeds u(seed, t) times the row's total. The draw depends on the
-# processed distribution and the key alone, never on the batch, the step or the drafts, so a speculative step
-# that keeps a draft token exactly when it equals the target's own keyed sample emits plain decoding's tokens.
+# A sampled request draws the token at output position t by the exponential race over its processed distribution,
+# argmax p / E, with the noise E ~ Exp(1) [V] drawn from a generator seeded by a key of (its seed, t). The draw
+# depends on the distribution and the key alone, never on the batch, the step or the drafts, so a speculative step
+# that keeps a draft token exactly when it equals the target's own keyed sample emits plain decoding's tokens. A
+# drafter that samples with the same key on its own q agrees with the target as often as the Gumbel-max coupling
+# gives (close to 1 - TV(p, q); an inverse-CDF draw with a shared uniform agreed far less often, measured).
 _MASK64 = (1 << 64) - 1
 
 
@@ -265,17 +267,25 @@ def _splitmix64(x: int) -> int:
     return x ^ (x >> 31)
 
 
-def keyed_uniform(seed: int, position: int) -> float:
-    """u in (0, 1) for a request's seed and an output position: splitmix64 of the seed, mixed with the position
-    and mixed again, its top 53 bits (every u is a multiple of 2^-53 plus half a step, so never 0 or 1)."""
-    x = _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64))
-    return ((x >> 11) + 0.5) / float(1 << 53)
+def sampling_key(seed: int, position: int) -> int:
+    """The generator seed of a request's noise at one output position: splitmix64 of its seed, mixed with the
+    position and mixed again (63 bits)."""
+    return _splitmix64(_splitmix64(seed & _MASK64) ^ (position & _MASK64)) >> 1
 
 
-def keyed_sample(probs: torch.Tensor, uniforms: list[float]) -> torch.Tensor:
-    """One token per row of probs [R, V] (unnormalized is fine) by inverse CDF at uniforms[r]: the first token whose
-    cumulative probability exceeds u times the row's total, in float64. A token of probability 0 is never chosen.
-    Returns [R] long, on probs' device."""
-    cdf = probs.double().cumsum(-1)  # [R, V]
-    x = torch.tensor(uniforms, dtype=torch.float64, device=probs.device) * cdf[:, -1]  # [R], below each total
-    return torch.searchsorted(cdf, x[:, None], right=True).squeeze(1).clamp(max=probs.shape[-1] - 1)
+def keyed_noise(keys: list[int], width: int, device: torch.device | str = "cpu") -> torch.Tensor:
+    """E ~ Exp(1) of shape [len(keys), width], row r from a generator seeded with keys[r] (on `device`: the same
+    bits for a key wherever the row sits in a batch), kept above 0 so a zero probability stays out of reach."""
+    noise = torch.empty(len(keys), width, device=device)
+    if noise.device.type == "meta":  # shapes only (the device checks' engine): no data to draw
+        return noise
+    g = torch.Generator(device=device)
+    for row, key in zip(noise, keys):
+        row.exponential_(generator=g.manual_seed(key))
+    return noise.clamp_(min=torch.finfo(noise.dtype).tiny)
+
+
+def keyed_sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
+    """One token per row of probs [R, V] (unnormalized is fine): argmax of p / E with the row's keyed noise. A token
+    of probability 0 is never chosen. Returns [R] long, on probs' device."""
+    return greedy_tokens(probs / keyed_noise(keys, probs.shape[-1], probs.device))

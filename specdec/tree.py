@@ -109,7 +109,7 @@ class TreeFeed:
     visible: torch.Tensor  # [rows, span] bool
 
     @classmethod
-    def verification(cls, parents: list[int]) -> "TreeFeed":
+    def verification(cls, parents: list[int]) -> TreeFeed:
         """Rows [last committed token, n draft nodes] with the nodes' parents (-1 = the last token): slots in
         node order, positions by depth, each node seeing its ancestors and the last token."""
         p = torch.tensor([parents], dtype=torch.long)
@@ -120,7 +120,7 @@ class TreeFeed:
         return cls(list(range(n + 1)), [0] + depths(p)[0].tolist(), visible)
 
     @classmethod
-    def level(cls, parents: list[int], nodes: list[int]) -> "TreeFeed":
+    def level(cls, parents: list[int], nodes: list[int]) -> TreeFeed:
         """Draft nodes `nodes` of a tree whose slots follow the last committed token (start = its slot + 1;
         the nodes' ancestors are already cached there): how a drafter grows a tree one level per forward."""
         p = torch.tensor([parents], dtype=torch.long)

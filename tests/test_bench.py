@@ -5,8 +5,8 @@ import json
 from pathlib import Path
 
 import pytest
-
 from conftest import save_tiny_model
+
 from specdec.bench import prompts as prompt_sets
 from specdec.cli import main
 

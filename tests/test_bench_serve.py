@@ -5,9 +5,9 @@ import json
 
 import pytest
 
+from specdec.bench.serve import RequestResult, parse_levels, percentile, summarize_level
 from specdec.cli import main
 from specdec.config import SpecdecError
-from specdec.bench.serve import RequestResult, parse_levels, percentile, summarize_level
 
 
 def test_percentiles_and_level_summary():

@@ -6,10 +6,10 @@ from __future__ import annotations
 from collections.abc import Iterator
 
 import pytest
-
 from conftest import needs_default_model
-from specdec import LLM
 from test_server import Served, serving
+
+from specdec import LLM
 
 langchain_openai = pytest.importorskip("langchain_openai", reason="missing piece: pip install langchain-openai")
 from langchain_core.messages import HumanMessage, ToolMessage  # noqa: E402
@@ -39,7 +39,7 @@ class Person(BaseModel):
     age: int = Field(description="the person's age in years")
 
 
-def chat(served: Served, **kw) -> "langchain_openai.ChatOpenAI":
+def chat(served: Served, **kw) -> langchain_openai.ChatOpenAI:
     return langchain_openai.ChatOpenAI(base_url=f"{served.url}/v1", api_key="unused", model=MODEL, temperature=0,
                                        max_tokens=100, max_retries=0, **kw)
 

@@ -8,8 +8,8 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-
 from conftest import assert_logprobs_equal, needs_default_model, sequence_inputs
+
 from specdec import LLM, SamplingParams
 from specdec.models.loader import HEADS_DIR, resolve
 from specdec.models.quant import QuantWeight

@@ -5,8 +5,8 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import save_tiny_model
+
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.training import distill
 

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import assert_greedy_equal, save_tiny_model
+
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft
 from specdec.drafting.ngram import NgramIndex

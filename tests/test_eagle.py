@@ -7,8 +7,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import assert_greedy_equal, save_tiny_model
+
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.models.eagle import EagleHead
 from specdec.training.train import target_outputs

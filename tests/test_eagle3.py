@@ -6,8 +6,8 @@ import json
 
 import pytest
 import torch
-
 from conftest import NEAR_TIE, assert_greedy_equal, save_tiny_model
+
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.eagle import EagleDrafter
 from specdec.models.eagle3 import Eagle3Head

@@ -12,10 +12,10 @@ import gguf
 import numpy as np
 import pytest
 import torch
+from conftest import MISSING
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from conftest import MISSING
 from specdec.models.gguf import load_gguf
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"

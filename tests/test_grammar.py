@@ -11,14 +11,13 @@ import sys
 
 import pytest
 import torch
-from jsonschema import validate
-
-from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
 from conftest import MISSING, needs_default_model
-from specdec.structured import BACKEND_ENV, apply_bitmask, grammar_backend, mask_logits
-from specdec.structured import compiler_for
+from jsonschema import validate
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
+
+from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
+from specdec.structured import BACKEND_ENV, apply_bitmask, compiler_for, grammar_backend, mask_logits
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
                                            "age": {"type": "integer", "minimum": 0, "maximum": 120},

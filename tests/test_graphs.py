@@ -6,8 +6,8 @@ import logging
 
 import pytest
 import torch
-
 from conftest import needs_native, save_tiny_model
+
 from specdec import LLM, SamplingParams
 from specdec.engine.graphs import GraphRunner, bucket, context_bucket
 from specdec.kv_cache import BlockTable

@@ -3,13 +3,13 @@ never depends on it (greedy identity, sampled distribution with mixed sources)."
 from __future__ import annotations
 
 import pytest
-
-from specdec import LLM, SpecdecError
-from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting.base import Draft, DraftRequest, Drafter
-from specdec.drafting.hybrid import HybridDrafter
 from test_drafters import GREEDY, PROMPTS, other_draft_dir, reference, target_dir  # noqa: F401 (module fixtures)
 from test_retrieval import assert_first_step_follows_plain, likely_corpus, private_cache  # noqa: F401
+
+from specdec import LLM, SpecdecError
+from specdec.drafting.base import Draft, Drafter, DraftRequest
+from specdec.drafting.hybrid import HybridDrafter
+from specdec.drafting.registry import SpeculativeConfig
 
 
 class Fixed(Drafter):

@@ -6,8 +6,8 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import needs_native
+
 from specdec.models import kernels, native
 
 pytestmark = needs_native

@@ -3,8 +3,8 @@ from __future__ import annotations
 
 import pytest
 import torch
-
 from conftest import sequence_inputs
+
 from specdec import LLM, SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence

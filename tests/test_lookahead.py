@@ -2,12 +2,12 @@
 from __future__ import annotations
 
 import pytest
+from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
+from test_retrieval import assert_first_step_follows_plain
 
 from specdec import LLM, SpecdecError
 from specdec.drafting.base import DraftRequest
 from specdec.drafting.lookahead import LookaheadDrafter, NgramPool
-from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
-from test_retrieval import assert_first_step_follows_plain
 
 
 def test_pool_keeps_the_most_recent_distinct_continuations_per_first_token():

@@ -6,8 +6,8 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-
 from conftest import assert_greedy_equal, save_tiny_model
+
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import DraftRequest
 from specdec.drafting.medusa import MedusaDrafter

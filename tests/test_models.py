@@ -4,8 +4,8 @@ from __future__ import annotations
 import pytest
 import torch
 import transformers
-
 from conftest import save_tiny_model, sequence_inputs
+
 from specdec.config import SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence

@@ -7,8 +7,8 @@ from functools import lru_cache
 
 import pytest
 import torch
-
 from conftest import needs_native
+
 from specdec.kv_cache import paged_inputs
 from specdec.models import kernels, native
 from specdec.tree import TreeFeed

@@ -5,8 +5,8 @@ import time
 
 import pytest
 import torch
-
 from conftest import NEAR_TIE, assert_greedy_equal, needs_default_model
+
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.loader import shipped_head

@@ -3,8 +3,8 @@
 from __future__ import annotations
 
 import pytest
-
 from conftest import assert_greedy_equal
+
 from specdec import LLM, SamplingParams
 from specdec.drafting import Draft, Drafter
 from specdec.kv_cache import BlockAllocator, BlockTable

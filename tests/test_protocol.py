@@ -9,10 +9,10 @@ from pathlib import Path
 
 import jsonschema
 import pytest
-
 from conftest import save_tiny_model
-from specdec import LLM, SamplingParams
 from test_server import MODEL, REPETITIVE, Served, serving, steps_held_until_abort
+
+from specdec import LLM, SamplingParams
 
 WEATHER = {"type": "object", "properties": {"city": {"type": "string", "maxLength": 12},
                                             "unit": {"enum": ["celsius", "fahrenheit"]}},

@@ -6,8 +6,8 @@ from __future__ import annotations
 import numpy as np
 import pytest
 import torch
-
 from conftest import needs_native
+
 from specdec.models import native
 from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
 from specdec.models.quantizers import quantize

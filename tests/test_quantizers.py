@@ -8,7 +8,8 @@ from __future__ import annotations
 
 import numpy as np
 import pytest
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from specdec.models import quantizers

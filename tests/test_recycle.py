@@ -4,11 +4,11 @@ from __future__ import annotations
 
 import pytest
 import torch
+from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.drafting.base import DraftRequest, Drafter
+from specdec.drafting.base import Drafter, DraftRequest
 from specdec.drafting.recycle import AdjacencyTable, RecycleDrafter, bfs_tree
-from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 
 def test_table_keeps_the_latest_candidates_and_trees_grow_breadth_first():

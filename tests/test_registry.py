@@ -14,8 +14,8 @@ import torch
 import specdec
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.config import EngineConfig
+from specdec.drafting import Draft, DraftEnv, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig, method_info, register_method, registered_methods
-from specdec.drafting import Draft, DraftEnv, DraftRequest, Drafter
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.scheduler import Scheduler
@@ -42,7 +42,7 @@ class EchoDrafter(Drafter):
         self.k, self.lag, self.seen_requests, self.seen_env = k, lag, [], None
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "EchoDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> EchoDrafter:
         drafter = cls(cfg.num_speculative_tokens, cfg.options.lag)
         drafter.seen_env = env
         return drafter
@@ -199,7 +199,7 @@ class SelfOptions:
 @register_method("self_layers_test", SelfOptions, runs_target_layers=True)
 class SelfLayersDrafter(EchoDrafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "SelfLayersDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> SelfLayersDrafter:
         return cls(cfg.num_speculative_tokens, 1)
 
 

@@ -15,16 +15,24 @@ import httpx
 import openai
 import pytest
 import ray
+from conftest import save_tiny_model
 from prometheus_client.parser import text_string_to_metric_families
 from ray import serve
 
-from conftest import save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.config import SpecdecError
-from specdec.serving.replicas import (APP_NAME, CHUNK_CHARS, PrefixTable, ReplicaSpec, build_app, preferred, prefix_keys,
-                              routing_text)
 from specdec.serving.api import ChatBody, CompletionBody
+from specdec.serving.replicas import (
+    APP_NAME,
+    CHUNK_CHARS,
+    PrefixTable,
+    ReplicaSpec,
+    build_app,
+    preferred,
+    prefix_keys,
+    routing_text,
+)
 
 SPEC = {"method": "ngram", "num_speculative_tokens": 3}
 SYSTEM = "You are a terse assistant. The quick brown fox jumps over the lazy dog. " * 6  # 438 characters

@@ -8,14 +8,14 @@ import random
 import numpy as np
 import pytest
 import torch
+from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
+from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import retrieval
 from specdec.drafting.base import DraftRequest
 from specdec.drafting.retrieval import Datastore, RetrievalDrafter, count_trie, suffix_array
 from specdec.drafting.suffix import grow
-from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
-from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
 
 @pytest.fixture(autouse=True)

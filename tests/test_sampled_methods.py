@@ -30,14 +30,14 @@ from __future__ import annotations
 
 import pytest
 import torch
-from safetensors.torch import load_file, save_file
-
 from conftest import save_tiny_model
-from specdec import LLM, SamplingParams
+from safetensors.torch import load_file, save_file
 from test_eagle import random_head as eagle_head
 from test_eagle3 import random_head as eagle3_head
 from test_medusa import random_heads as medusa_heads
 from test_speculative import MIN_P_VALUE, significance
+
+from specdec import LLM, SamplingParams
 
 N = 1500  # requests per run
 LIKELY = [40, 41, 42, 43]

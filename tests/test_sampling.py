@@ -7,9 +7,19 @@ import pytest
 import torch
 
 from specdec import LLM, SamplingParams
-from specdec.sampling import (Penalized, SamplingTensors, apply_min_p, apply_top_k, apply_top_p, keyed_sample,
-                              keyed_uniform, logits_to_probs,
-                              penalize, sample, sample_from_probs)
+from specdec.sampling import (
+    Penalized,
+    SamplingTensors,
+    apply_min_p,
+    apply_top_k,
+    apply_top_p,
+    keyed_sample,
+    logits_to_probs,
+    penalize,
+    sample,
+    sample_from_probs,
+    sampling_key,
+)
 
 INF = float("inf")
 
@@ -76,14 +86,14 @@ def test_keyed_sampling_draws_from_the_distribution(position):
     and pairs of positions of one seed are independent (one key per position, not per seed)."""
     p = torch.tensor([0.4, 0.25, 0.0, 0.2, 0.1, 0.04, 0.01]) * 3.0  # unnormalized, as a masked row
     n = 40_000
-    draws = keyed_sample(p.expand(n, 7), [keyed_uniform(seed, position) for seed in range(n)])
+    draws = keyed_sample(p.expand(n, 7), [sampling_key(seed, position) for seed in range(n)])
     counts = torch.bincount(draws, minlength=7).double()
     assert counts[2] == 0
     q = (p / p.sum()).double()
     kept = q > 0
     chi2 = (((counts[kept] - n * q[kept]) ** 2) / (n * q[kept])).sum().item()
     assert chi2 < 20.52
-    second = keyed_sample(p.expand(n, 7), [keyed_uniform(seed, position + 1) for seed in range(n)])
+    second = keyed_sample(p.expand(n, 7), [sampling_key(seed, position + 1) for seed in range(n)])
     joint = torch.bincount(draws * 7 + second, minlength=49).double().view(7, 7)
     expected = n * q[:, None] * q[None, :]
     big = expected > 20
@@ -92,14 +102,14 @@ def test_keyed_sampling_draws_from_the_distribution(position):
 
 
 def test_a_key_decides_its_token_alone():
-    """The same (seed, position) gives the same token in any row of any batch; the uniforms stay inside (0, 1)."""
+    """The same (seed, position) gives the same token in any row of any batch; keys are 63-bit generator seeds."""
     logits = torch.randn(5, 300, generator=torch.Generator().manual_seed(2))
     probs = torch.softmax(logits, -1)
-    alone = keyed_sample(probs[3:4], [keyed_uniform(42, 5)]).item()
-    batch = keyed_sample(probs[[0, 3, 1]], [keyed_uniform(1, 0), keyed_uniform(42, 5), keyed_uniform(9, 9)])
+    alone = keyed_sample(probs[3:4], [sampling_key(42, 5)]).item()
+    batch = keyed_sample(probs[[0, 3, 1]], [sampling_key(1, 0), sampling_key(42, 5), sampling_key(9, 9)])
     assert batch[1].item() == alone
-    assert all(0 < keyed_uniform(seed, pos) < 1 for seed in (0, -1, 2**70) for pos in (0, 1, 10**9))
-    assert keyed_uniform(3, 4) != keyed_uniform(4, 3) and keyed_uniform(3, 4) == keyed_uniform(3, 4)
+    assert all(0 <= sampling_key(seed, pos) < 2**63 for seed in (0, -1, 2**70) for pos in (0, 1, 10**9))
+    assert sampling_key(3, 4) != sampling_key(4, 3) and sampling_key(3, 4) == sampling_key(3, 4)
 
 
 def test_zero_probability_tokens_are_never_sampled():

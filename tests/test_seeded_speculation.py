@@ -10,11 +10,11 @@ held only because nothing was drafted, or nothing rejected, is ruled out by the 
 from __future__ import annotations
 
 import pytest
+from test_retrieval import token_file
+from test_sampled_methods import CHOICES, LIKELY, PROMPT, models, prior_target  # noqa: F401  (models: a fixture)
 
 from specdec import LLM, SamplingParams, StructuredOutput
 from specdec.engine import token_choice
-from test_retrieval import token_file
-from test_sampled_methods import CHOICES, LIKELY, PROMPT, models, prior_target  # noqa: F401  (models: a fixture)
 
 N = 16  # seeded requests per case
 MAX_TOKENS = 10
@@ -123,13 +123,13 @@ def test_keying_by_step_instead_of_position_breaks_the_equality(models, extras, 
     plain, heads = models
     spec = plain.with_speculative_config(config("ngram-chain", heads, extras), max_num_seqs=64)
     steps = {"n": 0}
-    keyed = token_choice.keyed_uniform
+    keyed = token_choice.sampling_key
 
-    def by_step(seed: int, position: int) -> float:
+    def by_step(seed: int, position: int) -> int:
         return keyed(seed, steps["n"])
 
     params = seeded(SAMPLINGS["t0.8-top_k"])
-    monkeypatch.setattr(token_choice, "keyed_uniform", by_step)
+    monkeypatch.setattr(token_choice, "sampling_key", by_step)
     for llm in (plain, spec):
         original = llm.engine.step
 

@@ -252,7 +252,7 @@ def test_concurrent_streams_with_cancellations_leak_nothing(spec, offline):
     async def one(client: httpx.AsyncClient, i: int) -> tuple[str, str | None] | None:
         async with client.stream("POST", f"{spec.url}/v1/completions", json=body(i)) as r:
             assert r.status_code == 200
-            text, chunks = "", 0
+            text, finish, chunks = "", None, 0
             async for line in r.aiter_lines():
                 if not line.startswith("data: "):
                     continue
@@ -799,8 +799,11 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
     import schemathesis
     from hypothesis import HealthCheck, given, settings
     from schemathesis.checks import not_a_server_error
-    from schemathesis.specs.openapi.checks import (content_type_conformance, response_schema_conformance,
-                                                   status_code_conformance)
+    from schemathesis.specs.openapi.checks import (
+        content_type_conformance,
+        response_schema_conformance,
+        status_code_conformance,
+    )
 
     app = create_app(LLM(str(tiny_llama_dir), max_num_seqs=4), served_model_name=MODEL, engine_thread=False,
                      limits=Limits(default_max_tokens=8))

@@ -8,9 +8,9 @@ import torch
 from conftest import accelerator_checks, assert_logprobs_equal
 
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.engine.scheduler import ScheduledBatch
+from specdec.drafting import Draft, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting import Draft, DraftRequest, Drafter
+from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.speculator import Speculator
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -433,7 +433,6 @@ def test_drafters_receive_the_targets_features_of_every_committed_token(tmp_path
     every committed token exactly once and in order (prefill rows, then the last token and the accepted
     drafts of every verification, trees included), equal to transformers' hidden states."""
     import transformers
-
     from conftest import save_tiny_model
 
     path = save_tiny_model(tmp_path, "llama", num_hidden_layers=4)

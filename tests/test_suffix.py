@@ -5,11 +5,11 @@ from __future__ import annotations
 import random
 
 import pytest
+from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 from specdec import LLM, SpecdecError
 from specdec.drafting.base import DraftRequest
 from specdec.drafting.suffix import SuffixDrafter, SuffixTrie, TextIndex, grow
-from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 
 def table(trie: SuffixTrie) -> dict[tuple[int, ...], int]:

@@ -7,10 +7,10 @@ from pathlib import Path
 
 import pytest
 import torch
+from conftest import MISSING
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType as T
 
-from conftest import MISSING
 from specdec.models.gguf import load_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))

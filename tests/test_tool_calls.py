@@ -5,10 +5,20 @@ from __future__ import annotations
 import json
 
 import pytest
-
 from conftest import needs_default_model
-from specdec.serving.tool_calls import (BEGIN, END, StreamParser, ToolError, Tools, call_text, constraint,
-                                        default_conversation, parse, parse_tools)
+
+from specdec.serving.tool_calls import (
+    BEGIN,
+    END,
+    StreamParser,
+    ToolError,
+    Tools,
+    call_text,
+    constraint,
+    default_conversation,
+    parse,
+    parse_tools,
+)
 
 FN = {"type": "function", "function": {"name": "add", "parameters": {
     "type": "object", "properties": {"a": {"type": "integer"}, "b": {"type": "integer"}}, "required": ["a", "b"]}}}
@@ -144,9 +154,10 @@ def test_the_default_model_calls_a_named_function_once(monkeypatch, backend):
     """What instructor's TOOLS mode and the OpenAI Agents SDK send: a named tool_choice, max_tokens to spare. The
     answer is exactly one call and finish_reason "tool_calls" (SmolLM2 would otherwise repeat the call until
     max_tokens: finish "length", an incomplete output)."""
+    from test_server import serving
+
     from specdec import LLM
     from specdec.structured import BACKEND_ENV
-    from test_server import serving
 
     monkeypatch.setenv(BACKEND_ENV, backend)  # read when the engine compiles its first grammar
     tool = {"type": "function", "function": {"name": "multiply", "description": "Multiply two integers.",

@@ -7,8 +7,8 @@ import random
 
 import pytest
 import torch
-
 from conftest import save_tiny_model
+
 from specdec import LLM
 from specdec.cli import main
 from specdec.kv_cache import KVPool

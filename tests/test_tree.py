@@ -4,8 +4,19 @@ from __future__ import annotations
 import pytest
 import torch
 
-from specdec.tree import (ancestor_mask, chain, depths, expand_step, full_tree, parse_tree_spec, positions,
-                          pruned_tree, root_to_leaf_paths, select_dynamic_tree, tree_from_choices)
+from specdec.tree import (
+    ancestor_mask,
+    chain,
+    depths,
+    expand_step,
+    full_tree,
+    parse_tree_spec,
+    positions,
+    pruned_tree,
+    root_to_leaf_paths,
+    select_dynamic_tree,
+    tree_from_choices,
+)
 
 CHAIN3 = [-1, 0, 1]
 #        0 - 1 - 3

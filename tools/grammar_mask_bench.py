@@ -16,9 +16,8 @@ import torch
 
 from specdec.bench.machine import cpu_model
 from specdec.config import StructuredOutput
-from specdec.structured import BACKEND_ENV
-from specdec.structured import compiler_for
 from specdec.models.loader import load_tokenizer, resolve
+from specdec.structured import BACKEND_ENV, compiler_for
 
 # object, array of strings, a nested object with a pattern, an enum
 SCHEMA = {"type": "object", "properties": {

@@ -56,9 +56,9 @@ def main() -> int:
 
     import lm_eval
     from lm_eval.tasks import TaskManager
+    from test_server import serving
 
     from specdec import LLM, SamplingParams
-    from test_server import serving
 
     spec = json.loads(args.speculative_config) if args.speculative_config else None
     served_llm, offline = LLM(args.model, speculative_config=spec), LLM(args.model, speculative_config="off")

@@ -37,15 +37,16 @@ import importlib.util
 import multiprocessing
 import time
 from collections import Counter
+from collections.abc import Callable
 from contextlib import nullcontext
 from dataclasses import dataclass, replace
 from functools import lru_cache
 from pathlib import Path
-from typing import Callable
 
 import numpy as np
 from gguf import GGUFReader, GGUFValueType, GGUFWriter, LlamaFileType
-from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType as T
+from gguf.constants import GGML_QUANT_SIZES
+from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from specdec.models.quantizers import quantize

@@ -235,7 +235,7 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
             "speedup": seconds["plain"] / seconds["speculative"]}
 
 
-def drive_sides(servers: dict[str, "ServerProcess"], level: dict, prompts: list[str], concurrency: int,
+def drive_sides(servers: dict[str, ServerProcess], level: dict, prompts: list[str], concurrency: int,
                 num_requests: int, max_tokens: int) -> dict[str, dict[int, str]]:
     """One concurrency level on every server, in two rounds of half the requests each (order A B C, then
     C B A, so drift over the run does not favour a side); each side's summary goes into `level`. Returns

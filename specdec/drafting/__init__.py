@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
 from specdec.drafting.registry import MethodInfo, SpeculativeConfig, method_info, register_method, registered_methods
 
 for _module in pkgutil.iter_modules(__path__):

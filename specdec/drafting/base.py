@@ -79,7 +79,7 @@ class DraftRequest:
     params: SamplingParams | None = None  # the request's sampling (drafters that sample use its temperature...)
     generator: torch.Generator | None = None  # its seeded generator, if any (rejection sampling's draws)
     # Keyed verification (`SpeculativeConfig.sampled_verification`): a drafter that samples draws the token at output
-    # position `position + j` with `sampling.keyed_uniform(sampling_seed, position + j)` on its own q, as the target
+    # position `position + j` with `sampling.sampling_key(sampling_seed, position + j)` on its own q, as the target
     # draws there (a coupling: where q is close to p the two agree). None: it samples with `generator`.
     sampling_seed: int | None = None
     position: int = 0  # the output position of the first draft token
@@ -95,7 +95,7 @@ class DraftRequest:
     # last committed token has none yet (the target computes it when it feeds that token next step). After a
     # prefix-cache hit the first call starts at the hit (`num_prefix_hit`): the cached blocks' features are
     # not recomputed, and the drafter's K/V over them (see `cached_prefix`) came from the cache.
-    features: "torch.Tensor | None" = None
+    features: torch.Tensor | None = None
     features_start: int = 0
 
 
@@ -109,12 +109,12 @@ class Draft:
     scores: torch.Tensor | None = None
 
     @classmethod
-    def chains(cls, proposals: list[list[int]]) -> "Draft":
+    def chains(cls, proposals: list[list[int]]) -> Draft:
         """Deterministic chains of different lengths, padded to the longest."""
         return cls.branches([[p] for p in proposals])
 
     @classmethod
-    def branches(cls, proposals: list[list[list[int]]]) -> "Draft":
+    def branches(cls, proposals: list[list[list[int]]]) -> Draft:
         """Deterministic trees made of chains hanging from the last committed token (one list of chains per
         sequence; a single chain is a plain chain)."""
         rows = []
@@ -129,7 +129,7 @@ class Draft:
 
     @classmethod
     def from_rows(cls, rows: list[tuple[list[int], list[int]] | tuple[list[int], list[int], list[float]]]
-                  ) -> "Draft":
+                  ) -> Draft:
         """Deterministic trees given as (tokens, parents) or (tokens, parents, scores) per sequence, padded to
         the largest (scores are kept when every row has them)."""
         B, N = len(rows), max((len(r[0]) for r in rows), default=0)
@@ -144,7 +144,7 @@ class Draft:
                 draft.scores[i, : len(tokens)] = torch.tensor(row[2], dtype=torch.float32)
         return draft
 
-    def spread(self, rows: list[int], batch_size: int) -> "Draft":
+    def spread(self, rows: list[int], batch_size: int) -> Draft:
         """This draft's rows as rows `rows` of a batch of `batch_size`, the others empty."""
         if rows == list(range(batch_size)):
             return self

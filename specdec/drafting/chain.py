@@ -15,10 +15,10 @@ from dataclasses import dataclass, field
 
 import torch
 
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest
 from specdec.kv_cache import KVPool
 from specdec.models.llama import LlamaModel
-from specdec.sampling import SamplingTensors, keyed_sample, keyed_uniform, logits_to_probs, sample_from_probs
+from specdec.sampling import SamplingTensors, keyed_sample, logits_to_probs, sample_from_probs, sampling_key
 
 
 @dataclass
@@ -99,7 +99,7 @@ class ChainDrafter(Drafter):
             return logits.argmax(-1), None
         q = logits_to_probs(logits, st)
         if all(r.sampling_seed is not None for r in requests):
-            return keyed_sample(q, [keyed_uniform(r.sampling_seed, r.position + step) for r in requests]), q
+            return keyed_sample(q, [sampling_key(r.sampling_seed, r.position + step) for r in requests]), q
         return sample_from_probs(q, st.generators), q
 
     def release(self, seq_id: int) -> None:

@@ -6,9 +6,8 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.config import SpecdecError
-
-from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv, Drafter
+from specdec.drafting.registry import SpeculativeConfig, register_method
 
 
 @dataclass

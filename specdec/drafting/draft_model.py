@@ -9,9 +9,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError
-
-from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv, check_quantization_name
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import TreeDrafter
 from specdec.models.loader import QUANTIZATIONS
 
@@ -45,7 +44,7 @@ class DraftModelDrafter(TreeDrafter):
     """Chains or trees from a draft LM with its own KV pool."""
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "DraftModelDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> DraftModelDrafter:
         from specdec.models.loader import load_model, load_tokenizer
 
         name, target = cfg.options.model, env.target

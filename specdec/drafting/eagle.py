@@ -25,8 +25,8 @@ from typing import ClassVar
 
 import torch
 
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
 from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.eagle import EagleHead
 from specdec.models.eagle3 import Eagle3Head
@@ -62,7 +62,7 @@ class EagleDrafter(Drafter):
         self.consumed: dict[int, tuple[int, int]] = {}  # seq_id -> (epoch, rows of final head K/V)
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "EagleDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> EagleDrafter:
         head = cfg.info.head.load_for(cfg.method, cfg.options.model, env.target)
         cfg.options.quantize(head)
         return cls(head, env, cfg.num_speculative_tokens)

@@ -35,9 +35,8 @@ import heapq
 from dataclasses import dataclass, field
 
 from specdec.config import SpecdecError
-
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_number
 from specdec.tree import PAD, ROOT
 
 
@@ -86,7 +85,7 @@ class HybridDrafter(Drafter):
     PROBE_EVERY = 8  # a source whose g(1) is under min_score drafts only this one step in so many
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "HybridDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> HybridDrafter:
         sources = []
         for src in cfg.options.sources:
             sub = SpeculativeConfig.parse(src)

@@ -10,9 +10,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError
-
-from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import TreeDrafter
 
 
@@ -29,7 +28,7 @@ class LayerSkipOptions:
                  runs_target_layers=True)  # the target's first layers: sharded under tensor parallelism
 class LayerSkipDrafter(TreeDrafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "LayerSkipDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> LayerSkipDrafter:
         num_layers, total = cfg.options.num_layers, env.target.config.num_hidden_layers
         if not 1 <= num_layers < total:
             raise SpecdecError(f"layer_skip num_layers={num_layers} must be in [1, {total - 1}] for a "

@@ -24,8 +24,8 @@ import random
 from collections import OrderedDict, deque
 from dataclasses import dataclass, field
 
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.tree import ROOT
 
 
@@ -81,7 +81,7 @@ class LookaheadDrafter(Drafter):
     observe_drafts = True
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "LookaheadDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> LookaheadDrafter:
         o = cfg.options
         return cls(cfg.num_speculative_tokens, o.lookahead_window, o.lookahead_ngram, o.lookahead_guesses,
                    o.lookahead_max_pool)

@@ -19,9 +19,8 @@ from typing import ClassVar
 import torch
 
 from specdec.config import SpecdecError
-
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, HeadOptions
 from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.medusa import MedusaHeads
 from specdec.tree import tree_shape
@@ -57,7 +56,7 @@ class MedusaDrafter(Drafter):
         self.feature_layers = (target.config.num_hidden_layers - 1,)  # the last layer, pre-norm
 
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "MedusaDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> MedusaDrafter:
         heads = MedusaHeads.load_for(cfg.method, cfg.options.model, env.target)
         check_depth(cfg, heads.num_heads, cfg.options.model)
         cfg.options.quantize(heads)

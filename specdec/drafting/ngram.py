@@ -32,9 +32,8 @@ from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError
-
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.models.loader import token_codec
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
@@ -175,7 +174,7 @@ class TextIndex:
 @register_method("ngram", NgramOptions)
 class NgramDrafter(Drafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "NgramDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> NgramDrafter:
         o = cfg.options
         return cls(cfg.num_speculative_tokens, o.prompt_lookup_min, o.prompt_lookup_max, o.ngram_match, o.ngram_pool,
                    adaptive=o.ngram_draft_length == "adaptive", branches=o.ngram_branches,

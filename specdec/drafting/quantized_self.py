@@ -11,9 +11,8 @@ from __future__ import annotations
 from dataclasses import dataclass
 
 from specdec.config import SpecdecError
-
-from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.base import DraftEnv, check_quantization_name
+from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import TreeDrafter
 from specdec.models.quantize import quantized_copy
 
@@ -30,7 +29,7 @@ class QuantizedSelfOptions:
                  runs_target_layers=True)  # a copy of the target's own (under tensor parallelism, sharded) layers
 class QuantizedSelfDrafter(TreeDrafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "QuantizedSelfDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> QuantizedSelfDrafter:
         try:
             copy = quantized_copy(env.target, cfg.options.quantization)
         except ValueError as e:

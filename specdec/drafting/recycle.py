@@ -17,9 +17,8 @@ from dataclasses import dataclass, field
 import numpy as np
 
 from specdec.config import SpecdecError
-
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int
 from specdec.tree import ROOT
 
 
@@ -76,7 +75,7 @@ def bfs_tree(table: AdjacencyTable, root: int, widths: list[int], max_nodes: int
 @register_method("recycle", RecycleOptions)
 class RecycleDrafter(Drafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> "RecycleDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> RecycleDrafter:
         o = cfg.options
         return cls(cfg.num_speculative_tokens, env.target.config.vocab_size, o.recycle_topk, list(o.recycle_widths))
 

@@ -206,7 +206,7 @@ class SpeculativeConfig:
         return {**shared, **{f.name: getattr(self.options, f.name) for f in dataclasses.fields(self.options)}}
 
     @classmethod
-    def parse(cls, value: "SpeculativeConfig | dict | str | None") -> "SpeculativeConfig | None":
+    def parse(cls, value: SpeculativeConfig | dict | str | None) -> SpeculativeConfig | None:
         """From a flat dict (Python) or a JSON string (CLI); None or "off" means no speculation."""
         if value is None or value == "off" or isinstance(value, cls):
             return None if value == "off" else value

@@ -26,9 +26,8 @@ from pathlib import Path
 import numpy as np
 
 from specdec.config import SpecdecError, cache_root
-
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.drafting.suffix import Node, grow
 
 SORT_DEPTH_EXTRA = 32  # the suffix array orders suffixes by max_match + this many tokens
@@ -171,7 +170,7 @@ class Datastore:
         self.sa = sa
 
     @classmethod
-    def build(cls, tokens: np.ndarray, max_match: int, depth: int) -> "Datastore":
+    def build(cls, tokens: np.ndarray, max_match: int, depth: int) -> Datastore:
         return cls(tokens, suffix_array(tokens, max_match + SORT_DEPTH_EXTRA), max_match + depth)
 
     def window(self, i: int, m: int) -> list[int]:
@@ -270,7 +269,7 @@ def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> 
 @register_method("retrieval", RetrievalOptions)
 class RetrievalDrafter(Drafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "RetrievalDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> RetrievalDrafter:
         o = cfg.options
         store = load_datastore(o, env, cfg.num_speculative_tokens)
         return cls(store, cfg.num_speculative_tokens, o.max_match, o.min_match, o.max_candidates, o.min_token_prob)

@@ -27,8 +27,8 @@ from dataclasses import dataclass
 
 import numpy as np
 
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.base import Draft, DraftEnv, DraftRequest, Drafter, check_int, check_number
 from specdec.tree import ROOT
 
 
@@ -60,12 +60,12 @@ class Node:
         self.token, self.child = -1, None  # the only child, when there is exactly one
         self.more: dict[int, Node] | None = None  # token -> child, when there are several
 
-    def get(self, token: int) -> "Node | None":
+    def get(self, token: int) -> Node | None:
         if self.more is not None:
             return self.more.get(token)
         return self.child if self.token == token else None
 
-    def add(self, token: int) -> "Node":
+    def add(self, token: int) -> Node:
         node = Node()
         if self.more is not None:
             self.more[token] = node
@@ -84,7 +84,7 @@ class Node:
             (self.token, self.child), = self.more.items()
             self.more = None
 
-    def children(self) -> dict[int, "Node"]:
+    def children(self) -> dict[int, Node]:
         if self.more is not None:
             return self.more
         return {self.token: self.child} if self.child is not None else {}
@@ -173,7 +173,7 @@ class TextIndex:
         self.text[self.length:n] = tokens[self.length:]
         self.length = n
 
-    def match(self, tokens: list[int]) -> tuple["IndexNode | None", int]:
+    def match(self, tokens: list[int]) -> tuple[IndexNode | None, int]:
         """The node of the longest suffix of the text (fewer than max_depth tokens, like a trie's deepest nodes
         with children) that occurred before with a token after it, and its length; `tokens` is the text."""
         T, L = self.text, self.length
@@ -207,7 +207,7 @@ class IndexNode:
     def count(self) -> int:
         return len(self.ends)
 
-    def children(self) -> dict[int, "IndexNode"]:
+    def children(self) -> dict[int, IndexNode]:
         """Continuations in the order they first occur (a trie's insertion order)."""
         if self.depth >= self.index.max_depth:
             return {}
@@ -226,7 +226,7 @@ def _subtree_size(node: Node) -> int:
     return size
 
 
-def grow(node: "Node | IndexNode", max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+def grow(node: Node | IndexNode, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
     """The most probable continuations of `node` as a tree, best first: tokens, parents (ROOT for its children)
     and each node's estimated probability (their sum is the expected number of accepted tokens)."""
     tokens: list[int] = []
@@ -270,7 +270,7 @@ class _Text:
 @register_method("suffix", SuffixOptions)
 class SuffixDrafter(Drafter):
     @classmethod
-    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> "SuffixDrafter":
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> SuffixDrafter:
         o = cfg.options
         return cls(cfg.num_speculative_tokens, o.suffix_decoding_max_tree_depth, o.suffix_decoding_max_cached_requests,
                    o.suffix_decoding_max_spec_factor, o.suffix_decoding_min_token_prob)

@@ -174,7 +174,7 @@ class Workers:
 
     @classmethod
     def spawn(cls, world: int, model: str, dtype, device: torch.device, quantization: str | None,
-              timeout_s: float = DEFAULT_TIMEOUT_S) -> "Workers":
+              timeout_s: float = DEFAULT_TIMEOUT_S) -> Workers:
         """Start ranks 1..world-1 as fresh interpreters (`main`: no script of the user's is re-imported) loading
         the same model, and join them as rank 0; each rank gets an equal share of this machine's threads (this
         process's count comes back at close(), or at exit)."""

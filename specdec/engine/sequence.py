@@ -8,8 +8,8 @@ from enum import Enum, auto
 import torch
 
 from specdec.config import SamplingParams
-from specdec.structured.grammar import GrammarState
 from specdec.kv_cache import BlockTable
+from specdec.structured.grammar import GrammarState
 
 
 @dataclass
@@ -74,7 +74,7 @@ class Sequence:
     max_len: int  # the context limit: prompt + output never exceeds it
     eos_token_ids: frozenset[int] = frozenset()
     generator: torch.Generator | None = None  # seeded requests: rejection sampling's draws (`sampled_verification`)
-    sampling_seed: int = 0  # the key of its sampled tokens: its seed, or a random one (`sampling.keyed_uniform`)
+    sampling_seed: int = 0  # the key of its sampled tokens: its seed, or a random one (`sampling.sampling_key`)
     token_ids: list[int] = field(default_factory=list)  # prompt + output
     num_cached: int = 0  # tokens whose K/V are in the cache
     num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at the latest admission
@@ -96,7 +96,7 @@ class Sequence:
     logprobs: list = field(default_factory=list)  # sampling.TokenLogprob per output token (params.logprobs set)
     prompt_logprobs: list = field(default_factory=list)  # the same per prompt token after the first (prompt_logprobs)
     # n > 1: the choice whose prefill this one waits for, to share its prompt's K/V blocks (see Scheduler)
-    prompt_source: "Sequence | None" = None
+    prompt_source: Sequence | None = None
 
     def take_features(self) -> tuple[int, torch.Tensor | None]:
         """The pending target features and the token index of their first row; they are handed over once."""

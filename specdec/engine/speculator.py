@@ -16,7 +16,7 @@ import time
 
 import torch
 
-from specdec.drafting import Draft, DraftRequest, Drafter, SpeculativeConfig
+from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.engine.token_choice import Choice, StepDrafts

@@ -7,7 +7,7 @@ tokens, then after each of its n_i draft nodes' paths (n_i = 0 in a plain step o
                    ├─> logit_bias and penalties, each row counting the tokens on its own path
                    ├─> grammar masks, each row after its own path (structured output)
                    ├─> the target's own token at every row: greedy rows its argmax, sampled rows its keyed sample
-                   │   (inverse CDF at a uniform keyed by the request's seed and the row's output position)
+                   │   (the exponential race with noise keyed by the request's seed and the row's output position)
                    ├─> verification: keep the draft nodes equal to the target's token after their parent, then
                    │   emit the target's token after the last one kept; with no drafts, the target's token
                    └─> logprobs of every emitted token, from the raw row that predicted it
@@ -32,8 +32,17 @@ import torch
 
 from specdec.drafting import Draft
 from specdec.engine.sequence import Sequence
-from specdec.sampling import (Penalized, SamplingTensors, TokenLogprob, greedy_tokens, keyed_sample, keyed_uniform,
-                              logits_to_probs, penalize, token_logprobs)
+from specdec.sampling import (
+    Penalized,
+    SamplingTensors,
+    TokenLogprob,
+    greedy_tokens,
+    keyed_sample,
+    logits_to_probs,
+    penalize,
+    sampling_key,
+    token_logprobs,
+)
 from specdec.structured import mask_logits
 from specdec.tree import PAD, TreeFeed
 from specdec.verify import VerifyResult, verify, verify_greedy, verify_greedy_chains
@@ -49,7 +58,7 @@ class StepDrafts:
     draft: Draft | None = None  # the padded tensors (and the draft distributions q of sampled drafts)
 
     @classmethod
-    def none(cls, num_seqs: int) -> "StepDrafts":
+    def none(cls, num_seqs: int) -> StepDrafts:
         return cls([[] for _ in range(num_seqs)], [[] for _ in range(num_seqs)], [None] * num_seqs)
 
     @property
@@ -130,19 +139,19 @@ def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor
     ids = torch.tensor(top, device=logits.device) if top is not None else greedy_tokens(logits)
     if all(s.params.greedy for s in seqs):
         return ids
-    rows, owners, uniforms, start = [], [], [], 0
+    rows, owners, keys, start = [], [], [], 0
     for i, seq in enumerate(seqs):
         n = 1 + len(drafts.tokens[i])
         if not seq.params.greedy:
             position = len(seq.token_ids) - seq.num_prompt_tokens  # the output position row 0 predicts
             rows += range(start, start + n)
             owners += [i] * n
-            uniforms += [keyed_uniform(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
+            keys += [sampling_key(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
         start += n
     st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
     index = torch.tensor(rows, device=logits.device)
     ids = ids.clone()
-    ids[index] = keyed_sample(logits_to_probs(logits[index], st), uniforms)
+    ids[index] = keyed_sample(logits_to_probs(logits[index], st), keys)
     return ids
 
 

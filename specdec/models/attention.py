@@ -43,13 +43,13 @@ class AttentionMetadata:
         """Every sequence feeds the same number of tokens (decode, chain verification)."""
         return len(set(self.query_lens)) == 1
 
-    def to(self, device: torch.device) -> "AttentionMetadata":
+    def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), self.context_slots.to(device), self.mask.to(device),
                                  self.query_lens, self.context_lens, self.tree_starts)
 
     @classmethod
     def causal(cls, positions: torch.Tensor, context_slots: torch.Tensor, context_positions: torch.Tensor,
-               slot_mapping: torch.Tensor, query_lens: list[int]) -> "AttentionMetadata":
+               slot_mapping: torch.Tensor, query_lens: list[int]) -> AttentionMetadata:
         """Standard causal attention: a query sees every valid key at a position <= its own.
 
         positions: [B, S] (-1 for padding), context_positions: [B, L] (-1 for padding keys).

@@ -159,7 +159,7 @@ class EagleHead(nn.Module):
 
     @classmethod
     def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
-               num_heads: int = 1) -> "EagleHead":
+               num_heads: int = 1) -> EagleHead:
         """An untrained head in `method`'s layout: `num_layers` decoder layers (an MTP module has one), small
         random weights, unit norms."""
         layers = num_layers if method == "eagle" else 1
@@ -168,12 +168,12 @@ class EagleHead(nn.Module):
         return head
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> "EagleHead":
+    def load_for(cls, method: str, path: str | Path, target) -> EagleHead:
         """The head of `method` ("eagle" or "mtp": its layout) in `path`, for `target`."""
         return cls.load(path, target, method)
 
     @classmethod
-    def load(cls, path: str | Path, target, layout: str = "eagle") -> "EagleHead":
+    def load(cls, path: str | Path, target, layout: str = "eagle") -> EagleHead:
         """A head directory in the EAGLE reference layout or DeepSeek's MTP layout (which optional norms it
         has is read from the tensors present), checked against the target it drafts for."""
         path, hf = read_head_config(path, layout)

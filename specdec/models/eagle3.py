@@ -173,7 +173,7 @@ class Eagle3Head(nn.Module):
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
     def create(cls, method: str, target, draft_ids: torch.Tensor, num_layers: int = 1, num_heads: int = 1
-               ) -> "Eagle3Head":
+               ) -> Eagle3Head:
         """An untrained head for `target` over the draft vocabulary `draft_ids` (sorted target ids): small random
         weights, unit norms, and the LM head started from the target's rows of that vocabulary (the head
         begins by reading h like the target reads its last hidden state)."""
@@ -185,13 +185,13 @@ class Eagle3Head(nn.Module):
         return head
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> "Eagle3Head":
+    def load_for(cls, method: str, path: str | Path, target) -> Eagle3Head:
         """The head in `path` for the target model `target`, with the target's weight dtype and device."""
         return cls.load(path, target.config, target.dtype, target.device)
 
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
-             device: str | torch.device = "cpu") -> "Eagle3Head":
+             device: str | torch.device = "cpu") -> Eagle3Head:
         """A head directory in the SpecForge / SGLang layout, checked against the target it drafts for."""
         path, hf = read_head_config(path, "EAGLE-3")
         hf.setdefault("model_type", "llama")

@@ -14,8 +14,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models import kernels, native
+from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models.kernels import linear, on_native, rms_norm
 from specdec.models.quant import QuantWeight
 

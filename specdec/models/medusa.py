@@ -125,7 +125,7 @@ class MedusaHeads(nn.Module):
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
     def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
-               num_heads: int = 3) -> "MedusaHeads":
+               num_heads: int = 3) -> MedusaHeads:
         """Untrained heads sharing the target's LM head; every block starts as the identity (Medusa's
         initialisation: zero weights)."""
         heads = cls(num_heads, num_layers, target.config.hidden_size, target.config.vocab_size, target.lm_head)
@@ -134,13 +134,13 @@ class MedusaHeads(nn.Module):
         return heads
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> "MedusaHeads":
+    def load_for(cls, method: str, path: str | Path, target) -> MedusaHeads:
         """The heads in `path` for the target model `target` (sharing its LM head unless they have their own)."""
         return cls.load(path, target.config, target.lm_head, target.dtype, target.device)
 
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, target_lm_head: torch.Tensor,
-             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> "MedusaHeads":
+             dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
         """A head directory in the reference Medusa layout, checked against the target it drafts for. Heads
         with their own LM heads use them; the others share `target_lm_head` [V, H]."""
         path, cfg = read_head_config(path, "Medusa")

@@ -27,7 +27,7 @@ import fcntl
 import hashlib
 import os
 import platform
-from functools import lru_cache
+from functools import cache, lru_cache
 from pathlib import Path
 
 from specdec.config import cache_root
@@ -112,7 +112,7 @@ def cache_dir(isa: str | None = None) -> Path:
     return cache_root() / "kernels" / build_key(isa)
 
 
-@lru_cache(maxsize=None)
+@cache
 def ops(isa: str | None = None):
     """The compiled module (`QMatrix`, `Layer`, `linear`, `dequantize_rows`, `isa`, ...) for instruction set
     `isa`, default $SPECDEC_ISA (read on the first call) else "native"; one module's objects are not accepted by
@@ -126,7 +126,7 @@ def ops(isa: str | None = None):
     return _build(isa)
 
 
-@lru_cache(maxsize=None)
+@cache
 def _build(isa: str):
     import torch.utils.cpp_extension as ext
 

@@ -83,21 +83,21 @@ class QuantWeight:
         return [fmt.name for _, fmt in self.parts]
 
     @classmethod
-    def from_gguf(cls, data: np.ndarray, ggml: GGMLQuantizationType, in_features: int) -> "QuantWeight":
+    def from_gguf(cls, data: np.ndarray, ggml: GGMLQuantizationType, in_features: int) -> QuantWeight:
         """data: the tensor's bytes as gguf reads them, [rows, row_bytes] uint8."""
         fmt = BY_GGML[ggml]
         rows = np.array(data).reshape(-1, in_features // fmt.block * fmt.bytes)  # owned: the file may be unmapped
         return cls([(torch.from_numpy(rows), fmt)], in_features)
 
     @classmethod
-    def quantize(cls, weight: torch.Tensor, name: str) -> "QuantWeight":
+    def quantize(cls, weight: torch.Tensor, name: str) -> QuantWeight:
         """Quantize a float matrix [out, in] into format `name` (ggml's reference quantizers, `quantizers`)."""
         fmt = FORMATS[name]
         data = ggml_quantize(weight.detach().float().cpu().numpy(), fmt.ggml)
         return cls([(torch.from_numpy(np.ascontiguousarray(data)), fmt)], weight.shape[1])
 
     @classmethod
-    def cat(cls, weights: list["QuantWeight"]) -> "QuantWeight":
+    def cat(cls, weights: list[QuantWeight]) -> QuantWeight:
         """Stack matrices by rows (q/k/v, gate/up); neighbouring parts of one format are merged."""
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("cannot fuse matrices with different input sizes")
@@ -110,7 +110,7 @@ class QuantWeight:
                     parts.append((data, fmt))
         return cls(parts, weights[0].in_features)
 
-    def permute_rows(self, order: torch.Tensor) -> "QuantWeight":
+    def permute_rows(self, order: torch.Tensor) -> QuantWeight:
         """Rows in a new order (undoing convert_hf_to_gguf's q/k permutation); one part only."""
         if len(self.parts) != 1:
             raise ValueError("can only permute the rows of a single-format matrix")

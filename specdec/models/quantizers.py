@@ -19,7 +19,7 @@ Block layouts (little-endian; a "sub" is a sub-block sharing one scale):
 """
 from __future__ import annotations
 
-from typing import Callable
+from collections.abc import Callable
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType

@@ -25,7 +25,7 @@ Pure torch and device-agnostic; all shapes follow `specdec.models.attention`:
 """
 from __future__ import annotations
 
-from typing import Sequence
+from collections.abc import Sequence
 
 import torch
 

@@ -17,12 +17,20 @@ from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
-from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text
 from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError, StructuredOutput, from_kwargs
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
-from specdec.serving.tool_calls import StreamParser, ToolCall, ToolError, Tools, constraint, default_conversation, parse_tools
+from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text
+from specdec.serving.tool_calls import (
+    StreamParser,
+    ToolCall,
+    ToolError,
+    Tools,
+    constraint,
+    default_conversation,
+    parse_tools,
+)
 
 
 def _is_set(value: Any) -> bool:

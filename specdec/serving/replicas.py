@@ -46,7 +46,6 @@ from ray.serve.config import RequestRouterConfig
 from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, RunningReplica
 
 from specdec.config import EngineConfig, SpecdecError, from_kwargs
-
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import DEFAULT_MODEL, resolve
 from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, api_app

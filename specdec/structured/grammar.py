@@ -110,7 +110,7 @@ class GrammarCompiler:
         structural_tag, grammar:ebnf or grammar:lark)."""
         raise NotImplementedError
 
-    def state(self, so: StructuredOutput) -> "GrammarState":
+    def state(self, so: StructuredOutput) -> GrammarState:
         """A fresh matcher state for one request."""
         raise NotImplementedError
 

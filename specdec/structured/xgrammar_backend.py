@@ -9,6 +9,7 @@ keys and punctuation are forced text that jump-forward drafts.
 from __future__ import annotations
 
 import json
+
 from specdec.config import SpecdecError, StructuredOutput
 from specdec.structured.grammar import GrammarCompiler, GrammarState, check_schema
 
@@ -82,5 +83,5 @@ class XGrammarCompiler(GrammarCompiler):
             message = str(e).strip().splitlines()[0] if str(e).strip() else type(e).__name__
             raise SpecdecError(f"invalid structured_output.{field}: {message}") from None
 
-    def state(self, so: StructuredOutput) -> "GrammarState":
+    def state(self, so: StructuredOutput) -> GrammarState:
         return GrammarState(_xgrammar().GrammarMatcher(self.compile(so)), self.vocab_size, self.stop_token_ids)

@@ -45,7 +45,6 @@ import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError
-
 from specdec.drafting.registry import method_info, registered_methods
 from specdec.models.kernels import linear
 
