@@ -6,7 +6,7 @@ PROMPT ?= Explain in three sentences why the sky is blue.
 SPEC ?=
 SPEC_ARG := $(if $(SPEC),--speculative-config '$(SPEC)',)
 
-.PHONY: setup run test test-gpu print-gpu-tests bench bench-peers distill
+.PHONY: setup run test lint test-gpu print-gpu-tests bench bench-peers distill
 
 setup: $(VENV)/.installed
 
@@ -29,6 +29,10 @@ run: setup
 
 test: setup
 	$(PY) -m pytest -q
+
+# The linter's rules are in pyproject.toml ([tool.ruff]); CI runs this after the tests.
+lint: setup
+	$(VENV)/bin/ruff check specdec tests tools
 
 # The lossless suite on a GPU, run on the GPU machine itself with the torch it has (no venv, no network; specdec
 # imports need the gguf wheel there: ../shared/device/README.md, tools/gpu_check.sh). Every engine a test builds

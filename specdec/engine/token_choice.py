@@ -135,23 +135,37 @@ def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor
                   top: list[int] | None) -> torch.Tensor:
     """The target's own token at every row [T], on the logits' device: greedy rows its argmax (`top`, when masking
     computed it), sampled rows its keyed sample, keyed by the request's seed and the output position the row
-    predicts."""
+    predicts. On CPU a sampled sequence draws noise only on the rows verification reaches (from its first row,
+    down the child equal to each draw: accepted + 1 rows, not 1 + n; the rows it never reaches keep their argmax,
+    which verification never reads); elsewhere every row draws at once (no host read per row)."""
     ids = torch.tensor(top, device=logits.device) if top is not None else greedy_tokens(logits)
     if all(s.params.greedy for s in seqs):
         return ids
-    rows, owners, keys, start = [], [], [], 0
+    rows, owners, keys, spans, start = [], [], [], [], 0
     for i, seq in enumerate(seqs):
         n = 1 + len(drafts.tokens[i])
         if not seq.params.greedy:
             position = len(seq.token_ids) - seq.num_prompt_tokens  # the output position row 0 predicts
+            spans.append((i, start, len(rows)))
             rows += range(start, start + n)
             owners += [i] * n
             keys += [sampling_key(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
         start += n
     st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
-    index = torch.tensor(rows, device=logits.device)
+    probs = logits_to_probs(logits[torch.tensor(rows, device=logits.device)], st)  # [R, V]
     ids = ids.clone()
-    ids[index] = keyed_sample(logits_to_probs(logits[index], st), keys)
+    if logits.device.type != "cpu":
+        ids[torch.tensor(rows, device=logits.device)] = keyed_sample(probs, keys)
+        return ids
+    for i, first_row, first in spans:
+        tokens, parents = drafts.tokens[i], drafts.parents[i]
+        node = -1  # the last committed token; then the deepest node kept so far
+        while True:
+            token = int(keyed_sample(probs[first + node + 1:first + node + 2], [keys[first + node + 1]])[0])
+            ids[first_row + node + 1] = token
+            node = next((c for c, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
+            if node is None:
+                break
     return ids
 
 
