@@ -144,6 +144,18 @@ def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
     assert_greedy_equal(one, one.generate(prompts, params), [e.token_ids for e in expected], tie=NEAR_TIE)
 
 
+def test_a_seed_gives_the_same_tokens_on_two_ranks_with_speculation_on_or_off(tiny):
+    """Seeded sampling on two ranks: rank 0 chooses every token with its key, so speculation changes nothing."""
+    _, two = tiny
+    params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=24, ignore_eos=True, seed=s) for s in range(4)]
+    prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(4)]
+    expected = [o.token_ids for o in two.generate(prompts, params)]
+    spec = two.with_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    outs = spec.generate(prompts, params)
+    assert [o.token_ids for o in outs] == expected
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
 def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):
     import gc
 
