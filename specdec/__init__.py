@@ -4,6 +4,7 @@ from specdec.drafting import SpeculativeConfig
 from specdec.engine.llm_engine import RequestOutput
 from specdec.llm import LLM
 
-__all__ = ["LLM", "SamplingParams", "StructuredOutput", "SpeculativeConfig", "RequestOutput", "EngineConfig", "ModelConfig",
+__all__ = ["LLM", "SamplingParams", "StructuredOutput", "SpeculativeConfig", "RequestOutput", "EngineConfig",
+           "ModelConfig",
            "SpecdecError"]
 __version__ = "0.1.0"

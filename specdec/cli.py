@@ -1,4 +1,5 @@
-"""`specdec` command line: generate, serve, bench, tune, distill, train. Every command defaults to the built-in model."""
+"""`specdec` command line: generate, serve, bench, tune, distill, train. Every command defaults to the built-in
+model."""
 from __future__ import annotations
 
 import argparse
@@ -13,7 +14,8 @@ from specdec.models.loader import DEFAULT_MODEL
 
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
-    p.add_argument("--model", default=DEFAULT_MODEL, help=f"alias, HF directory or .gguf file (default {DEFAULT_MODEL})")
+    p.add_argument("--model", default=DEFAULT_MODEL,
+                   help=f"alias, HF directory or .gguf file (default {DEFAULT_MODEL})")
     p.add_argument("--dtype", default="auto", help="auto (a GGUF computes on its own quantized blocks, a Hugging Face "
                    "model in float32) | float32 | bfloat16 | float16 (a GGUF dequantized)")
     p.add_argument("--quantization", default=None, help="gguf (a GGUF's own blocks) | a block format "
@@ -110,11 +112,13 @@ def build_parser() -> argparse.ArgumentParser:
                    "--concurrency level (writes JSON and a PNG plot)")
     b.add_argument("--structured", action="store_true",
                    help="constrained decoding on JSON-extraction prompts instead (--prompts default: "
-                   "specdec/data/structured_prompts.jsonl): plain vs --speculative-config with and without jump-forward "
+                   "specdec/data/structured_prompts.jsonl): plain vs --speculative-config with and without "
+                   "jump-forward "
                    "drafting, validity against each schema, the masks' share of time")
     b.add_argument("--agent", action="store_true",
                    help="an agent's workload instead: --num-prompts tasks, each a tool-calling turn (tool_choice "
-                   "required) and an answer turn, plain vs --speculative-config (default suffix, 12 tokens, jump-forward 15), "
+                   "required) and an answer turn, plain vs --speculative-config (default suffix, 12 tokens, "
+                   "jump-forward 15), "
                    "same tools and instructions throughout")
     b.add_argument("--soak", action="store_true",
                    help="reliability soak instead: a server in this process gets --num-requests mixed requests "
@@ -189,7 +193,8 @@ def build_parser() -> argparse.ArgumentParser:
     d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
     d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
     d.add_argument("--data-dir", required=True, help="the folder of training JSONL files (chat 'messages' rows)")
-    d.add_argument("--out", default=None, help="the packed answers (default: specdec/data/distill/<model>.npz in the package)")
+    d.add_argument("--out", default=None,
+                   help="the packed answers (default: specdec/data/distill/<model>.npz in the package)")
     d.add_argument("--per-source", type=int, default=1000, help="prompts per training file (default 1000)")
     d.add_argument("--sampled-share", type=float, default=0.25,
                    help="share of prompts answered by sampling at temperature 0.7, the rest greedy (default 0.25)")
@@ -197,7 +202,8 @@ def build_parser() -> argparse.ArgumentParser:
     d.add_argument("--max-prompt-tokens", type=int, default=1536, help="longer prompts are skipped (default 1536)")
     d.add_argument("--limit", type=int, default=None, help="stop after this many new answers (resume later)")
     d.add_argument("--cache-dir", default=None,
-                   help="chunks of finished answers, outside the repo (default $SPECDEC_CACHE/distill/<target>, $SPECDEC_CACHE defaulting to ~/.cache/specdec)")
+                   help="chunks of finished answers, outside the repo (default $SPECDEC_CACHE/distill/<target>, "
+                   "$SPECDEC_CACHE defaulting to ~/.cache/specdec)")
     d.add_argument("--seed", type=int, default=0)
     return parser
 
@@ -206,7 +212,8 @@ def add_prompt_set_args(p: argparse.ArgumentParser, max_tokens: int, batch_sizes
     p.add_argument("--prompts", default=None,
                    help="JSONL with 'turns' (default: the Spec-Bench prompts shipped in specdec/data/spec_bench)")
     p.add_argument("--num-prompts", type=int, default=8, help="taken round-robin across categories (default 8)")
-    p.add_argument("--max-tokens", type=int, default=max_tokens, help=f"greedy tokens per prompt (default {max_tokens})")
+    p.add_argument("--max-tokens", type=int, default=max_tokens,
+                   help=f"greedy tokens per prompt (default {max_tokens})")
     p.add_argument("--batch-sizes", default=batch_sizes, help=f"comma-separated batch sizes (default {batch_sizes})")
     p.add_argument("--out", default=out, help=f"where to write the JSON results (default {out})")
 
@@ -282,7 +289,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None and getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 0),
-                             ("--max-request-bytes", args.max_request_bytes, 1), ("--max-choices", args.max_choices, 1)):
+                             ("--max-request-bytes", args.max_request_bytes, 1),
+                             ("--max-choices", args.max_choices, 1)):
         if value is not None and value < low:
             raise SpecdecError(f"invalid {flag} {value}: must be at least {low}")
     if args.request_timeout is not None and not args.request_timeout > 0:

@@ -189,7 +189,8 @@ class SamplingParams:
         def bad(name: str, value: Any, rule: str) -> SpecdecError:
             return SpecdecError(f"invalid {name}={value!r}: {rule}")
 
-        if not isinstance(self.temperature, (int, float)) or not math.isfinite(self.temperature) or self.temperature < 0:
+        t = self.temperature
+        if not isinstance(t, (int, float)) or not math.isfinite(t) or t < 0:
             raise bad("temperature", self.temperature, "must be a finite number >= 0 (0 = greedy)")
         if not isinstance(self.top_p, (int, float)) or not 0 < self.top_p <= 1:
             raise bad("top_p", self.top_p, "must be in (0, 1]")

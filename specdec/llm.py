@@ -206,7 +206,8 @@ class LLM:
         self.last_output = out
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
-             sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool = False) -> list[RequestOutput]:
+             sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool = False
+             ) -> list[RequestOutput]:
         params = self._params_per_prompt(sampling_params, len(encoded))
         engine = self.engine
         ids: list[int] = []

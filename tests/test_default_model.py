@@ -139,7 +139,8 @@ def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
 
 LOGPROB_CONFIGS = {"ngram": SPEC_CONFIGS["ngram"], "suffix": SPEC_CONFIGS["suffix"],
                    "draft_model_tree": SPEC_CONFIGS["draft_model_tree"],
-                   "eagle3_tree": {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"), "tree": "D2-BF2"}}
+                   "eagle3_tree": {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"),
+                                   "tree": "D2-BF2"}}
 
 
 @pytest.mark.parametrize("method", list(LOGPROB_CONFIGS))

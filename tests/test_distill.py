@@ -90,7 +90,8 @@ def test_long_prompts_are_skipped_once(tmp_path, llm):
     distill.regenerate(llm, data, out, per_source=2, max_tokens=4, max_prompt_tokens=3, cache_dir=tmp_path / "c")
     _, records = distill.load(out)
     assert {r.finish for r in records} == {"skipped"} and all(not r.tokens for r in records)
-    again = distill.regenerate(llm, data, out, per_source=2, max_tokens=4, max_prompt_tokens=3, cache_dir=tmp_path / "c")
+    again = distill.regenerate(llm, data, out, per_source=2, max_tokens=4, max_prompt_tokens=3,
+                               cache_dir=tmp_path / "c")
     assert again["new_answers"] == 0
     assert distill.samples(out, data, llm, 100) == []
 

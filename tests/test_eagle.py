@@ -95,16 +95,17 @@ def test_the_eagle_reference_layout_loads(target, tmp_path):
     from safetensors.torch import save_file
 
     g = torch.Generator().manual_seed(1)
-    H, I = target.config.hidden_size, target.config.intermediate_size
-    q, kv = target.config.num_attention_heads * target.config.head_dim, target.config.num_key_value_heads * target.config.head_dim
+    H, inter = target.config.hidden_size, target.config.intermediate_size
+    c = target.config
+    q, kv = c.num_attention_heads * c.head_dim, c.num_key_value_heads * c.head_dim
     sd = {"fc.weight": torch.randn(H, 2 * H, generator=g) * 0.1, "fc.bias": torch.randn(H, generator=g),
           "layers.0.self_attn.q_proj.weight": torch.randn(q, H, generator=g) * 0.1,
           "layers.0.self_attn.k_proj.weight": torch.randn(kv, H, generator=g) * 0.1,
           "layers.0.self_attn.v_proj.weight": torch.randn(kv, H, generator=g) * 0.1,
           "layers.0.self_attn.o_proj.weight": torch.randn(H, q, generator=g) * 0.1,
-          "layers.0.mlp.gate_proj.weight": torch.randn(I, H, generator=g) * 0.1,
-          "layers.0.mlp.up_proj.weight": torch.randn(I, H, generator=g) * 0.1,
-          "layers.0.mlp.down_proj.weight": torch.randn(H, I, generator=g) * 0.1,
+          "layers.0.mlp.gate_proj.weight": torch.randn(inter, H, generator=g) * 0.1,
+          "layers.0.mlp.up_proj.weight": torch.randn(inter, H, generator=g) * 0.1,
+          "layers.0.mlp.down_proj.weight": torch.randn(H, inter, generator=g) * 0.1,
           "layers.0.post_attention_layernorm.weight": torch.rand(H, generator=g) + 0.5,
           "embed_tokens.weight": target.embed_tokens.detach().clone()}  # some reference heads carry a copy
     save_file(sd, tmp_path / "model.safetensors")
@@ -119,18 +120,21 @@ def test_the_eagle_reference_layout_loads(target, tmp_path):
     _, hidden, _ = target_outputs(target, ids, head.aux_layers)
     normed = target.norm(hidden)[:-1]
     x = torch.cat([target.embed(torch.tensor(ids[1:])), normed], -1) @ sd["fc.weight"].T + sd["fc.bias"]
-    T, nh, nkv, D = len(ids) - 1, target.config.num_attention_heads, target.config.num_key_value_heads, target.config.head_dim
+    c = target.config
+    T, nh, nkv, D = len(ids) - 1, c.num_attention_heads, c.num_key_value_heads, c.head_dim
     pos = torch.arange(T)
     cos, sin = head.rope_cos[pos][:, None], head.rope_sin[pos][:, None]
     rot = lambda t: t * cos + t.roll(D // 2, -1) * sin  # noqa: E731  (signed sin: rotate_half)
     qh = rot((x @ sd["layers.0.self_attn.q_proj.weight"].T).view(T, nh, D)).transpose(0, 1)
-    kh = rot((x @ sd["layers.0.self_attn.k_proj.weight"].T).view(T, nkv, D)).transpose(0, 1).repeat_interleave(nh // nkv, 0)
+    kh = rot((x @ sd["layers.0.self_attn.k_proj.weight"].T).view(T, nkv, D)).transpose(0, 1)
+    kh = kh.repeat_interleave(nh // nkv, 0)
     vh = (x @ sd["layers.0.self_attn.v_proj.weight"].T).view(T, nkv, D).transpose(0, 1).repeat_interleave(nh // nkv, 0)
     scores = (qh @ kh.transpose(1, 2)) / D ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
     x = x + (scores.softmax(-1) @ vh).transpose(0, 1).reshape(T, -1) @ sd["layers.0.self_attn.o_proj.weight"].T
     n = x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps)
     n = n * sd["layers.0.post_attention_layernorm.weight"]
-    x = x + (torch.nn.functional.silu(n @ sd["layers.0.mlp.gate_proj.weight"].T) * (n @ sd["layers.0.mlp.up_proj.weight"].T)
+    gate = torch.nn.functional.silu(n @ sd["layers.0.mlp.gate_proj.weight"].T)
+    x = x + (gate * (n @ sd["layers.0.mlp.up_proj.weight"].T)
              ) @ sd["layers.0.mlp.down_proj.weight"].T
     out = serving_forward(head, target, ids)
     torch.testing.assert_close(out, x, rtol=1e-4, atol=1e-4)

@@ -45,7 +45,8 @@ def test_checkpoint_round_trip_in_the_reference_layout(target_dir, head_dir):
     config = json.loads((head_dir / "config.json").read_text())
     assert config["architectures"] == ["LlamaForCausalLMEagle3"] and config["draft_vocab_size"] == 100
     keys = set(load_file(head_dir / "model.safetensors"))
-    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight", "midlayer.mlp.up_proj.weight",
+    assert {"fc.weight", "midlayer.hidden_norm.weight", "midlayer.self_attn.q_proj.weight",
+            "midlayer.mlp.up_proj.weight",
             "norm.weight", "lm_head.weight", "d2t", "t2d"} <= keys
     target = LLM(str(target_dir)).engine.model.config
     head = Eagle3Head.load(head_dir, target)

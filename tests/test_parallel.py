@@ -35,7 +35,8 @@ def test_shares_split_as_evenly_as_whole_blocks_allow():
     assert split(96, 2, 32) == [(0, 64), (64, 96)]  # 3 blocks: 2 + 1
     with pytest.raises(SpecdecError, match="whole blocks of 256"):
         split(256, 2, 256)
-    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536, num_hidden_layers=30,
+    cfg = ModelConfig(model_type="llama", vocab_size=49152, hidden_size=576, intermediate_size=1536,
+                      num_hidden_layers=30,
                       num_attention_heads=9, num_key_value_heads=3, head_dim=64)
     first, second = plan(cfg, TPGroup(0, 2), 32), plan(cfg, TPGroup(1, 2), 32)
     assert (first.kv_heads, second.kv_heads) == ((0, 2), (2, 3))

@@ -63,7 +63,8 @@ def test_greedy_verification_emits_what_the_target_would_decode(data):
     n, V = len(parents), data.draw(st.integers(2, 4))  # few tokens: drafts often match
     tokens = data.draw(st.lists(st.integers(0, V - 1), min_size=n, max_size=n))
     target = data.draw(st.lists(st.integers(0, V - 1), min_size=n + 1, max_size=n + 1))
-    t, p = torch.tensor([tokens], dtype=torch.long).reshape(1, n), torch.tensor([parents], dtype=torch.long).reshape(1, n)
+    t = torch.tensor([tokens], dtype=torch.long).reshape(1, n)
+    p = torch.tensor([parents], dtype=torch.long).reshape(1, n)
     want = greedy_walk(tokens, parents, target)
     assert verify_greedy(t, p, torch.tensor([target])).emitted_tokens[0] == want
     one_hot = torch.nn.functional.one_hot(torch.tensor([target]), V).double()  # temperature 0 as a distribution
@@ -129,7 +130,8 @@ def test_the_block_allocator_never_leaks_or_double_frees(ops, prefix_caching):
         assert all(c >= 0 for c in alloc.ref_count)
         for b in set(held):  # every held block is counted once per holder, and never free at the same time
             assert alloc.ref_count[b] == held.count(b) and b not in alloc.free_blocks and b not in alloc.evictable
-        assert len(set(alloc.free_blocks)) == len(alloc.free_blocks) and not set(alloc.free_blocks) & set(alloc.evictable)
+        assert len(set(alloc.free_blocks)) == len(alloc.free_blocks)
+        assert not set(alloc.free_blocks) & set(alloc.evictable)
         assert len(set(held)) + len(alloc.free_blocks) + len(alloc.evictable) == alloc.num_blocks - 1
     for table in tables:
         alloc.free(table)

@@ -221,9 +221,11 @@ def test_a_tool_message_without_its_tool_call_id_is_refused(plain):
     assistant's call comes before it; the error names the message's field."""
     call = {"id": "call_1", "type": "function", "function": {"name": "add", "arguments": '{"a": 1, "b": 2}'}}
     for history in (ASK + [{"role": "tool", "content": "3"}],
-                    ASK + [{"role": "assistant", "content": None, "tool_calls": [call]}, {"role": "tool", "content": "3"}],
+                    ASK + [{"role": "assistant", "content": None, "tool_calls": [call]},
+                           {"role": "tool", "content": "3"}],
                     ASK + [{"role": "tool", "content": "3", "tool_call_id": None}]):
-        resp = plain.post("/v1/chat/completions", {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 2})
+        resp = plain.post("/v1/chat/completions",
+                          {"model": MODEL, "messages": history, "tools": TOOLS, "max_tokens": 2})
         assert resp.status_code == 400, resp.text
         err = resp.json()["error"]
         assert f"messages[{len(history) - 1}].tool_call_id" in err["message"], err

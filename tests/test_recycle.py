@@ -55,7 +55,7 @@ def test_the_engine_hands_over_the_targets_top_k_of_every_kept_token(target_dir)
     from specdec.training.train import target_outputs
     _, _, logits = target_outputs(plain, full, ())
     assert [t for tokens, _ in seen for t in tokens] == full[3:len(full) - 1]  # every generated token but the last
-    for n, (tokens, candidates) in enumerate(seen):
+    for n, (_, candidates) in enumerate(seen):
         pos = 3 + n  # one kept token per step without drafts
         assert candidates[0] == logits[pos].topk(3).indices.tolist()
 

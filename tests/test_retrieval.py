@@ -54,7 +54,8 @@ def test_lookups_continuations_and_tree_on_a_hand_worked_corpus():
     rows = store.continuations(lo, hi, m, 3, 64)
     assert m == 2 and sorted(rows.tolist()) == [[7, 5, 6], [7, 9, -1], [8, -1, 5]]
     # 7 followed twice, 8 once; after 7: 5 and 9 once each (the document ends after 9 and after 8)
-    assert grow(count_trie(rows), 4, 3, 0.1) == ([7, 8, 5, 9], [-1, -1, 0, 0], pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3]))
+    expected = ([7, 8, 5, 9], [-1, -1, 0, 0], pytest.approx([2 / 3, 1 / 3, 1 / 3, 1 / 3]))
+    assert grow(count_trie(rows), 4, 3, 0.1) == expected
     assert store.continuations(lo, hi, m, 3, 1).tolist() == [[7, 5, 6]]  # fewer candidates: spread, the first
 
 

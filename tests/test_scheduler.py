@@ -28,7 +28,8 @@ def test_a_long_prompt_does_not_stall_decoding(llm):
     params = SamplingParams(temperature=0, max_tokens=30, ignore_eos=True)
     short = eng.sequence(eng.add_request([5, 6, 7], params))
     eng.step()  # prefill of the short prompt
-    long = eng.sequence(eng.add_request(list(range(10, 60)), SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
+    long = eng.sequence(eng.add_request(list(range(10, 60)),
+                                        SamplingParams(temperature=0, max_tokens=2, ignore_eos=True)))
     gained_while_long_prefills = 0
     while long.num_cached < len(long.prompt_token_ids):
         before = len(short.output_token_ids)

@@ -387,7 +387,8 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
      400, "tools"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [{"type": "function", "function": {
         "name": "f", "parameters": {"type": "object", "not": {"type": "string"}}}}]}, 400, "tools"),
-    ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
+    ("/v1/chat/completions",
+     OK_CHAT | {"tools": [TOOL], "tool_choice": {"type": "function", "function": {"name": "g"}}},
      400, "tool_choice"),
     ("/v1/chat/completions", OK_CHAT | {"tools": [TOOL], "tool_choice": "sometimes"}, 400, "tool_choice"),
     ("/v1/chat/completions", OK_CHAT | {"tool_choice": "required"}, 400, "tool_choice"),
@@ -443,7 +444,7 @@ def test_a_seed_gives_the_same_choices_with_speculation_on_or_off(plain, spec):
         answers = []
         for served in (plain, spec):
             whole = create(served.client(), **kw, **extra)
-            texts = [getattr(c, "message", None) and c.message.content or getattr(c, "text", None) for c in whole.choices]
+            texts = [c.message.content if hasattr(c, "message") else c.text for c in whole.choices]
             streamed = ["", "", ""]
             for chunk in create(served.client(), **kw, **extra, stream=True):
                 for c in chunk.choices:
@@ -659,7 +660,8 @@ def test_incremental_detokenization_equals_decoding_everything(tiny_llama_dir):
 # -- reliability: operator limits, faults, shutdown (issue 18) ---------------------------------------------
 def test_developer_messages_are_system_messages(plain, offline):
     def ask(role: str) -> str:
-        body = OK_CHAT | {"messages": [{"role": role, "content": "Be brief."}] + CHAT, "max_tokens": 6, "temperature": 0}
+        body = OK_CHAT | {"messages": [{"role": role, "content": "Be brief."}] + CHAT, "max_tokens": 6,
+                          "temperature": 0}
         return plain.post("/v1/chat/completions", body).json()["choices"][0]["message"]["content"]
 
     assert ask("developer") == ask("system")
@@ -785,7 +787,8 @@ def test_draining_finishes_requests_in_flight_and_refuses_new_ones(tiny_llama_di
             assert refused.status_code == 503 and refused.json()["error"]["code"] == "shutting_down"
             assert httpx.get(f"{s.url}/health").status_code == 503
             done = in_flight.result()
-        assert done.status_code == 200 and done.json()["choices"][0]["text"] == offline.generate("Hello", greedy(30))[0].text
+        assert done.status_code == 200
+        assert done.json()["choices"][0]["text"] == offline.generate("Hello", greedy(30))[0].text
         deadline = time.monotonic() + 10
         while engine.alive:
             assert time.monotonic() < deadline

@@ -211,7 +211,8 @@ def significance(a: torch.Tensor, b: torch.Tensor) -> tuple[float, int, float]:
     (`chi_square_two_sample`: categories under 20 samples pooled). The p-value is the chi-square survival
     function Q(dof / 2, chi2 / 2); a comparison fails under MIN_P_VALUE = 1e-4, i.e. above the 0.9999
     quantile. Why that threshold: a correct engine fails one comparison in 10^4 seed sets, so the ~100
-    comparisons of tests/test_sampled_methods.py fail a fresh seed set (after a change to how the engine draws its random numbers) with
+    comparisons of tests/test_sampled_methods.py fail a fresh seed set (after a change to how the engine draws its
+    random numbers) with
     probability about 1%, while each of three lossy verifications tried on it (drawing from p instead of the
     residual after a rejection, reading p after the wrong node, one uniform for all of a step's nodes) fails
     16 or 17 of its 17 cases, with p-values from 1e-5 down to 1e-80. It is the quantile the suite's usual

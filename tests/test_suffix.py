@@ -146,7 +146,8 @@ def test_global_trie_learns_finished_outputs_and_forgets_the_oldest():
     assert draft.tokens[0].tolist() == [32, 33]
 
 
-@pytest.mark.parametrize("options", [{}, {"suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0},
+@pytest.mark.parametrize("options", [{},
+                                     {"suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0},
                                      {"suffix_decoding_max_tree_depth": 2, "suffix_decoding_max_cached_requests": 0}])
 def test_suffix_decoding_is_lossless(target_dir, reference, options):
     llm = LLM(str(target_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 6, **options})

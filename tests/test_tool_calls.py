@@ -63,7 +63,8 @@ def test_parse_splits_content_and_calls():
     assert [(c.name, json.loads(c.arguments)) for c in calls] == [("add", {"a": 1, "b": 2}), ("echo", {"text": "hi"})]
     assert len({c.id for c in calls}) == 2
     # not calls: unknown names, broken JSON, an unclosed tag stay text
-    for bad in (call_text("nope", {}), f"{BEGIN}\n{{\"name\": \"add\", \"arguments\": {{\n{END}", f"{BEGIN}\n{{\"name\""):
+    for bad in (call_text("nope", {}), f"{BEGIN}\n{{\"name\": \"add\", \"arguments\": {{\n{END}",
+                f"{BEGIN}\n{{\"name\""):
         assert parse(bad, {"add", "echo"}) == (bad, [])
     assert parse("plain < text <tool", {"add"}) == ("plain < text <tool", [])
 

@@ -117,7 +117,8 @@ def test_training_raises_the_acceptance_length_of_a_head(target_dir, tmp_path, m
     for steps in (1, 600):
         out = tmp_path / f"head{steps}"
         assert main(["train", "--method", method, "--target", str(target_dir), "--data", str(data), "--out", str(out),
-                     "--steps", str(steps), "--lr", "1e-2", "--draft-vocab", "320", "--regenerate", "--save-every", "300",
+                     "--steps", str(steps), "--lr", "1e-2", "--draft-vocab", "320", "--regenerate",
+                     "--save-every", "300",
                      "--val-prompts", "4", "--val-tokens", "32"]) == 0
         results[steps] = json.loads((out / "train_log.json").read_text())["validation"]["acceptance_length"]
     assert results[1] < 1.1 and results[600] > results[1] + 0.2, results

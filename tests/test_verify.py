@@ -282,7 +282,8 @@ def test_greedy_chains_on_lists_match_the_tensor_verifier():
         targets = [torch.randint(0, 3, (n + 1,), generator=g).tolist() for n in lengths]
         N = max(lengths)
         tokens = torch.tensor([d + [0] * (N - len(d)) for d in drafts], dtype=torch.long).reshape(4, N)
-        parents = torch.tensor([list(range(-1, n - 1)) + [-2] * (N - n) for n in lengths], dtype=torch.long).reshape(4, N)
+        parents = torch.tensor([list(range(-1, n - 1)) + [-2] * (N - n) for n in lengths],
+                               dtype=torch.long).reshape(4, N)
         ids = torch.tensor([t + [0] * (N + 1 - len(t)) for t in targets], dtype=torch.long)
         ref = verify_greedy(tokens, parents, ids)
         got = verify_greedy_chains(drafts, [x for t in targets for x in t])

@@ -42,7 +42,8 @@ def main(argv: list[str] | None = None) -> None:
         reference = reference or ids
         same = sum(a == b for a, b in zip(ids, reference))
         print(f"{cfg}: acceptance length {generated / steps:.3f}, draft tokens per step {drafted / steps:.2f}, "
-              f"accepted per position {' '.join(f'{a:.2f}' for a in per_pos)}, ids = first config's on {same}/{len(ids)}", flush=True)
+              f"accepted per position {' '.join(f'{a:.2f}' for a in per_pos)}, "
+              f"ids = first config's on {same}/{len(ids)}", flush=True)
 
 
 if __name__ == "__main__":

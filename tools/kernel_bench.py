@@ -43,7 +43,8 @@ def main(argv: list[str] | None = None) -> None:
     torch.manual_seed(0)
     weight = torch.randn(args.rows, args.cols) * 0.02
     print(f"[{args.rows} x {args.cols}] threads {torch.get_num_threads()}, kernels {ops.isa()}")
-    print("format  MB     | interleaved: 1 row ms  GB/s   8/1   16/1 | row loop: 1 row ms  8/1 | interleaved speedup 1, 8")
+    print("format  MB     | interleaved: 1 row ms  GB/s   8/1   16/1 | row loop: 1 row ms  8/1 "
+          "| interleaved speedup 1, 8")
     for name in args.formats.split(","):
         w = QuantWeight.quantize(weight, name)
         data, ids = [d for d, _ in w.parts], [f.kernel_id for _, f in w.parts]
@@ -51,9 +52,11 @@ def main(argv: list[str] | None = None) -> None:
         for interleave in (True, False):
             matrix = ops.QMatrix(data, ids, args.cols, interleave=interleave)
             xs = {m: torch.randn(m, args.cols) for m in ROW_COUNTS}
-            t[interleave] = {m: seconds_per_call(lambda m=m: ops.linear(xs[m], matrix), args.seconds) for m in ROW_COUNTS}
+            t[interleave] = {m: seconds_per_call(lambda m=m, xs=xs, matrix=matrix: ops.linear(xs[m], matrix),
+                                                 args.seconds) for m in ROW_COUNTS}
         x8, loop = t[True], t[False]
-        print(f"{name:7s} {w.nbytes / 1e6:6.3g} | {x8[1] * 1e3:20.4g} {w.nbytes / x8[1] / 1e9:6.3g} {x8[8] / x8[1]:5.2f} "
+        print(f"{name:7s} {w.nbytes / 1e6:6.3g} | {x8[1] * 1e3:20.4g} {w.nbytes / x8[1] / 1e9:6.3g} "
+              f"{x8[8] / x8[1]:5.2f} "
               f"{x8[16] / x8[1]:6.2f} | {loop[1] * 1e3:17.4g} {loop[8] / loop[1]:4.2f} | "
               f"{loop[1] / x8[1]:4.2f} {loop[8] / x8[8]:4.2f}")
 

@@ -15,7 +15,7 @@ import time
 
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams
-from specdec.serving.tool_calls import constraint, default_conversation, parse, parse_tools
+from specdec.serving.tool_calls import Tools, constraint, default_conversation, parse, parse_tools
 
 SYSTEM = ("You are a travel assistant. Use the tools to look things up; never guess prices, times or weather. "
           "Answer in one or two sentences.")
@@ -72,7 +72,7 @@ def run_agent_bench(args: argparse.Namespace) -> dict:
     names = {t["function"]["name"] for t in TOOLS}
     turns: dict[str, dict[str, list[dict]]] = {"call": {n: [] for n in engines}, "answer": {n: [] for n in engines}}
 
-    def run(name: str, kind: str, messages: list[dict], tools) -> dict:
+    def run(name: str, kind: str, messages: list[dict], tools: Tools | None) -> dict:
         ids = llm.apply_chat_template(default_conversation(messages, tools))
         params = SamplingParams(temperature=0, max_tokens=args.max_tokens if kind == "answer" else 128,
                                 structured_output=constraint(tools))
@@ -93,8 +93,8 @@ def run_agent_bench(args: argparse.Namespace) -> dict:
         order = list(engines) if i % 2 == 0 else list(reversed(engines))
         calls = {name: run(name, "call", messages, call_tools) for name in order}
         _, parsed = parse(calls["plain"]["text"], names)
-        tool_calls = [{"id": c.id, "type": "function", "function": {"name": c.name, "arguments": json.loads(c.arguments)}}
-                      for c in parsed]
+        tool_calls = [{"id": c.id, "type": "function",
+                       "function": {"name": c.name, "arguments": json.loads(c.arguments)}} for c in parsed]
         history = messages + [{"role": "assistant", "content": "", "tool_calls": tool_calls}] + \
             [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in tool_calls]
         for name in order:

@@ -3,6 +3,12 @@ transformers' greedy generate, and llama.cpp (llama-cpp-python) on the same GGUF
 same measurement record."""
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+    from transformers import PreTrainedModel
+
 import time
 
 import torch
@@ -85,7 +91,7 @@ def time_hf(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict
     return measurement(out[0, x.shape[1]:].tolist(), first - start, (clock.last or first) - first, e2e)
 
 
-def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device):
+def load_hf(src: ModelSource, dtype: torch.dtype, device: torch.device) -> PreTrainedModel:
     """transformers' own load of the same model, as an independent reference, set up for its fastest generate on
     the device: on a GPU a static cache, with which generate compiles its decoding forward (torch.compile, CUDA
     graphs); on CPU the default dynamic cache (its compiled path is slower there).
@@ -117,7 +123,7 @@ def _load_hf(src: ModelSource, dtype: torch.dtype):
     return model
 
 
-def load_llamacpp(src: ModelSource, threads: int, context: int = 4096, logits_all: bool = False):
+def load_llamacpp(src: ModelSource, threads: int, context: int = 4096, logits_all: bool = False) -> Llama:
     """llama.cpp on the model's own GGUF file (the peer a CPU user already has); `logits_all` computes the
     logits of every fed row (verification needs them all), not only the last."""
     try:

@@ -42,7 +42,8 @@ def parse_levels(text: str) -> list[int]:
     except ValueError:
         levels = []
     if not levels or levels[0] < 1:
-        raise SpecdecError(f"invalid --concurrency {text!r}: expected comma-separated positive integers, e.g. 1,4,16,64")
+        raise SpecdecError(f"invalid --concurrency {text!r}: expected comma-separated positive integers, "
+                           "e.g. 1,4,16,64")
     return levels
 
 
@@ -231,7 +232,8 @@ def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> 
             out = llm.chat([{"role": "user", "content": prompt}], params)[0]
             seconds[side] += time.perf_counter() - start
         tokens += len(out.token_ids)
-    return {"tokens": tokens, "plain_tok_s": tokens / seconds["plain"], "speculative_tok_s": tokens / seconds["speculative"],
+    return {"tokens": tokens, "plain_tok_s": tokens / seconds["plain"],
+            "speculative_tok_s": tokens / seconds["speculative"],
             "speedup": seconds["plain"] / seconds["speculative"]}
 
 
@@ -307,7 +309,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
               f"{first['throughput_ratio']:.2f}x = {off['kept_at_concurrency_1']:.0%} of it")
     if "prefix_cache" in result:
         pc = result["prefix_cache"]
-        print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms on a hit "
+        print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, "
+              f"{pc['ttft_hit_s'] * 1e3:.0f} ms on a hit "
               f"({pc['ratio']:.1f}x lower)")
     print(f"\nresults written to {out} and {plot}")
     return result

@@ -188,7 +188,8 @@ class Soak:
         return Outcome("no_auth", r.status_code, 0.0, None if r.status_code == 401 else f"HTTP {r.status_code}")
 
     async def fault(self, client, rng: random.Random) -> Outcome:
-        body = {"model": self.model, "prompt": [rng.randrange(3, min(1000, self.marker)) for _ in range(6)] + [self.marker],
+        prompt = [rng.randrange(3, min(1000, self.marker)) for _ in range(6)] + [self.marker]
+        body = {"model": self.model, "prompt": prompt,
                 "max_tokens": 8, "temperature": 0}
         r = await client.post(self.url + "/v1/completions", json=body, headers=self.headers())
         ok = r.status_code == 500 and FAULT in r.json()["error"]["message"]

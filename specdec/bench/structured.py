@@ -56,7 +56,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
                "speculative, no jump-forward": llm.with_speculative_config({**spec_cfg, "jump_forward": False})}
     prompts = [BenchPrompt(i, "json", llm.apply_chat_template(extraction_prompt(t))) for i, t in enumerate(tasks)]
     records: dict[str, list[dict]] = {name: [] for name in engines}
-    for name, eng in engines.items():  # warm-up: kernels, grammar compiler
+    for eng in engines.values():  # warm-up: kernels, grammar compiler
         time_specdec(eng, prompts[0], _params(tasks[0], 8, args.temperature))
     for task, prompt in zip(tasks, prompts):
         params = _params(task, args.max_tokens, args.temperature)

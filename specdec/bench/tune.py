@@ -4,7 +4,8 @@
    per depth and child rank, how often the rank-r candidate is accepted when its parent was. Pruned
    trees N_i (the i nodes most likely to be accepted, `tree.pruned_tree`) are built from that table.
 2. Cost: for each batch size, decode groups of that many prompts with every candidate shape (chains,
-   pruned trees, EAGLE-2 dynamic trees, speculation off), candidates interleaved group by group so machine drift hits them alike, and time the
+   pruned trees, EAGLE-2 dynamic trees, speculation off), candidates interleaved group by group so machine drift hits
+    them alike, and time the
    decode phase. The fastest candidate wins: small trees or chains for big batches, or no speculation.
 3. The winners form a dispatch table, written as JSON that `speculative_config` loads with
    {"dispatch": "tune.json"}.
@@ -38,7 +39,8 @@ from specdec.tree import SpecShape, pruned_tree
 MIN_GAIN = 1.02  # speculation is chosen only this much faster than plain: a noise-level win is not worth a risk
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
-DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6}, {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
+DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6},
+                 {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
 
 
 def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:

@@ -226,7 +226,8 @@ def _subtree_size(node: Node) -> int:
     return size
 
 
-def grow(node: Node | IndexNode, max_nodes: int, max_depth: int, min_prob: float) -> tuple[list[int], list[int], list[float]]:
+def grow(node: Node | IndexNode, max_nodes: int, max_depth: int, min_prob: float
+         ) -> tuple[list[int], list[int], list[float]]:
     """The most probable continuations of `node` as a tree, best first: tokens, parents (ROOT for its children)
     and each node's estimated probability (their sum is the expected number of accepted tokens)."""
     tokens: list[int] = []

@@ -81,8 +81,9 @@ class TreeDrafter(ChainDrafter):
         """Feed what the draft cache lacks up to the last committed token; the draft's logits there [B, V].
         The cache then holds committed tokens only: node K/V written later are not on the sequence's path."""
         starts = [self._cached(r) for r in requests]
-        hidden = self.run([r.block_table for r in requests], starts, [r.token_ids[s:] for r, s in zip(requests, starts)])
-        last = torch.tensor([len(r.token_ids) - s for r, s in zip(requests, starts)], device=hidden.device).cumsum(0) - 1
+        feeds = [r.token_ids[s:] for r, s in zip(requests, starts)]
+        hidden = self.run([r.block_table for r in requests], starts, feeds)
+        last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
         for r in requests:
             self.caches[r.seq_id] = DraftCache(r.epoch, list(r.token_ids), len(r.token_ids))
         return self.model.compute_logits(hidden[last])

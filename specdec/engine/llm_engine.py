@@ -304,7 +304,7 @@ class LLMEngine:
             else:
                 choice = choose_tokens(chosen, logits, StepDrafts.none(len(ready)))
         outputs, k = [], 0
-        for i, (seq, n) in enumerate(zip(seqs, counts)):
+        for i, n in enumerate(counts):
             if not ready or ready[k:k + 1] != [i]:  # a prefill chunk short of the prompt's end
                 outputs.append(StepOutput(n, None, None if features is None else features[starts[i]:starts[i] + n]))
                 continue

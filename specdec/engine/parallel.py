@@ -32,6 +32,7 @@ from specdec.config import SpecdecError
 from specdec.engine.model_runner import ModelRunner
 from specdec.kv_cache import KVPool
 from specdec.models.parallel import SharedExchange, TPGroup, shard_model
+from specdec.tree import TreeFeed
 
 DEFAULT_TIMEOUT_S = 120.0
 SHARED_SLOT_FLOATS = 1 << 20  # 4 MB a rank and half: all-reduces of up to 1,820 tokens of 576, 42 rows of logits
@@ -293,7 +294,9 @@ class TPRunner(ModelRunner):
         workers.send(("kv", self.engine_id, kv.k[0].shape[0] // block_size, block_size, kv.k[0].dtype))
         weakref.finalize(self, workers.released.append, self.engine_id)  # the other ranks free its pool later
 
-    def run(self, tables, starts, feeds, trees=None, feature_layers=()):
+    def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+            trees: list[TreeFeed | None] | None = None, feature_layers: tuple[int, ...] = ()
+            ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.workers.send(("run", self.engine_id, tables, starts, feeds, trees, feature_layers))
         return self._collective(super().run, tables, starts, feeds, trees, feature_layers)
 

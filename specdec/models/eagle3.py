@@ -178,7 +178,8 @@ class Eagle3Head(nn.Module):
         weights, unit norms, and the LM head started from the target's rows of that vocabulary (the head
         begins by reading h like the target reads its last hidden state)."""
         cfg = target.config
-        head = cls(dataclasses.replace(cfg, num_hidden_layers=1), len(draft_ids), default_aux_layers(cfg.num_hidden_layers))
+        head = cls(dataclasses.replace(cfg, num_hidden_layers=1), len(draft_ids),
+                   default_aux_layers(cfg.num_hidden_layers))
         init_random(list(head.parameters()))
         head.lm_head.data.copy_(target.lm_head[draft_ids].float())
         head.d2t.copy_(draft_ids - torch.arange(len(draft_ids)))

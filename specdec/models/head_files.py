@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import json
 import math
+from collections.abc import Callable
 from pathlib import Path
 
 import torch
@@ -49,7 +50,8 @@ def init_random(params: list[torch.Tensor], seed: int = 0) -> None:
             p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def tensor_copier(sd: dict[str, torch.Tensor], what: str):
+def tensor_copier(sd: dict[str, torch.Tensor], what: str
+                  ) -> tuple[Callable[[str], torch.Tensor], Callable[..., None]]:
     """take(name) -> the checkpoint's tensor; put(param, tensor, name) copies it in if the shapes agree (the
     signature `llama.load_decoder_layer` expects)."""
     def take(name: str) -> torch.Tensor:

@@ -10,6 +10,8 @@ decoding at near ties.
 """
 from __future__ import annotations
 
+from typing import Any
+
 import numpy as np
 import torch
 import torch.nn.functional as F
@@ -37,7 +39,7 @@ def query_starts(query_lens: list[int]) -> np.ndarray:
     return np.cumsum([0, *query_lens], dtype=np.int64)
 
 
-def matrix(weight: torch.Tensor | QuantWeight):
+def matrix(weight: torch.Tensor | QuantWeight) -> Any:  # a native QMatrix (pybind), or the float tensor
     """The C++ kernels' view of a weight matrix [out, in]: its blocks, or the float tensor itself (no copy; kept on
     the tensor and rebuilt if its storage changes)."""
     if isinstance(weight, QuantWeight):

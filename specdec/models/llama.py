@@ -8,6 +8,7 @@ Logits are only computed for the rows that ask for them.
 from __future__ import annotations
 
 import math
+from typing import Any
 
 import torch
 import torch.nn.functional as F
@@ -52,7 +53,8 @@ class Linear(nn.Module):
     def set_weight(self, value: torch.Tensor | QuantWeight, name: str) -> None:
         """Load a float tensor into the Parameter, or replace the Parameter by a quantized matrix."""
         if tuple(value.shape) != tuple(self.weight.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects {tuple(self.weight.shape)}")
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects "
+                             f"{tuple(self.weight.shape)}")
         if isinstance(value, QuantWeight):
             replace_parameter(self, "weight", value)
         else:
@@ -138,7 +140,7 @@ class DecoderLayer(nn.Module):
     def linears(self) -> tuple[Linear, ...]:
         return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
 
-    def native_layer(self):
+    def native_layer(self) -> Any:  # a native Layer (pybind), or None
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16), None where it
         cannot run: a tensor-parallel shard (all-reduces between its halves), weights off the CPU, or an input
         norm other than RMSNorm or none."""
@@ -264,9 +266,9 @@ class LlamaModel(nn.Module):
 
     def __init__(self, cfg: ModelConfig, dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu"):
         """dtype: the weight matrices (embedding, projections, LM head). On CPU activations, norms, biases
-        and the KV cache stay float32 (`act_dtype`; the native runtime keeps K/V in float16, `kv_dtype`): bfloat16 there means bf16 weights widened inside our
-        kernels, half the bytes per step with float32 arithmetic that does not depend on the batch shape.
-        On CUDA everything runs in `dtype`."""
+        and the KV cache stay float32 (`act_dtype`; the native runtime keeps K/V in float16, `kv_dtype`): bfloat16
+        there means bf16 weights widened inside our kernels, half the bytes per step with float32 arithmetic that
+        does not depend on the batch shape. On CUDA everything runs in `dtype`."""
         super().__init__()
         self.config, self.dtype, self.device = cfg, dtype, torch.device(device)
         self.act_dtype = torch.float32 if self.device.type == "cpu" else dtype
@@ -326,7 +328,7 @@ class LlamaModel(nn.Module):
         native_blocks = self.device.type == "cpu" and self.quantization is not None and self.native_stack() is not None
         return torch.float16 if native_blocks else self.act_dtype
 
-    def native_stack(self):
+    def native_stack(self) -> Any:  # a native Stack (pybind), or None
         """Every decoder layer as one C++ stack (the whole forward in one call), None where a layer has no C++ layer."""
         if self.tp is not None:
             return None
@@ -395,7 +397,8 @@ class LlamaModel(nn.Module):
     @property
     def quantization(self) -> str | None:
         """The block formats of the decoder's matrices ('q4_1', or 'q4_k+q6_k' for a mix), None if float."""
-        names = sorted({f for layer in self.layers for lin in layer.linears if lin.quantized for f in lin.weight.formats})
+        names = sorted({f for layer in self.layers for lin in layer.linears if lin.quantized
+                        for f in lin.weight.formats})
         return "+".join(names) or None
 
     def weight_bytes_per_token(self) -> int:

@@ -5,6 +5,11 @@ directory (config.json + one or many *.safetensors), a .gguf file, or a director
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
 import hashlib
 import importlib.util
 import json
@@ -197,7 +202,7 @@ def token_codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[i
             lambda ids: backend.decode(ids, skip_special_tokens=False))
 
 
-def load_tokenizer(src: ModelSource):
+def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     """The model's tokenizer and chat template via transformers.
 
     Reading a tokenizer out of a GGUF takes seconds, so the converted tokenizer is cached on disk,

@@ -29,6 +29,7 @@ import os
 import platform
 from functools import cache, lru_cache
 from pathlib import Path
+from types import ModuleType
 
 from specdec.config import cache_root
 
@@ -113,7 +114,7 @@ def cache_dir(isa: str | None = None) -> Path:
 
 
 @cache
-def ops(isa: str | None = None):
+def ops(isa: str | None = None) -> ModuleType:
     """The compiled module (`QMatrix`, `Layer`, `linear`, `dequantize_rows`, `isa`, ...) for instruction set
     `isa`, default $SPECDEC_ISA (read on the first call) else "native"; one module's objects are not accepted by
     another's functions. Raises ValueError for an unknown name, KernelBuildError for a failed build or an

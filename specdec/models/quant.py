@@ -16,6 +16,7 @@ row is computed independently of the others, so speculative output equals plain 
 from __future__ import annotations
 
 from dataclasses import dataclass, field
+from typing import Any
 
 import numpy as np
 import torch
@@ -151,7 +152,7 @@ class QuantWeight:
             self._dense = self.dequantize().to(device)
         return self._dense
 
-    def matrix(self):
+    def matrix(self) -> Any:  # a native QMatrix (pybind)
         """The kernels' view of this matrix (built once)."""
         if self._matrix is None:
             self._matrix = native.ops().QMatrix([d for d, _ in self.parts], [f.kernel_id for _, f in self.parts],

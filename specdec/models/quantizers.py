@@ -94,9 +94,9 @@ def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
     sum_w, sum_x, sum_x2 = w.sum(-1, dtype=np.float64), wx.sum(-1, dtype=np.float64), _dot(wx, x)
 
     def sums(iscale: np.ndarray, offset: np.ndarray) -> tuple[np.ndarray, np.ndarray, np.ndarray]:
-        l = np.clip(np.rint((x - offset[:, None]) * iscale[:, None]), 0, nmax)
-        wl = w * l
-        return wl.sum(-1, dtype=np.float64), _dot(wl, l), _dot(wx, l)
+        levels = np.clip(np.rint((x - offset[:, None]) * iscale[:, None]), 0, nmax)
+        wl = w * levels
+        return wl.sum(-1, dtype=np.float64), _dot(wl, levels), _dot(wx, levels)
 
     def error(scale: np.ndarray, offset: np.ndarray, sl: np.ndarray, sl2: np.ndarray, sxl: np.ndarray
               ) -> np.ndarray:  # sum w (scale * l + offset - x)^2, expanded

@@ -63,7 +63,8 @@ class Limits:
                      "max_queue"):
             value = getattr(self, name)
             if value is not None and (not isinstance(value, int) or value < (0 if name == "max_queue" else 1)):
-                raise SpecdecError(f"invalid {name}={value!r}: must be a {'non-negative' if name == 'max_queue' else 'positive'} integer")
+                kind = "non-negative" if name == "max_queue" else "positive"
+                raise SpecdecError(f"invalid {name}={value!r}: must be a {kind} integer")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise SpecdecError(f"invalid request_timeout_s={self.request_timeout_s!r}: must be positive")
 

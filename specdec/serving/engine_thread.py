@@ -314,7 +314,8 @@ class AsyncEngine:
         if out.finish_reason == "error":  # a step failed with this request alone: it alone fails
             self.metrics.requests.labels("error").inc()
             self._abort(req)
-            return req.post(_Event(index, error=internal_error(f"the engine failed on this request: {out.stop_reason}")))
+            error = internal_error(f"the engine failed on this request: {out.stop_reason}")
+            return req.post(_Event(index, error=error))
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(len(out.token_ids))
         req.post(self._first(req, index, _Event(index, output=out)))

@@ -269,7 +269,8 @@ class OpenAIProtocol:
                                code="context_length_exceeded")
             if zero:
                 return ids, dataclasses.replace(params, max_tokens=1)
-            default = limit - n if self.limits.default_max_tokens is None else min(limit - n, self.limits.default_max_tokens)
+            cap = self.limits.default_max_tokens
+            default = limit - n if cap is None else min(limit - n, cap)
             return ids, dataclasses.replace(params, max_tokens=max_tokens or default)
         return prepare
 
@@ -413,7 +414,8 @@ def _tool_finish(reason: str | None) -> str | None:
 def _checked_call(call: Any, i: int, j: int) -> dict:
     """An assistant message's tool call as the template and the default format read it."""
     fn = call.get("function") if isinstance(call, dict) else None
-    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) or not isinstance(fn.get("arguments", "{}"), (str, dict)):
+    if not isinstance(fn, dict) or not isinstance(fn.get("name"), str) \
+            or not isinstance(fn.get("arguments", "{}"), (str, dict)):
         raise APIError(400, f"messages[{i}].tool_calls[{j}] must be {{\"id\": ..., \"type\": \"function\", "
                        "\"function\": {\"name\": ..., \"arguments\": \"<JSON>\"}}", param="messages")
     args = fn.get("arguments", "{}")
@@ -421,8 +423,10 @@ def _checked_call(call: Any, i: int, j: int) -> dict:
         try:
             args = json.loads(args or "{}")
         except json.JSONDecodeError:
-            raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON", param="messages") from None
-    return {"id": call.get("id") or f"call_{j}", "type": "function", "function": {"name": fn["name"], "arguments": args}}
+            raise APIError(400, f"messages[{i}].tool_calls[{j}].function.arguments is not JSON",
+                           param="messages") from None
+    return {"id": call.get("id") or f"call_{j}", "type": "function",
+            "function": {"name": fn["name"], "arguments": args}}
 
 
 def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str:
@@ -447,7 +451,8 @@ def usage(plan: Plan, outputs: list[RequestOutput]) -> dict:
     steps = sum(m.get("num_steps") or 0 for m in metrics)
     return {"prompt_tokens": prompts, "completion_tokens": completion, "total_tokens": prompts + completion,
             "acceptance_length": generated / steps if steps else None,  # tokens per target forward, all choices
-            "num_drafts": sum(m.get("num_drafts", 0) for m in metrics), "num_draft_tokens": sum(m.get("num_draft_tokens", 0) for m in metrics),
+            "num_drafts": sum(m.get("num_drafts", 0) for m in metrics),
+            "num_draft_tokens": sum(m.get("num_draft_tokens", 0) for m in metrics),
             "num_accepted_tokens": sum(m.get("num_accepted_tokens", 0) for m in metrics)}
 
 

@@ -395,7 +395,7 @@ class ReplicaSpec:
             kwargs.pop(name, None)
         from_kwargs(EngineConfig, kwargs)
 
-    def application(self):
+    def application(self) -> serve.Application:
         cpus = self.cpus_per_replica or max((os.cpu_count() or 1) / self.replicas, 0.01)
         threads = max(1, int(cpus))
         engine = serve.deployment(EngineReplica).options(
@@ -410,7 +410,7 @@ class ReplicaSpec:
         return ingress.bind(engines, self.api_key, self.limits.max_request_bytes)
 
 
-def build_app(args: dict[str, str]):
+def build_app(args: dict[str, str]) -> serve.Application:
     """`serve run specdec.serving.replicas:build_app model=... replicas=2 speculative_config='{...}'`: the same
     deployment from a Serve config's args (strings; llm_kwargs as JSON); Serve config fields (num_replicas,
     ray_actor_options, ...) override it per deployment."""

@@ -190,7 +190,8 @@ def _call(body: str, names: set[str] | None) -> ToolCall | None:
         obj = json.loads(body)
     except json.JSONDecodeError:
         return None
-    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) or (names is not None and obj["name"] not in names):
+    if not isinstance(obj, dict) or not isinstance(obj.get("name"), str) \
+            or (names is not None and obj["name"] not in names):
         return None
     args = obj.get("arguments", obj.get("parameters", {}))
     if isinstance(args, str):  # some models write the arguments as JSON text

@@ -80,7 +80,7 @@ class GrammarCompiler:
         self.vocab_size, self.stop_token_ids = vocab_size, sorted(stop_token_ids)
         self.cache: OrderedDict[tuple[str, str], object] = OrderedDict()
 
-    def compile(self, so: StructuredOutput):
+    def compile(self, so: StructuredOutput) -> object:  # the library's compiled grammar
         """The compiled grammar of `so`; a SpecdecError naming the field when it is malformed."""
         kind = so.kind
         if kind == "json":

@@ -1,7 +1,8 @@
 """Structured output on llguidance: the grammar backend that installs with plain pip (xgrammar's pip dependencies
 pull triton, GPU-only and 1 GB), used where xgrammar is not importable or `SPECDEC_GRAMMAR_BACKEND=llguidance`.
 
-`specdec.structured.grammar.GrammarState` drives either library through the same matcher calls; `LLGuidanceMatcher` gives
+`specdec.structured.grammar.GrammarState` drives either library through the same matcher calls; `LLGuidanceMatcher`
+gives
 llguidance's `LLMatcher` xgrammar's meaning for them:
 
     call                       xgrammar                      llguidance, through this adapter
@@ -27,6 +28,7 @@ strings, and refuses a `format` it does not know (xgrammar ignores it).
 from __future__ import annotations
 
 import json
+from typing import Any
 
 from specdec.config import SpecdecError, StructuredOutput
 from specdec.structured.grammar import GrammarCompiler, GrammarState, check_schema
@@ -148,7 +150,7 @@ _SUBSCHEMA_LISTS = ("anyOf", "oneOf", "allOf", "prefixItems", "items")
 _SUBSCHEMA_MAPS = ("properties", "patternProperties", "$defs", "definitions", "dependentSchemas")
 
 
-def strict_schema(node):
+def strict_schema(node: Any) -> Any:  # a JSON value
     """The schema as xgrammar reads it: `"additionalProperties": false` wherever an object lists its properties
     and says nothing of others, and no items past `prefixItems` (its strict mode: the model cannot wander into
     keys of its own), `"uniqueItems": false` left out (llguidance refuses the keyword), and a string's

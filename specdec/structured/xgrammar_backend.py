@@ -8,6 +8,11 @@ keys and punctuation are forced text that jump-forward drafts.
 """
 from __future__ import annotations
 
+from typing import TYPE_CHECKING
+
+if TYPE_CHECKING:
+    import xgrammar
+
 import json
 
 from specdec.config import SpecdecError, StructuredOutput
@@ -36,7 +41,7 @@ def json_schema_ebnf(schema: str) -> str:
     return str(grammar).replace(_LOOSE_CHAR, _STRICT_CHAR)
 
 
-def structural_tag_grammar(tag: dict):
+def structural_tag_grammar(tag: dict) -> xgrammar.Grammar:
     """xgrammar's grammar of a structural tag whose JSON schema contents are written as `json_schema_ebnf` writes
     them (compact and strict, so a tool call's keys and punctuation are forced text: jump-forward drafts them)."""
     def strict(node):
@@ -46,7 +51,8 @@ def structural_tag_grammar(tag: dict):
             return node
         if node.get("type") == "json_schema" and "json_schema" in node:
             schema = node["json_schema"]
-            return {"type": "grammar", "grammar": json_schema_ebnf(schema if isinstance(schema, str) else json.dumps(schema))}
+            text = schema if isinstance(schema, str) else json.dumps(schema)
+            return {"type": "grammar", "grammar": json_schema_ebnf(text)}
         return {k: strict(v) for k, v in node.items()}
 
     if not isinstance(tag, dict) or tag.get("type") != "structural_tag" or not isinstance(tag.get("format"), dict):

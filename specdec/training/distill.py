@@ -148,7 +148,8 @@ def load(path: Path) -> tuple[dict, list[Record]]:
         raise SpecdecError(f"{path} has format {meta.get('format')}, this specdec reads format {FORMAT}")
     finish = {v: k for k, v in FINISH_CODES.items()}
     names, off, tokens = meta["sources"], a["offsets"], a["tokens"]
-    records = [Record(Job(names[a["source"][i]], int(a["row"][i]), round(float(a["temperature"][i]), 4), int(a["seed"][i])),
+    records = [Record(Job(names[a["source"][i]], int(a["row"][i]), round(float(a["temperature"][i]), 4),
+                          int(a["seed"][i])),
                       int(a["prompt_len"][i]), int(a["prompt_crc"][i]), finish[int(a["finish"][i])],
                       tokens[off[i]:off[i + 1]].tolist())
                for i in range(len(a["row"]))]
@@ -163,8 +164,8 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
     them into `out`. `limit` stops after that many new answers (the rest waits for the next run)."""
     sources = read_sources(data_dir)
     out = Path(out)
-    meta = {"model": model_fingerprint(llm.engine.model), "max_tokens": max_tokens, "max_prompt_tokens": max_prompt_tokens,
-            "seed": seed}
+    meta = {"model": model_fingerprint(llm.engine.model), "max_tokens": max_tokens,
+            "max_prompt_tokens": max_prompt_tokens, "seed": seed}
     cache = Path(cache_dir).expanduser() if cache_dir else cache_root() / "distill" / meta["model"]
     cache.mkdir(parents=True, exist_ok=True)
     done: dict[tuple[str, int], Record] = {}

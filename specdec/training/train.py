@@ -216,7 +216,8 @@ def head_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logit
 
 # ---------------------------------------------------------------------------------------------- run
 def head_class(method: str) -> type:
-    """The model class of a registered draft-head method (`specdec.drafting.registry.register_method(..., head=...)`)."""
+    """The model class of a registered draft-head method
+    (`specdec.drafting.registry.register_method(..., head=...)`)."""
     heads = registered_methods(head=True)
     if method not in heads:
         raise SpecdecError(f"--method {method}: the trainer supports {heads}")
@@ -280,7 +281,8 @@ def _train(args: argparse.Namespace, cls, rank: int, world: int) -> dict:
         state = torch.load(ckpt, weights_only=False)
     else:
         draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
-        head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers, num_heads=args.num_heads)
+        head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers,
+                          num_heads=args.num_heads)
         if args.init:
             warm_start(head, cls.load_for(args.method, args.init, target))
     if world > 1:  # every rank starts from rank 0's weights (the same seed makes them equal anyway)
