@@ -1,8 +1,8 @@
 """Self-distillation data: the training prompts answered by the target itself.
 
 A draft head learns to predict the target, so it should train on the target's own phrasing, not on
-human-written answers. `specdec distill` answers the first user turn of every training conversation in
-`../shared/data/train/` (a balanced quota per source file) with the target's own decoding: greedy for most
+human-written answers. `specdec distill` answers the first user turn of every training conversation in the
+folder `--data-dir` names (a balanced quota per source file) with the target's own decoding: greedy for most
 prompts and seeded sampling at temperature 0.7 for a stated share, because users sample too.
 
 The result is reproducible (a job is a source row, a temperature and a seed, all derived from `--seed`),
