@@ -44,7 +44,8 @@ def debug_fill() -> float | None:
 class KVPool:
     """The K and V tensors of one model for every block."""
 
-    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
+                 device: torch.device | str) -> None:
         shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
         # empty, not zeros: on CPU untouched pages cost no memory. Only the null block is ever read
         # before being written (by padding queries), so only it must hold finite values.

@@ -49,7 +49,8 @@ def parse_device(device: str | torch.device | None) -> torch.device:
     return dev
 
 
-def start_ranks(size: int | None, model, dtype, device: torch.device, quantization: str | None) -> Workers | None:
+def start_ranks(size: int | None, model: str, dtype: torch.dtype | str, device: torch.device,
+                quantization: str | None) -> Workers | None:
     """The other tensor-parallel ranks: spawned here, or (under torchrun) joined; None for one process. A rank
     other than 0 under torchrun serves rank 0 here and exits when it is done."""
     if launched_by_torchrun() and size in (None, int(os.environ["WORLD_SIZE"])):

@@ -8,6 +8,7 @@ from __future__ import annotations
 
 from collections.abc import Sequence
 from dataclasses import dataclass
+from types import ModuleType
 from typing import Any
 
 import numpy as np
@@ -35,7 +36,7 @@ class SamplingTensors:
     @classmethod
     def from_params(cls, params: list[SamplingParams], generators: list[torch.Generator | None],
                     device: torch.device | str = "cpu") -> SamplingTensors:
-        def t(values, dtype):
+        def t(values: Sequence[float], dtype: torch.dtype):
             return torch.tensor(values, dtype=dtype, device=device)
 
         return cls(
@@ -148,7 +149,8 @@ def penalize(logits: torch.Tensor, requests: list[Penalized]) -> None:
             rows[:, columns] = _penalties(rows[:, columns], c, hit, p, torch)
 
 
-def _penalties(vals, counts, in_prompt, p: SamplingParams, xp):
+def _penalties(vals: np.ndarray | torch.Tensor, counts: np.ndarray | torch.Tensor,
+               in_prompt: np.ndarray | torch.Tensor, p: SamplingParams, xp: ModuleType):
     """The penalized values of the touched columns [n, U] (numpy arrays or tensors, float32; xp: their module)."""
     if p.repetition_penalty != 1:
         scaled = xp.where(vals > 0, vals / p.repetition_penalty, vals * p.repetition_penalty)

@@ -3,19 +3,21 @@ transformers' greedy generate, and llama.cpp (llama-cpp-python) on the same GGUF
 same measurement record."""
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from llama_cpp import Llama
-    from transformers import PreTrainedModel
-
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.bench.prompts import BenchPrompt
 from specdec.config import SamplingParams, SpecdecError
 from specdec.models.loader import ModelSource
+
+if TYPE_CHECKING:
+    from llama_cpp import Llama
+    from transformers import PreTrainedModel
+
+    from specdec.engine.llm_engine import RequestOutput
+    from specdec.llm import LLM
 
 
 def measurement(token_ids: list[int], ttft_s: float | None, decode_s: float, e2e_s: float) -> dict:
@@ -28,7 +30,7 @@ def measurement(token_ids: list[int], ttft_s: float | None, decode_s: float, e2e
 SPEC_METRICS = ("num_steps", "num_drafts", "num_draft_tokens", "num_accepted_tokens", "accepted_per_pos")
 
 
-def check_outputs(llm, outs) -> None:
+def check_outputs(llm: LLM, outs: list[RequestOutput]) -> None:
     """A benchmark of requests that failed measures nothing: stop it, naming the configuration and the cause."""
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
@@ -38,7 +40,7 @@ def check_outputs(llm, outs) -> None:
                            f"{failed[0].stop_reason}; no figures are reported for a failing configuration")
 
 
-def time_specdec(llm, prompt: BenchPrompt, params: SamplingParams) -> dict:
+def time_specdec(llm: LLM, prompt: BenchPrompt, params: SamplingParams) -> dict:
     start = time.perf_counter()
     out = llm.generate({"prompt_token_ids": prompt.token_ids}, params)[0]
     e2e = time.perf_counter() - start
@@ -47,7 +49,7 @@ def time_specdec(llm, prompt: BenchPrompt, params: SamplingParams) -> dict:
     return {**measurement(out.token_ids, m["ttft_s"], m["decode_s"], e2e), **{k: m[k] for k in SPEC_METRICS}}
 
 
-def time_group(llm, prompts: list[BenchPrompt], params: SamplingParams) -> tuple[dict, list[list[int]]]:
+def time_group(llm: LLM, prompts: list[BenchPrompt], params: SamplingParams) -> tuple[dict, list[list[int]]]:
     """One generate() call for a group. Its decode phase starts once every request has its first token."""
     start = time.perf_counter()
     outs = llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], params)
@@ -79,7 +81,7 @@ class _TokenClock:
         pass
 
 
-def time_hf(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:
+def time_hf(model: PreTrainedModel, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:
     """transformers' greedy generate on the same ids, stopping on the same EOS ids as specdec."""
     x = torch.tensor([prompt.token_ids], device=model.device)
     clock = _TokenClock()
@@ -137,7 +139,7 @@ def load_llamacpp(src: ModelSource, threads: int, context: int = 4096, logits_al
                  n_batch=512, logits_all=logits_all, verbose=False)
 
 
-def time_llamacpp(model, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:
+def time_llamacpp(model: Llama, prompt: BenchPrompt, max_tokens: int, eos: list[int]) -> dict:
     """Greedy decoding in llama.cpp on the same ids: prefill the prompt, then one token at a time, taking the
     argmax of its logits (no sampler chain), stopping on the same EOS ids as specdec."""
     import llama_cpp

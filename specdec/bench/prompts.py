@@ -5,9 +5,12 @@ from __future__ import annotations
 import json
 from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.config import SpecdecError
+
+if TYPE_CHECKING:
+    from specdec.llm import LLM
 
 # Spec-Bench's single-turn rows, shipped inside the package (specdec/data/README.md: source, commit, license)
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "spec_bench" / "question.jsonl"
@@ -65,7 +68,7 @@ def pick_round_robin(rows: list[dict], n: int) -> list[dict]:
     return picked[:n]
 
 
-def encode_prompts(llm, rows: list[dict]) -> list[BenchPrompt]:
+def encode_prompts(llm: LLM, rows: list[dict]) -> list[BenchPrompt]:
     """First turn as a user message through the chat template, or raw text when the model has none."""
     chat = bool(getattr(llm.tokenizer, "chat_template", None))
     out = []

@@ -24,6 +24,7 @@ import sys
 import time
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.bench.machine import machine_info
 from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
@@ -32,6 +33,9 @@ from specdec.config import SpecdecError
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.llm import parse_device
 from specdec.models.loader import default_speculative_config
+
+if TYPE_CHECKING:
+    import httpx
 
 STARTUP_TIMEOUT_S = 600
 
@@ -105,7 +109,7 @@ class RequestResult:
     error: str | None = None
 
 
-async def one_request(client, url: str, index: int, prompt: str, max_tokens: int) -> RequestResult:
+async def one_request(client: httpx.AsyncClient, url: str, index: int, prompt: str, max_tokens: int) -> RequestResult:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     r = RequestResult(index, sent=time.perf_counter())

@@ -30,6 +30,7 @@ import time
 from collections import Counter, defaultdict
 from dataclasses import dataclass, field
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.bench.machine import machine_info
 from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
@@ -37,6 +38,11 @@ from specdec.bench.report import output_path
 from specdec.bench.serve import percentile
 from specdec.config import SamplingParams, SpecdecError
 from specdec.llm import LLM, parse_device
+
+if TYPE_CHECKING:
+    import httpx
+
+    from specdec.engine.sequence import Sequence
 
 MIX = {"greedy": 0.35, "seeded": 0.15, "choices": 0.05, "cancelled": 0.10, "bad": 0.20, "no_auth": 0.05, "fault": 0.10}
 FAULT = "injected fault"
@@ -92,7 +98,7 @@ class Soak:
     def headers(self) -> dict[str, str]:
         return {"Authorization": f"Bearer {self.api_key}"}
 
-    async def one(self, client, kind: str, rng: random.Random) -> Outcome:
+    async def one(self, client: httpx.AsyncClient, kind: str, rng: random.Random) -> Outcome:
         start = time.perf_counter()
         try:
             out = await getattr(self, kind)(client, rng)
@@ -105,7 +111,7 @@ class Soak:
         return {"model": self.model, "messages": [{"role": "user", "content": prompt}],
                 "max_tokens": self.max_tokens} | kw
 
-    async def complete(self, client, body: dict, kind: str, key: tuple | None) -> Outcome:
+    async def complete(self, client: httpx.AsyncClient, body: dict, kind: str, key: tuple | None) -> Outcome:
         """Streamed or not (the body says); the text of a 200, or the problem."""
         if not body.get("stream"):
             r = await client.post(self.url + "/v1/chat/completions", json=body, headers=self.headers())
@@ -125,17 +131,17 @@ class Soak:
                         text += choice["delta"].get("content") or ""
         return Outcome(kind, 200, 0.0, error and f"stream error: {error}", key, text)
 
-    async def greedy(self, client, rng: random.Random) -> Outcome:
+    async def greedy(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         i = rng.randrange(len(self.prompts))
         return await self.complete(client, self.chat(self.prompts[i], temperature=0, stream=rng.random() < 0.5),
                                    "greedy", ("greedy", i))
 
-    async def seeded(self, client, rng: random.Random) -> Outcome:
+    async def seeded(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         i, seed = rng.randrange(len(self.prompts)), rng.randrange(4)
         return await self.complete(client, self.chat(self.prompts[i], temperature=0.8, seed=seed,
                                                      stream=rng.random() < 0.5), "seeded", ("seeded", i, seed))
 
-    async def choices(self, client, rng: random.Random) -> Outcome:
+    async def choices(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         i, seed, stream = rng.randrange(len(self.prompts)), rng.randrange(4), rng.random() < 0.5
         body = self.chat(self.prompts[i], temperature=0.8, seed=seed, n=3, stream=stream)
         key = ("choices", i, seed)
@@ -158,7 +164,7 @@ class Soak:
                         texts[choice["index"]] += choice["delta"].get("content") or ""
         return Outcome("choices", 200, 0.0, error and f"stream error: {error}", key, json.dumps(texts))
 
-    async def cancelled(self, client, rng: random.Random) -> Outcome:
+    async def cancelled(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         body = self.chat(self.prompts[rng.randrange(len(self.prompts))], temperature=0, stream=True)
         keep = rng.randrange(1, 4)
         async with client.stream("POST", self.url + "/v1/chat/completions", json=body, headers=self.headers()) as r:
@@ -169,7 +175,7 @@ class Soak:
                     break  # leaving the block closes the connection mid-stream
         return Outcome("cancelled", status, 0.0, None if status == 200 else f"HTTP {status}")
 
-    async def bad(self, client, rng: random.Random) -> Outcome:
+    async def bad(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         path, body, status, param = rng.choice(bad_requests(self.model))
         kw = {"json": body} if isinstance(body, dict) else {
             "content": body.encode("utf-8", "surrogatepass"), "headers": {"content-type": "application/json"}}
@@ -182,12 +188,12 @@ class Soak:
             problem = f"{path}: the error names {r.json()['error']['param']!r}, not {param!r}"
         return Outcome("bad", r.status_code, 0.0, problem)
 
-    async def no_auth(self, client, rng: random.Random) -> Outcome:
+    async def no_auth(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         headers = rng.choice([{}, {"Authorization": "Bearer wrong"}, {"Authorization": self.api_key}])
         r = await client.post(self.url + "/v1/chat/completions", json=self.chat("Hi"), headers=headers)
         return Outcome("no_auth", r.status_code, 0.0, None if r.status_code == 401 else f"HTTP {r.status_code}")
 
-    async def fault(self, client, rng: random.Random) -> Outcome:
+    async def fault(self, client: httpx.AsyncClient, rng: random.Random) -> Outcome:
         prompt = [rng.randrange(3, min(1000, self.marker)) for _ in range(6)] + [self.marker]
         body = {"model": self.model, "prompt": prompt,
                 "max_tokens": 8, "temperature": 0}
@@ -237,7 +243,7 @@ def run_soak(args: argparse.Namespace) -> dict:
               quantization=args.quantization, max_num_seqs=args.soak_concurrency, max_num_batched_tokens=512)
     marker = llm.engine.model.config.vocab_size - 1
 
-    def fault(seqs) -> None:
+    def fault(seqs: list[Sequence]) -> None:
         if any(s.prompt_token_ids[-1] == marker for s in seqs):
             raise RuntimeError(FAULT)
 

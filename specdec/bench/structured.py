@@ -7,12 +7,16 @@ from __future__ import annotations
 import argparse
 import json
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.bench.engines import time_specdec
 from specdec.bench.prompts import BenchPrompt
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams, SpecdecError
 from specdec.structured import grammar_backend
+
+if TYPE_CHECKING:
+    from specdec.llm import LLM
 
 DEFAULT_PROMPTS = Path(__file__).resolve().parents[1] / "data" / "structured_prompts.jsonl"
 
@@ -78,7 +82,7 @@ def run_structured_bench(args: argparse.Namespace) -> dict:
     return result
 
 
-def _batched(plain, spec, tasks: list[dict], prompts: list[BenchPrompt], batch_size: int,
+def _batched(plain: LLM, spec: LLM, tasks: list[dict], prompts: list[BenchPrompt], batch_size: int,
              args: argparse.Namespace) -> dict:
     """Groups of batch_size prompts decoded together, plain and speculative in turn group by group (which goes
     first alternates): decode tok/s after the group's last first token, validity, identity."""

@@ -23,6 +23,7 @@ import math
 import sys
 from collections import defaultdict
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
@@ -36,6 +37,10 @@ from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 
+if TYPE_CHECKING:
+    from specdec.bench.prompts import BenchPrompt
+    from specdec.llm import LLM
+
 MIN_GAIN = 1.02  # speculation is chosen only this much faster than plain: a noise-level win is not worth a risk
 MEASURE_TREE = "D3-BF3"  # 39 nodes: three candidates per node, three levels deep
 PRUNED_SIZES = (4, 8, 16, 32)
@@ -43,7 +48,7 @@ DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6},
                  {"topk": 4, "num_steps": 4, "num_draft_tokens": 12})
 
 
-def acceptance_table(llm, prompts, params: SamplingParams) -> list[list[float]]:
+def acceptance_table(llm: LLM, prompts: list[BenchPrompt], params: SamplingParams) -> list[list[float]]:
     """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
     shape = llm.engine.speculative.parse_shape(MEASURE_TREE, "tree")
     llm.engine.pin_draft_shape(shape)
@@ -145,7 +150,7 @@ def choose(shapes: list[SpecShape], speeds: dict[str, float]) -> SpecShape:
     return best if speeds[str(best)] >= MIN_GAIN * speeds["off"] else SpecShape(0)
 
 
-def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingParams, user: dict) -> dict:
+def tune_method(base: LLM, prompts: list, batch_sizes: list[int], params: SamplingParams, user: dict) -> dict:
     """One method's dispatch table over the plain engine `base`'s weights: acceptance statistics (trees), then
     every candidate shape timed per batch size."""
     cfg = SpeculativeConfig.parse(user)
@@ -179,7 +184,7 @@ def tune_method(base, prompts: list, batch_sizes: list[int], params: SamplingPar
             "candidates": {str(s): s.to_json() for s in shapes}}
 
 
-def verify_cost_threshold(base, prompts: list, nodes: int, params: SamplingParams) -> float:
+def verify_cost_threshold(base: LLM, prompts: list, nodes: int, params: SamplingParams) -> float:
     """The extra cost of verifying one more token, in plain steps, at the prompts' median context halfway
     through their answers: the least acceptance chance that pays for a draft node (at most 1)."""
     context = sorted(len(p.token_ids) for p in prompts)[len(prompts) // 2] + params.max_tokens // 2

@@ -7,11 +7,17 @@ from __future__ import annotations
 
 import statistics
 import time
+from typing import TYPE_CHECKING
 
 from specdec.config import SamplingParams
 
+if TYPE_CHECKING:
+    from llama_cpp import Llama
 
-def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
+    from specdec.engine.llm_engine import LLMEngine
+
+
+def step_times(engine: LLMEngine, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
     """Median seconds of a step feeding n tokens after `context` committed ones, for each n in `tokens`. The
     shapes are interleaved repetition by repetition, so drift of the machine hits them alike; the fed tokens
     are written past the committed ones and never committed."""
@@ -36,7 +42,7 @@ def step_times(engine, context: int, tokens: list[int], repeats: int = 9) -> dic
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def llamacpp_step_times(model, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
+def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
     """`step_times` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed row's logits, as
     verification needs): the same committed ids, each step evaluated after them and dropped again."""
     vocab = model.n_vocab()
@@ -52,7 +58,7 @@ def llamacpp_step_times(model, context: int, tokens: list[int], repeats: int = 9
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def token_cost(engine, context: int, nodes: int, repeats: int = 9) -> float:
+def token_cost(engine: LLMEngine, context: int, nodes: int, repeats: int = 9) -> float:
     """The extra time of verifying one more token, in plain steps, averaged over a tree of `nodes` drafts:
     (t(1 + nodes) - t(1)) / (nodes * t(1))."""
     t = step_times(engine, context, [1, 1 + nodes], repeats)

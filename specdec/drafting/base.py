@@ -200,7 +200,7 @@ class HeadOptions:
                                "(config.json + model.safetensors)")
         check_quantization_name(self.quantization, self.method)
 
-    def quantize(self, head) -> None:
+    def quantize(self, head: torch.nn.Module) -> None:
         if self.quantization:
             quantize_module(head, self.quantization)
 

@@ -19,6 +19,7 @@ from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest
 from specdec.kv_cache import KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import SamplingTensors, keyed_sample, logits_to_probs, sample_from_probs, sampling_key
+from specdec.tree import TreeFeed
 
 
 @dataclass
@@ -48,7 +49,8 @@ class ChainDrafter(Drafter):
         self.k, self.num_layers, self.shares_target_cache = num_speculative_tokens, num_layers, shares_target_cache
         self.caches: dict[int, DraftCache] = {}
 
-    def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]], trees=None) -> torch.Tensor:
+    def run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+            trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         """Feed the draft model; hidden states of every fed token [T, H]."""
         return self.env.run(self.model, self.kv, tables, starts, feeds, trees, self.num_layers)
 

@@ -7,12 +7,16 @@ rewound and freed for both models at once.
 from __future__ import annotations
 
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.config import SpecdecError
 from specdec.drafting.base import DraftEnv, check_quantization_name
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import TreeDrafter
 from specdec.models.loader import QUANTIZATIONS
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 
 @dataclass
@@ -29,7 +33,7 @@ class DraftModelOptions:
 
 
 def check_same_vocabulary(draft_name: str, draft_vocab_size: int, target_vocab_size: int,
-                          draft_tokenizer, target_tokenizer) -> None:
+                          draft_tokenizer: PreTrainedTokenizerBase, target_tokenizer: PreTrainedTokenizerBase) -> None:
     """Speculation compares token ids, so both models must number tokens the same way."""
     if draft_vocab_size != target_vocab_size:
         raise SpecdecError(f"draft model {draft_name!r} has vocab size {draft_vocab_size} but the target has "

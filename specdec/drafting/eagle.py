@@ -54,7 +54,7 @@ class MtpOptions(HeadOptions):
 class EagleDrafter(Drafter):
     cache_reads_next_token = True
 
-    def __init__(self, head, env: DraftEnv, num_speculative_tokens: int) -> None:
+    def __init__(self, head: EagleHead | Eagle3Head, env: DraftEnv, num_speculative_tokens: int) -> None:
         self.head, self.k, self.env = head, num_speculative_tokens, env
         self.embed = env.target.embed
         self.kv = env.kv_pool(head.config, torch.float32)
@@ -144,7 +144,9 @@ class EagleDrafter(Drafter):
 
         return grow_static_tree(shape, reqs, root_logits, expand)
 
-    def _run(self, tables, starts, feeds, features=None, hidden=None, trees=None) -> torch.Tensor:
+    def _run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+             features: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
+             trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         tokens, positions, meta = self.env.inputs(tables, starts, feeds, trees)
         return self.head(self.embed(tokens), positions, meta, self.kv, features=features, hidden=hidden)
 

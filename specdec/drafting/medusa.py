@@ -22,6 +22,7 @@ from specdec.config import SpecdecError
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import grow_static_tree
+from specdec.models.llama import LlamaModel
 from specdec.models.medusa import MedusaHeads
 from specdec.tree import tree_shape
 
@@ -49,7 +50,7 @@ def check_depth(cfg: SpeculativeConfig, num_heads: int, where: str) -> None:
 
 @register_method("medusa", MedusaOptions, trees=True, head=MedusaHeads)
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, target, num_speculative_tokens: int) -> None:
+    def __init__(self, heads: MedusaHeads, target: LlamaModel, num_speculative_tokens: int) -> None:
         """target: the model the heads draft for (its final norm is applied to its last layer's output)."""
         self.heads, self.k = heads, num_speculative_tokens
         self.norm = target.norm

@@ -30,11 +30,15 @@ from __future__ import annotations
 
 from collections import OrderedDict, defaultdict
 from dataclasses import dataclass
+from typing import TYPE_CHECKING
 
 from specdec.config import SpecdecError
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.models.loader import token_codec
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 MAX_SHARED_TEXTS = 256  # a shared pool forgets the oldest finished texts beyond this
 MAX_VOTERS = 64  # "frequent" matching counts the continuations of at most this many latest occurrences
@@ -144,7 +148,7 @@ class NgramIndex:
 class TextIndex:
     """One request's text, decoded incrementally, for matching across token boundaries."""
 
-    def __init__(self, tokenizer) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase) -> None:
         self.text, self.decoded = "", 0
         self.encode, self.decode = token_codec(tokenizer)
 
@@ -182,7 +186,7 @@ class NgramDrafter(Drafter):
 
     def __init__(self, num_speculative_tokens: int, prompt_lookup_min: int = 1, prompt_lookup_max: int = 4,
                  match: str = "frequent", pool: str = "request", adaptive: bool = True, branches: int = 1,
-                 tokenizer=None) -> None:
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.k, self.n_min, self.n_max = num_speculative_tokens, prompt_lookup_min, prompt_lookup_max
         self.adaptive, self.branches, self.tokenizer = adaptive, branches, tokenizer
         self.texts: dict[int, TextIndex] = {}  # seq id -> its decoded text (with a tokenizer)

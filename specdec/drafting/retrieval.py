@@ -22,6 +22,7 @@ import hashlib
 import json
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 
@@ -29,6 +30,9 @@ from specdec.config import SpecdecError, cache_root
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.suffix import Node, grow
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 SORT_DEPTH_EXTRA = 32  # the suffix array orders suffixes by max_match + this many tokens
 CACHE_DIR: Path | None = None  # where datastores are cached; None: cache_dir()'s default
@@ -63,8 +67,8 @@ class RetrievalOptions:
 
 
 # ---------------------------------------------------------------------------------------------- corpus
-def read_corpus(path: str | Path, tokenizer, vocab_size: int, max_tokens: int, fingerprint: str | None = None
-                ) -> np.ndarray:
+def read_corpus(path: str | Path, tokenizer: PreTrainedTokenizerBase, vocab_size: int, max_tokens: int,
+                fingerprint: str | None = None) -> np.ndarray:
     """The corpus as int32 token ids, each document followed by -1; refused whole (nothing kept) when it is
     missing, not text, malformed, of another target, or over `max_tokens`."""
     path = Path(path).expanduser()

@@ -10,6 +10,8 @@ verification overwrites) and are not kept: the next catch-up feeds the accepted 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 
 from specdec.drafting.base import Draft, DraftRequest
@@ -17,7 +19,8 @@ from specdec.drafting.chain import ChainDrafter, DraftCache
 from specdec.tree import PAD, ROOT, TreeFeed, TreeShape, expand_step, select_dynamic_tree, tree_shape
 
 
-def grow_static_tree(shape: TreeShape, requests: list[DraftRequest], root_logits, expand) -> Draft:
+def grow_static_tree(shape: TreeShape, requests: list[DraftRequest], root_logits: Callable[[], torch.Tensor],
+                     expand: Callable[..., torch.Tensor]) -> Draft:
     """Fill a static tree with the drafter's top-ranked tokens, one forward per level.
 
     root_logits() -> [B, V] the draft's logits after the last committed token (called once, first);

@@ -8,6 +8,7 @@ import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
 from dataclasses import dataclass, field
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -25,6 +26,9 @@ from specdec.models.llama import LlamaModel
 from specdec.sampling import TokenLogprob, token_logprobs
 from specdec.structured import GrammarCompiler, GrammarState, compiler_for
 from specdec.tree import SpecShape
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("specdec.engine")
 
@@ -66,7 +70,7 @@ class RequestUpdate:
         return self.output is not None
 
 
-def eos_ids(model: LlamaModel, tokenizer) -> frozenset[int]:
+def eos_ids(model: LlamaModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
     ids = model.config.eos_token_id
     ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
     if getattr(tokenizer, "eos_token_id", None) is not None:
@@ -92,7 +96,7 @@ class IncrementalText:
 
 
 class LLMEngine:
-    def __init__(self, model: LlamaModel, tokenizer, cfg: EngineConfig | None = None,
+    def __init__(self, model: LlamaModel, tokenizer: PreTrainedTokenizerBase, cfg: EngineConfig | None = None,
                  speculative: SpeculativeConfig | None = None, workers: Workers | None = None) -> None:
         """workers: the other tensor-parallel ranks, when `model` is rank 0's shard (see engine.parallel)."""
         self.model, self.tokenizer, self.cfg = model, tokenizer, cfg or EngineConfig()

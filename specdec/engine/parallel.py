@@ -24,6 +24,8 @@ import platform
 import secrets
 import socket
 import weakref
+from collections.abc import Callable
+from typing import Any
 
 import torch
 import torch.distributed as dist
@@ -31,6 +33,7 @@ import torch.distributed as dist
 from specdec.config import SpecdecError
 from specdec.engine.model_runner import ModelRunner
 from specdec.kv_cache import KVPool
+from specdec.models.llama import LlamaModel
 from specdec.models.parallel import SharedExchange, TPGroup, shard_model
 from specdec.tree import TreeFeed
 
@@ -90,7 +93,7 @@ def _stopped() -> None:
         pass
 
 
-def serve_rank(model, tp: TPGroup) -> None:
+def serve_rank(model: LlamaModel, tp: TPGroup) -> None:
     """A rank other than 0: run the target's share of every call rank 0 mirrors, until it says stop."""
     runners: dict[int, ModelRunner] = {}  # one per engine of rank 0 (LLM.with_speculative_config adds engines)
     last: dict[int, torch.Tensor] = {}  # each engine's last forward's hidden states (logits are taken from them)
@@ -174,7 +177,7 @@ class Workers:
         self.released: list[int] = []  # engines of rank 0 that were collected: their pools go at the next command
 
     @classmethod
-    def spawn(cls, world: int, model: str, dtype, device: torch.device, quantization: str | None,
+    def spawn(cls, world: int, model: str, dtype: torch.dtype | str, device: torch.device, quantization: str | None,
               timeout_s: float = DEFAULT_TIMEOUT_S) -> Workers:
         """Start ranks 1..world-1 as fresh interpreters (`main`: no script of the user's is re-imported) loading
         the same model, and join them as rank 0; each rank gets an equal share of this machine's threads (this
@@ -288,7 +291,7 @@ class Workers:
 class TPRunner(ModelRunner):
     """Rank 0's runner: every target call is mirrored to the other ranks first (see the module docstring)."""
 
-    def __init__(self, model, kv: KVPool, block_size: int, workers: Workers) -> None:
+    def __init__(self, model: LlamaModel, kv: KVPool, block_size: int, workers: Workers) -> None:
         super().__init__(model, kv, block_size)
         self.workers, self.engine_id = workers, workers.new_engine()
         workers.send(("kv", self.engine_id, kv.k[0].shape[0] // block_size, block_size, kv.k[0].dtype))
@@ -309,7 +312,7 @@ class TPRunner(ModelRunner):
             self.workers.send(("compact", self.engine_id, table, start, nodes))
             super().compact(table, start, nodes)
 
-    def _collective(self, fn, *args):
+    def _collective(self, fn: Callable[..., Any], *args):
         try:
             return fn(*args)
         except RuntimeError as e:  # a peer died or timed out inside an all-reduce or gather

@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -22,6 +23,9 @@ from specdec.engine.sequence import Sequence, SpecStats
 from specdec.engine.token_choice import Choice, StepDrafts
 from specdec.structured import apply_bitmask, charge_grammar_time
 from specdec.tree import PAD, SpecShape, TreeFeed
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("specdec.engine")
 
@@ -46,7 +50,8 @@ def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = 
 
 
 class Speculator:
-    def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig, tokenizer=None) -> None:
+    def __init__(self, drafter: Drafter, runner: ModelRunner, cfg: SpeculativeConfig,
+                 tokenizer: PreTrainedTokenizerBase | None = None) -> None:
         self.drafter, self.runner, self.cfg, self.tokenizer = drafter, runner, cfg, tokenizer
         self.feature_layers = tuple(drafter.feature_layers)
         self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
@@ -206,7 +211,8 @@ class Speculator:
         return out
 
     @staticmethod
-    def _restricted_q(seqs: list[Sequence], q: torch.Tensor, out: Draft, rows, origin) -> torch.Tensor:
+    def _restricted_q(seqs: list[Sequence], q: torch.Tensor, out: Draft, rows: list[tuple[list[int], list[int]]],
+                      origin: list[list[int]]) -> torch.Tensor:
         """Each kept node's q restricted to the tokens its grammar allows there and renormalized; one-hot for
         forced text."""
         probs = torch.zeros(*out.tokens.shape, q.shape[-1], device=q.device)

@@ -31,10 +31,18 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models.attention import AttentionMetadata
+from specdec.models.attention import AttentionMetadata, KVLayers
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
-from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
+from specdec.models.llama import (
+    DecoderLayer,
+    Linear,
+    LlamaModel,
+    RMSNorm,
+    decoder_layer_state,
+    load_decoder_layer,
+    rope_tables,
+)
 from specdec.models.quant import QuantWeight
 
 LAYOUTS = ("eagle", "mtp")
@@ -48,7 +56,7 @@ class EagleHead(nn.Module):
     unrolls = False  # trained one step ahead
     max_draft_depth: int | None = None
 
-    def __init__(self, config: ModelConfig, target, layout: str = "eagle", input_norms: bool = True,
+    def __init__(self, config: ModelConfig, target: LlamaModel, layout: str = "eagle", input_norms: bool = True,
                  output_norm: bool = True, fc_bias: bool = False, first_layer_norm: bool = True) -> None:
         super().__init__()
         if layout not in LAYOUTS:
@@ -78,7 +86,7 @@ class EagleHead(nn.Module):
         return [p for name, p in self.named_parameters() if not name.startswith("target_norm.")]
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv,
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
                 features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step for T rows: the target's last-layer `features` [T, H] or the head's own previous
         output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
@@ -158,7 +166,7 @@ class EagleHead(nn.Module):
         save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})
 
     @classmethod
-    def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
+    def create(cls, method: str, target: LlamaModel, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
                num_heads: int = 1) -> EagleHead:
         """An untrained head in `method`'s layout: `num_layers` decoder layers (an MTP module has one), small
         random weights, unit norms."""
@@ -168,12 +176,12 @@ class EagleHead(nn.Module):
         return head
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> EagleHead:
+    def load_for(cls, method: str, path: str | Path, target: LlamaModel) -> EagleHead:
         """The head of `method` ("eagle" or "mtp": its layout) in `path`, for `target`."""
         return cls.load(path, target, method)
 
     @classmethod
-    def load(cls, path: str | Path, target, layout: str = "eagle") -> EagleHead:
+    def load(cls, path: str | Path, target: LlamaModel, layout: str = "eagle") -> EagleHead:
         """A head directory in the EAGLE reference layout or DeepSeek's MTP layout (which optional norms it
         has is read from the tensors present), checked against the target it drafts for."""
         path, hf = read_head_config(path, layout)

@@ -26,10 +26,18 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.attention import AttentionMetadata, paged_attention
+from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear
-from specdec.models.llama import DecoderLayer, Linear, RMSNorm, decoder_layer_state, load_decoder_layer, rope_tables
+from specdec.models.llama import (
+    DecoderLayer,
+    Linear,
+    LlamaModel,
+    RMSNorm,
+    decoder_layer_state,
+    load_decoder_layer,
+    rope_tables,
+)
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -42,7 +50,7 @@ class Eagle3Layer(DecoderLayer):
     """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide); the residual
     stream is `hidden`."""
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
         cfg = dataclasses.replace(cfg, attention_bias=False, qk_norm=False)
         super().__init__(cfg, dtype, device, torch.float32)
         H, D = cfg.hidden_size, cfg.head_dim
@@ -105,7 +113,7 @@ class Eagle3Head(nn.Module):
         self.register_buffer("rope_sin", sin, persistent=False)
 
     @torch.inference_mode()
-    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv,
+    def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
                 features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step for T rows: the target's `features` [T, 3H] (through fc) or the head's own previous
         output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
@@ -172,7 +180,7 @@ class Eagle3Head(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
-    def create(cls, method: str, target, draft_ids: torch.Tensor, num_layers: int = 1, num_heads: int = 1
+    def create(cls, method: str, target: LlamaModel, draft_ids: torch.Tensor, num_layers: int = 1, num_heads: int = 1
                ) -> Eagle3Head:
         """An untrained head for `target` over the draft vocabulary `draft_ids` (sorted target ids): small random
         weights, unit norms, and the LM head started from the target's rows of that vocabulary (the head
@@ -186,7 +194,7 @@ class Eagle3Head(nn.Module):
         return head
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> Eagle3Head:
+    def load_for(cls, method: str, path: str | Path, target: LlamaModel) -> Eagle3Head:
         """The head in `path` for the target model `target`, with the target's weight dtype and device."""
         return cls.load(path, target.config, target.dtype, target.device)
 

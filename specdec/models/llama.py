@@ -8,6 +8,7 @@ Logits are only computed for the rows that ask for them.
 from __future__ import annotations
 
 import math
+from collections.abc import Callable
 from typing import Any
 
 import torch
@@ -31,7 +32,7 @@ class Linear(nn.Module):
     """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints: a float Parameter, or a
     block-quantized `QuantWeight` (a GGUF's own blocks, or quantized on load) set by `set_weight`."""
 
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device,
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str,
                  act_dtype: torch.dtype | None = None) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
@@ -64,7 +65,7 @@ class Linear(nn.Module):
 
 
 class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device) -> None:
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.eps = eps
         self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
@@ -99,7 +100,7 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
     raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
 
 
-def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device) -> tuple[torch.Tensor, torch.Tensor]:
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
     """cos and signed sin [max_position_embeddings, head_dim] for `rotate`, for every position at once (the
     target and the draft heads index them by position)."""
     freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
@@ -118,7 +119,7 @@ def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torc
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device, act: torch.dtype) -> None:
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, act: torch.dtype) -> None:
         """dtype: the weight matrices; act: activations, norms and biases (see LlamaModel)."""
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
@@ -225,7 +226,8 @@ def _cat(weights: list) -> torch.Tensor | QuantWeight:
     return torch.cat(weights)
 
 
-def load_decoder_layer(layer: DecoderLayer, prefix: str, take, put, cfg: ModelConfig) -> None:
+def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], torch.Tensor],
+                       put: Callable[[torch.Tensor, torch.Tensor, str], None], cfg: ModelConfig) -> None:
     """Copy one Hugging Face-named decoder layer (`{prefix}self_attn.q_proj.weight`, ...) into `layer`,
     fusing q/k/v and gate/up. take(name) -> tensor; put(param, tensor, name) checks the shape. A layer whose
     input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
@@ -407,7 +409,7 @@ class LlamaModel(nn.Module):
         Every parameter and quantized matrix once, except an untied input embedding, of which a step reads
         a single row.
         """
-        def nbytes(t) -> int:
+        def nbytes(t: torch.Tensor | QuantWeight) -> int:
             return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
 
         matrices = [*self.parameters(), self.embed_tokens, self.lm_head,

@@ -5,11 +5,6 @@ directory (config.json + one or many *.safetensors), a .gguf file, or a director
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    from transformers import PreTrainedTokenizerBase
-
 import hashlib
 import importlib.util
 import json
@@ -18,6 +13,7 @@ import warnings
 from collections.abc import Callable
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 
@@ -26,6 +22,9 @@ from specdec.models import native
 from specdec.models.llama import LlamaModel
 from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
 from specdec.models.quantize import quantize_model
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # 'gguf': compute on a GGUF's own blocks; the others: quantize float weights into that format on load.
 QUANTIZATIONS = ("gguf", *QUANTIZE_ON_LOAD)
@@ -192,7 +191,7 @@ def load_model(model: str | os.PathLike, dtype: str | torch.dtype = torch.float3
     return net.eval(), src
 
 
-def token_codec(tokenizer) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
+def token_codec(tokenizer: PreTrainedTokenizerBase) -> tuple[Callable[[str], list[int]], Callable[[list[int]], str]]:
     """(encode, decode) of bare text (no special tokens added or skipped) for per-step use: the Rust tokenizer
     directly where there is one (a third of the transformers wrapper's cost)."""
     backend = getattr(tokenizer, "backend_tokenizer", None)
@@ -228,7 +227,7 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
     return tok
 
 
-def model_fingerprint(model, extra: object = None) -> str:
+def model_fingerprint(model: LlamaModel, extra: object = None) -> str:
     """Names a target (not its numerics): its config and its first 64 token embeddings, which every runtime of
     one checkpoint holds alike; `extra` (JSON-able) is hashed in too."""
     h = hashlib.sha256(json.dumps(vars(model.config), sort_keys=True, default=str).encode())

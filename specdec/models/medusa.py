@@ -24,13 +24,13 @@ from torch import nn
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors
 from specdec.models.kernels import linear
-from specdec.models.llama import Linear
+from specdec.models.llama import Linear, LlamaModel
 
 
 class ResBlock(nn.Module):
     """x + SiLU(x @ W.T + b): the reference Medusa block (zero-initialised in training: starts as identity)."""
 
-    def __init__(self, hidden_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.linear = Linear(hidden_size, hidden_size, True, dtype, device, torch.float32)
 
@@ -41,7 +41,7 @@ class ResBlock(nn.Module):
 class HeadLM(nn.Module):
     """A head's own LM head; its weight is `medusa_head.{i}.{L}.weight` [V, H] as in the reference."""
 
-    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device) -> None:
+    def __init__(self, vocab_size: int, hidden_size: int, dtype: torch.dtype, device: torch.device | str) -> None:
         super().__init__()
         self.weight = nn.Parameter(torch.empty(vocab_size, hidden_size, dtype=dtype, device=device),
                                    requires_grad=False)
@@ -124,7 +124,7 @@ class MedusaHeads(nn.Module):
 
     # ---- checkpoints ------------------------------------------------------------------------------
     @classmethod
-    def create(cls, method: str, target, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
+    def create(cls, method: str, target: LlamaModel, draft_ids: torch.Tensor | None = None, num_layers: int = 1,
                num_heads: int = 3) -> MedusaHeads:
         """Untrained heads sharing the target's LM head; every block starts as the identity (Medusa's
         initialisation: zero weights)."""
@@ -134,7 +134,7 @@ class MedusaHeads(nn.Module):
         return heads
 
     @classmethod
-    def load_for(cls, method: str, path: str | Path, target) -> MedusaHeads:
+    def load_for(cls, method: str, path: str | Path, target: LlamaModel) -> MedusaHeads:
         """The heads in `path` for the target model `target` (sharing its LM head unless they have their own)."""
         return cls.load(path, target.config, target.lm_head, target.dtype, target.device)
 

@@ -22,13 +22,16 @@ from __future__ import annotations
 import dataclasses
 import time
 from dataclasses import dataclass
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 import torch.distributed as dist
 
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.quant import QuantWeight
+
+if TYPE_CHECKING:
+    from specdec.models.llama import LlamaModel
 
 
 class SharedExchange:
@@ -209,7 +212,7 @@ def local_config(cfg: ModelConfig, shares: Shares) -> ModelConfig:
                                intermediate_size=shares.intermediate[1] - shares.intermediate[0])
 
 
-def check_split(model, world: int) -> None:
+def check_split(model: LlamaModel, world: int) -> None:
     """Refuse, naming the reason, a model that cannot be split over `world` ranks (before any rank starts)."""
     first = model.layers[0]
     plan(model.config, TPGroup(0, world), block_of(first.down_proj.weight))
@@ -218,7 +221,7 @@ def check_split(model, world: int) -> None:
         take_columns(first.o_proj.weight, g0 * r * D, g1 * r * D, "o_proj")
 
 
-def shard_model(model, tp: TPGroup) -> None:
+def shard_model(model: LlamaModel, tp: TPGroup) -> None:
     """Keep this rank's share of every decoder layer and of the LM head, in place (see the module docstring).
     The model's `embed_tokens` and full `lm_head` stay for drafters that read them (EAGLE's target head);
     the target's own logits come from the shard (`LlamaModel.compute_logits` gathers them)."""
@@ -251,7 +254,7 @@ def shard_model(model, tp: TPGroup) -> None:
     model.weights_changed()
 
 
-def _data(weight):
+def _data(weight: torch.Tensor | QuantWeight):
     return weight.data if isinstance(weight, torch.nn.Parameter) else weight
 
 

@@ -19,7 +19,7 @@ Block layouts (little-endian; a "sub" is a sub-block sharing one scale):
 """
 from __future__ import annotations
 
-from collections.abc import Callable
+from collections.abc import Callable, Iterable
 
 import numpy as np
 from gguf.constants import GGML_QUANT_SIZES, GGMLQuantizationType
@@ -119,7 +119,7 @@ def _fit_scale_min(x: np.ndarray, w: np.ndarray, nmax: int, rmin: float, rdelta:
     return np.where(flat, 0, scale), -offset
 
 
-def _least_squares(x: np.ndarray, tries) -> np.ndarray:
+def _least_squares(x: np.ndarray, tries: Iterable[tuple[bool, np.ndarray]]) -> np.ndarray:
     """scale [S] of the try that fits x best: each try is (first, levels [S, n]); its scale is the least-squares
     sum(w x l) / sum(w l l) with weights w = x^2, and a try replaces the best so far only if its weighted error
     is smaller (the first one always counts)."""

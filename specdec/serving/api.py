@@ -9,7 +9,7 @@ import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import TYPE_CHECKING, Any, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -20,6 +20,9 @@ from starlette.exceptions import HTTPException as StarletteHTTPException
 
 from specdec.config import SpecdecError
 from specdec.llm import unicode_text
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("specdec.server")
 
@@ -362,11 +365,11 @@ class BodyLimit:
     def __init__(self, app: Any, limit: int) -> None:
         self.app, self.limit = app, limit
 
-    async def refuse(self, scope, receive, send) -> None:
+    async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         await APIError(413, f"the request body is over this server's limit of {self.limit} bytes",
                        code="request_too_large").response()(scope, receive, send)
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):
             return await self.app(scope, receive, send)
         length = dict(scope.get("headers") or []).get(b"content-length", b"")

@@ -14,7 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
 from fastapi.responses import JSONResponse, Response, StreamingResponse
@@ -27,6 +27,9 @@ from specdec.llm import LLM
 from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event
 from specdec.serving.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
+
+if TYPE_CHECKING:
+    from starlette.types import Receive, Scope, Send
 
 log = logging.getLogger("specdec.server")
 
@@ -102,7 +105,7 @@ class _AbortOnClose(StreamingResponse):
         super().__init__(content, media_type="text/event-stream", headers={"Cache-Control": "no-cache"})
         self.on_close = on_close
 
-    async def __call__(self, scope, receive, send) -> None:
+    async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         try:
             await super().__call__(scope, receive, send)
         finally:

@@ -11,11 +11,15 @@ from __future__ import annotations
 
 import importlib
 import os
+from typing import TYPE_CHECKING
 
 from specdec.config import SpecdecError
 from specdec.structured.grammar import GrammarCompiler, GrammarState, apply_bitmask, charge_grammar_time, mask_logits
 from specdec.structured.llguidance_backend import LLGuidanceCompiler
 from specdec.structured.xgrammar_backend import XGrammarCompiler
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 BACKEND_ENV = "SPECDEC_GRAMMAR_BACKEND"
 
@@ -38,7 +42,7 @@ def grammar_backend() -> str:
                        "or xgrammar (pip install --no-deps xgrammar apache-tvm-ffi; see the README's setup)")
 
 
-def compiler_for(tokenizer, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompiler:
+def compiler_for(tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> GrammarCompiler:
     """The compiler of `grammar_backend()`'s library."""
     cls = LLGuidanceCompiler if grammar_backend() == "llguidance" else XGrammarCompiler
     return cls(tokenizer, vocab_size, stop_token_ids)

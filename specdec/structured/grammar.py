@@ -22,6 +22,7 @@ import functools
 import json
 import time
 from collections import OrderedDict
+from typing import TYPE_CHECKING, Protocol
 
 import torch
 
@@ -29,6 +30,9 @@ from specdec.config import SpecdecError, StructuredOutput
 from specdec.models import native
 from specdec.models.loader import token_codec
 from specdec.sampling import greedy_tokens
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
 
 # Keywords xgrammar 0.2.8 accepts but does not enforce (measured: the grammar is the same without them, or
 # accepts what they forbid). A schema using one is refused rather than silently not honoured.
@@ -40,7 +44,7 @@ _DATA_KEYWORDS = frozenset({"enum", "const", "default", "examples", "required", 
 _NAMED_SUBSCHEMAS = frozenset({"properties", "patternProperties", "$defs", "definitions"})
 
 
-def check_schema(node, path: str = "#") -> None:
+def check_schema(node: object, path: str = "#") -> None:
     """Refuse a JSON schema keyword the grammar backend would not enforce, naming where it is."""
     if not isinstance(node, dict):
         return
@@ -115,12 +119,24 @@ class GrammarCompiler:
         raise NotImplementedError
 
 
+class Matcher(Protocol):
+    """The matcher calls `GrammarState` makes: xgrammar's `GrammarMatcher`, or `LLGuidanceMatcher` over
+    llguidance's `LLMatcher` (the backends are not imported here)."""
+
+    def accept_token(self, token: int, /) -> bool: ...
+    def rollback(self, num_tokens: int, /) -> None: ...
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int, /) -> object: ...
+    def find_jump_forward_string(self) -> str: ...
+    def is_terminated(self) -> bool: ...
+    def is_completed(self) -> bool: ...
+
+
 class GrammarState:
     """One request's position in its grammar, after its committed tokens. `accept` advances it by one committed
     token; the draft methods walk a draft's paths (accept, then the library's own rollback: no re-parse) and
     always leave it where it was."""
 
-    def __init__(self, matcher, vocab_size: int, stop_token_ids: list[int] = ()) -> None:
+    def __init__(self, matcher: Matcher, vocab_size: int, stop_token_ids: list[int] = ()) -> None:
         self.matcher, self.vocab_size, self.stop_token_ids = matcher, vocab_size, list(stop_token_ids)
         self.width = (vocab_size + 31) // 32
         self.dead = False  # nothing may follow the committed tokens: the request must stop
@@ -139,8 +155,8 @@ class GrammarState:
 
     # ---- a draft tree: node j's parent is parents[j] (-1: the committed tokens); row 0 is the state after the
     # committed tokens, row j + 1 the state after node j's path (it verifies node j's children) ----------------
-    def filter_draft(self, tokens: list[int], parents: list[int], tokenizer=None, limit: int = 0
-                     ) -> tuple[list[int], list[int], list[int]]:
+    def filter_draft(self, tokens: list[int], parents: list[int], tokenizer: PreTrainedTokenizerBase | None = None,
+                     limit: int = 0) -> tuple[list[int], list[int], list[int]]:
         """The nodes the grammar allows: a node is kept when its parent is and its token is accepted after its
         parent's path. Returns the kept tokens, their parents (re-indexed) and each one's index in the draft
         (-1: forced text). With a `tokenizer`, text the grammar forces is drafted at no model cost
@@ -236,7 +252,7 @@ class GrammarState:
         token = 32 * words[0] + word.bit_length() - 1
         return token if token in self.stop_token_ids else None
 
-    def _forced(self, tokenizer) -> list[int]:
+    def _forced(self, tokenizer: PreTrainedTokenizerBase) -> list[int]:
         """The text the grammar forces next (xgrammar's jump-forward string), tokenized."""
         text = self.matcher.find_jump_forward_string()
         return encode_text(tokenizer, text) if text else []
@@ -262,11 +278,11 @@ class GrammarState:
 
 
 @functools.lru_cache(maxsize=4096)
-def _encode_cached(tokenizer, text: str) -> tuple[int, ...]:
+def _encode_cached(tokenizer: PreTrainedTokenizerBase, text: str) -> tuple[int, ...]:
     return tuple(token_codec(tokenizer)[0](text))
 
 
-def encode_text(tokenizer, text: str) -> list[int]:
+def encode_text(tokenizer: PreTrainedTokenizerBase, text: str) -> list[int]:
     """Token ids of `text` alone (no special tokens), cached, since a schema's forced texts (its keys) recur."""
     return list(_encode_cached(tokenizer, text))
 

@@ -28,10 +28,15 @@ strings, and refuses a `format` it does not know (xgrammar ignores it).
 from __future__ import annotations
 
 import json
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 from specdec.config import SpecdecError, StructuredOutput
 from specdec.structured.grammar import GrammarCompiler, GrammarState, check_schema
+
+if TYPE_CHECKING:
+    import llguidance
+    import torch
+    from transformers import PreTrainedTokenizerBase
 
 JSON_OPTIONS = {"item_separator": ", ", "key_separator": ": ", "whitespace_flexible": False,
                 "json_allow_general_unicode_escapes": True}  # "\u00e9" in a string, as xgrammar takes it
@@ -54,7 +59,7 @@ def _llguidance():
 class LLGuidanceMatcher:
     """An `LLMatcher` with the matcher calls `GrammarState` makes on xgrammar's (see the module's table)."""
 
-    def __init__(self, matcher, stop_token_ids: list[int]) -> None:
+    def __init__(self, matcher: llguidance.LLMatcher, stop_token_ids: list[int]) -> None:
         self.matcher, self.stop_token_ids = matcher, frozenset(stop_token_ids)
         self.terminated = False  # a stop token was accepted
 
@@ -72,7 +77,7 @@ class LLGuidanceMatcher:
         if num_tokens and not self.matcher.rollback(num_tokens):
             raise RuntimeError(f"llguidance could not roll back {num_tokens} tokens: {self.matcher.get_error()}")
 
-    def fill_next_token_bitmask(self, bitmask, row: int) -> None:
+    def fill_next_token_bitmask(self, bitmask: torch.Tensor, row: int) -> None:
         """Row `row` of an int32 CPU bitmask [rows, ceil(V / 32)], written in place (xgrammar's layout)."""
         words = bitmask[row]
         self.matcher.unsafe_compute_mask_ptr(words.data_ptr(), words.numel() * words.element_size())
@@ -95,7 +100,7 @@ class LLGuidanceCompiler(GrammarCompiler):
     """`GrammarCompiler` on llguidance: the same constraints, cache and states. A compiled grammar is an
     `LLMatcher` that never moves; each request's state is a copy of it (5 us, against 0.6 ms and up to build)."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> None:
         super().__init__(vocab_size, stop_token_ids)
         llg = _llguidance()
         try:
@@ -138,7 +143,7 @@ class LLGuidanceCompiler(GrammarCompiler):
         return GrammarState(matcher, self.vocab_size, self.stop_token_ids)
 
 
-def _first_line(error) -> str:
+def _first_line(error: object) -> str:
     text = str(error).strip()
     return text.splitlines()[0] if text else type(error).__name__
 
@@ -179,7 +184,7 @@ def strict_schema(node: Any) -> Any:  # a JSON value
     return out
 
 
-def json_lark(schema) -> str:
+def json_lark(schema: object) -> str:
     """A JSON schema as a Lark expression (`%json`), checked and written as for xgrammar (see the module)."""
     if not isinstance(schema, dict):
         raise ValueError("a JSON schema must be a JSON object")
@@ -228,7 +233,7 @@ class _LarkWriter:
     def name(self, prefix: str) -> str:
         return f"{prefix}_{len(self.rules)}"
 
-    def format(self, node) -> str:
+    def format(self, node: object) -> str:
         kind = node.get("type") if isinstance(node, dict) else None
         if kind == "const_string":
             return _literal(*_fields(node, "value")) or '""'

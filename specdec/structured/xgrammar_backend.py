@@ -8,15 +8,15 @@ keys and punctuation are forced text that jump-forward drafts.
 """
 from __future__ import annotations
 
-from typing import TYPE_CHECKING
-
-if TYPE_CHECKING:
-    import xgrammar
-
 import json
+from typing import TYPE_CHECKING
 
 from specdec.config import SpecdecError, StructuredOutput
 from specdec.structured.grammar import GrammarCompiler, GrammarState, check_schema
+
+if TYPE_CHECKING:
+    import xgrammar
+    from transformers import PreTrainedTokenizerBase
 
 
 def _xgrammar():
@@ -44,7 +44,7 @@ def json_schema_ebnf(schema: str) -> str:
 def structural_tag_grammar(tag: dict) -> xgrammar.Grammar:
     """xgrammar's grammar of a structural tag whose JSON schema contents are written as `json_schema_ebnf` writes
     them (compact and strict, so a tool call's keys and punctuation are forced text: jump-forward drafts them)."""
-    def strict(node):
+    def strict(node: object):
         if isinstance(node, list):
             return [strict(n) for n in node]
         if not isinstance(node, dict):
@@ -63,7 +63,7 @@ def structural_tag_grammar(tag: dict) -> xgrammar.Grammar:
 class XGrammarCompiler(GrammarCompiler):
     """`GrammarCompiler` on xgrammar."""
 
-    def __init__(self, tokenizer, vocab_size: int, stop_token_ids: list[int]) -> None:
+    def __init__(self, tokenizer: PreTrainedTokenizerBase, vocab_size: int, stop_token_ids: list[int]) -> None:
         super().__init__(vocab_size, stop_token_ids)
         xgr = _xgrammar()
         self.info = xgr.TokenizerInfo.from_huggingface(tokenizer, vocab_size=vocab_size,

@@ -21,12 +21,16 @@ import time
 import zlib
 from dataclasses import dataclass
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import numpy as np
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError, cache_root
 from specdec.models.loader import model_fingerprint  # noqa: F401  (callers import it from here too)
+
+if TYPE_CHECKING:
+    from specdec.llm import LLM
 
 FORMAT = 1
 FINISH_CODES = {"stop": 0, "length": 1, "skipped": 2}  # skipped: the prompt is longer than max_prompt_tokens
@@ -157,7 +161,7 @@ def load(path: Path) -> tuple[dict, list[Record]]:
 
 
 # ---------------------------------------------------------------------------------------------- running
-def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 1000, sampled_share: float = 0.25,
+def regenerate(llm: LLM, data_dir: str | Path, out: str | Path, *, per_source: int = 1000, sampled_share: float = 0.25,
                max_tokens: int = 256, max_prompt_tokens: int = 1536, seed: int = 0, cache_dir: str | Path | None = None,
                flush_every: int = 200, in_flight: int = 96, limit: int | None = None) -> dict:
     """Answer every planned job not yet in `out` or the cache, flushing chunks as it goes; then pack all of
@@ -233,7 +237,7 @@ def regenerate(llm, data_dir: str | Path, out: str | Path, *, per_source: int = 
             "remaining": sum((j.source, j.row) not in done for j in planned), "out": str(out)}
 
 
-def samples(path: str | Path, data_dir: str | Path, llm, max_len: int) -> list[tuple[list[int], list[bool]]]:
+def samples(path: str | Path, data_dir: str | Path, llm: LLM, max_len: int) -> list[tuple[list[int], list[bool]]]:
     """Training samples (prompt + the target's answer, the answer masked in) from a packed file; every
     prompt is re-rendered and checked against its recorded length and CRC32."""
     meta, records = load(Path(path))

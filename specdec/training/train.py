@@ -39,6 +39,7 @@ import sys
 import time
 from collections import Counter
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 import torch
 import torch.nn.functional as F
@@ -47,6 +48,12 @@ from tqdm import tqdm
 from specdec.config import SamplingParams, SpecdecError
 from specdec.drafting.registry import method_info, registered_methods
 from specdec.models.kernels import linear
+
+if TYPE_CHECKING:
+    from transformers import PreTrainedTokenizerBase
+
+    from specdec.llm import LLM
+    from specdec.models.llama import LlamaModel
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
 TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
@@ -73,9 +80,9 @@ def load_conversations(paths: list[str]) -> list[list[dict]]:
     return convs
 
 
-def tokenize(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], list[bool]]:
+def tokenize(tokenizer: PreTrainedTokenizerBase, messages: list[dict], max_len: int) -> tuple[list[int], list[bool]]:
     """Chat-templated token ids and, per token, whether it belongs to an assistant turn (the loss mask)."""
-    def render(msgs, generation_prompt):
+    def render(msgs: list[dict], generation_prompt: bool):
         text = tokenizer.apply_chat_template(msgs, tokenize=False, add_generation_prompt=generation_prompt)
         return tokenizer.encode(text, add_special_tokens=False)
 
@@ -88,7 +95,7 @@ def tokenize(tokenizer, messages: list[dict], max_len: int) -> tuple[list[int], 
     return ids[:max_len], mask[:max_len]
 
 
-def regenerate(llm, convs: list[list[dict]], max_len: int, cache: Path) -> list[tuple[list[int], list[bool]]]:
+def regenerate(llm: LLM, convs: list[list[dict]], max_len: int, cache: Path) -> list[tuple[list[int], list[bool]]]:
     """Self-distillation data: each conversation's first user turn answered by the target itself (greedy,
     batched), as token ids with the answer masked in. Cached on disk, so a resumed run reuses it."""
     if cache.is_file():
@@ -122,7 +129,7 @@ def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, voc
 
 # ---------------------------------------------------------------------------------------------- target
 @torch.inference_mode()
-def target_outputs(model, ids: list[int], layers: tuple[int, ...], logits: bool = True
+def target_outputs(model: LlamaModel, ids: list[int], layers: tuple[int, ...], logits: bool = True
                    ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
     """One causal forward of the target over `ids` with a private cache: (the outputs of `layers` concatenated
     [T, len(layers) * H], or None without any; the last layer's output before the final norm [T, H];
@@ -150,8 +157,8 @@ class FeatureCache:
 
     SHARD = 64
 
-    def __init__(self, root: Path, model, layers: tuple[int, ...], samples: list[tuple[list[int], list[bool]]]
-                 ) -> None:
+    def __init__(self, root: Path, model: LlamaModel, layers: tuple[int, ...],
+                 samples: list[tuple[list[int], list[bool]]]) -> None:
         from specdec.models.loader import model_fingerprint
 
         self.dir = Path(root).expanduser() / model_fingerprint(model, [list(layers), [ids for ids, _ in samples]])
@@ -191,12 +198,12 @@ class FeatureCache:
 
 
 # ---------------------------------------------------------------------------------------------- loss
-def _norm(norm, x: torch.Tensor) -> torch.Tensor:
+def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A head's RMSNorm, differentiable (an absent one is an Identity)."""
     return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps) if hasattr(norm, "weight") else x
 
 
-def head_loss(head, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
+def head_loss(head: torch.nn.Module, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
               mask: torch.Tensor, draft_ids: torch.Tensor | None,
               weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT)) -> tuple[torch.Tensor, dict]:
     """Equation 1 on rows whose predicted token (t + 2) is an assistant token. out: [T, H] head outputs;
@@ -243,7 +250,7 @@ def run_train(args: argparse.Namespace) -> dict:
             torch.distributed.destroy_process_group()
 
 
-def _train(args: argparse.Namespace, cls, rank: int, world: int) -> dict:
+def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
     from specdec.llm import LLM
 
     if world > 1 and args.feature_cache:
@@ -388,7 +395,7 @@ def lr_factor(update: int, updates: int, warmup: int, schedule: str) -> float:
     return 0.1 + 0.9 * 0.5 * (1 + math.cos(math.pi * min(progress, 1.0)))
 
 
-def warm_start(head, old) -> None:
+def warm_start(head: torch.nn.Module, old: torch.nn.Module) -> None:
     """Start `head` from a trained head `old` of the same method and target: every weight it shares; LM head
     rows of the draft tokens both vocabularies hold (the others keep their start from the target's rows)."""
     new_sd, old_sd = head.state_dict(), old.state_dict()
@@ -406,11 +413,11 @@ def warm_start(head, old) -> None:
             head.lm_head.data[dst] = old.lm_head.data[src].to(head.lm_head.dtype)
 
 
-def trainable_parameters(head) -> list[torch.nn.Parameter]:
+def trainable_parameters(head: torch.nn.Module) -> list[torch.nn.Parameter]:
     return head.trainable_parameters() if hasattr(head, "trainable_parameters") else list(head.parameters())
 
 
-def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse.Namespace,
+def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mask: list[bool], args: argparse.Namespace,
                   outputs: tuple[torch.Tensor | None, torch.Tensor, None] | None = None,
                   lm_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Equation 1 over one training sequence; the target runs once, under inference mode.
@@ -441,7 +448,7 @@ def sequence_loss(head, target, ids: list[int], mask: list[bool], args: argparse
     return loss, stats
 
 
-def save_checkpoint(head, opt, step: int, out_dir: Path, ckpt: Path) -> None:
+def save_checkpoint(head: torch.nn.Module, opt: torch.optim.Optimizer, step: int, out_dir: Path, ckpt: Path) -> None:
     head.save(out_dir)
     torch.save({"optimizer": opt.state_dict(), "step": step}, ckpt)
 
