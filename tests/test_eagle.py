@@ -49,12 +49,12 @@ def serving_forward(head, target, ids: list[int]) -> torch.Tensor:
     from specdec.models.attention import AttentionMetadata
 
     features, _, _ = target_outputs(target, ids, head.aux_layers)
-    T, bs = len(ids) - 1, 16
-    kv = KVPool(head.config, -(-T // bs) + 1, bs, torch.float32, "cpu")
-    pos = torch.arange(T)
+    T, bs, dev = len(ids) - 1, 16, target.device
+    kv = KVPool(head.config, -(-T // bs) + 1, bs, torch.float32, dev)
+    pos = torch.arange(T, device=dev)
     slots = (pos + bs)[None]
     meta = AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T])
-    return head(target.embed(torch.tensor(ids[1:])), pos, meta, kv, features=features[:T])
+    return head(target.embed(torch.tensor(ids[1:], device=dev)), pos, meta, kv, features=features[:T])
 
 
 @pytest.mark.parametrize("layout, parts", [("eagle", {}), ("mtp", {}),
@@ -66,7 +66,8 @@ def test_serving_forward_equals_the_training_forward(target, layout, parts):
     ids = [5, 9, 3, 17, 22, 8, 1, 40, 33, 2, 7, 11, 19, 4, 6, 12, 30, 31, 9]
     _, hidden, _ = target_outputs(target, ids, head.aux_layers)
     with torch.no_grad():
-        train = head.train_forward(target.embed(torch.tensor(ids[1:])).float(), target.norm(hidden)[:-1])
+        train = head.train_forward(target.embed(torch.tensor(ids[1:], device=target.device)).float(),
+                                   target.norm(hidden)[:-1])
     torch.testing.assert_close(serving_forward(head, target, ids), train, rtol=1e-4, atol=1e-4)
 
 

@@ -464,7 +464,7 @@ def test_drafters_receive_the_targets_features_of_every_committed_token(tmp_path
     for prompt, out in zip(truth, outs):
         chunks = drafter.received[prompt]
         assert chunks[0][0] == 0 and all(a + len(f) == b for (a, f), (b, _) in zip(chunks, chunks[1:]))
-        got = torch.cat([f for _, f in chunks])  # [n, 2 * H], tokens 0 .. n - 1
+        got = torch.cat([f.cpu() for _, f in chunks])  # [n, 2 * H], tokens 0 .. n - 1
         assert len(prompt) < got.shape[0] < len(prompt) + len(out.token_ids)
         with torch.no_grad():
             states = hf(torch.tensor([list(prompt) + out.token_ids]), output_hidden_states=True).hidden_states

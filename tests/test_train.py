@@ -77,6 +77,32 @@ def test_unrolled_training_steps_equal_serving_draft_steps(target_dir):
     assert torch.allclose(outs[2][p + 1], third[0], atol=1e-4)
 
 
+def test_a_batch_of_right_padded_sequences_unrolls_like_each_sequence_alone(target_dir):
+    """The GPU trainer unrolls [B, T] batches: each sequence's rows equal its own unroll, whatever padding
+    follows it (attention is causal, so padding rows never reach a real row)."""
+    model = LLM(str(target_dir)).engine.model
+    head = random_head(model.config, 100, seed=5)
+    seqs = [list(range(5, 30)), list(range(9, 21)), list(range(3, 33))]
+    T = max(len(s) for s in seqs) - 1
+    H = model.config.hidden_size
+    feats, embs = torch.zeros(len(seqs), T, 3 * H), torch.zeros(len(seqs), T, H)
+    alone = []
+    for b, ids in enumerate(seqs):
+        features, _, _ = target_outputs(model, ids, head.aux_layers)
+        n = len(ids) - 1
+        embeds = model.embed(torch.tensor(ids[1:])).float()
+        feats[b, :n], embs[b, :n] = features[:n], embeds
+        feats[b, n:] = 7.0  # garbage padding must not leak into real rows
+        with torch.no_grad():
+            alone.append(head.unroll(embeds, features[:n], steps=3))
+    with torch.no_grad():
+        batched = head.unroll(embs, feats, steps=3)
+    for b, ids in enumerate(seqs):
+        n = len(ids) - 1
+        for s in range(3):
+            assert torch.allclose(batched[s][b, :n], alone[b][s], atol=1e-5)
+
+
 def test_loss_is_equation_one_on_a_hand_checked_batch(target_dir):
     """0.1 * CE(target p over the draft vocabulary, head logits) + 1.0 * SmoothL1, on masked rows only."""
     model = LLM(str(target_dir)).engine.model

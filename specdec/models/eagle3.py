@@ -23,6 +23,7 @@ import json
 from pathlib import Path
 
 import torch
+import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
@@ -70,19 +71,20 @@ class Eagle3Layer(DecoderLayer):
 
 def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
                        ) -> torch.Tensor:
-    """Attention of unrolled step s = len(keys) (see `Eagle3Head.unroll`): q [Hq, T, D] sees the step-1 keys of
-    rows 0..p-s+1 and, for each step r = 2..s, the one row p - s + r. keys/values: per step, [Hq, T, D]."""
-    s, T = len(keys), q.shape[1]
+    """Attention of unrolled step s = len(keys) (see `Eagle3Head.unroll`): q [..., Hq, T, D] sees the step-1 keys
+    of rows 0..p-s+1 and, for each step r = 2..s, the one row p - s + r. keys/values: per step, [..., Hq, T, D]
+    (any leading batch dims)."""
+    s, T = len(keys), q.shape[-2]
     pos = torch.arange(T, device=q.device)
-    scores = (q @ keys[0].transpose(1, 2)) * scale  # [Hq, T, T] against step-1 rows
+    scores = (q @ keys[0].transpose(-1, -2)) * scale  # [..., Hq, T, T] against step-1 rows
     scores = scores.masked_fill(~(pos[None, :] <= pos[:, None] - (s - 1)), float("-inf"))
     shifted_values, extra = [], []
-    for r in range(2, s + 1):  # one earlier draft row per step r: row p - (s - r)
+    for r in range(2, s + 1):  # one earlier draft row per step r: row p - (s - r), zeros above row 0
         shift = s - r
-        k_r = torch.cat([keys[r - 1][:, :1].expand(-1, shift, -1) * 0, keys[r - 1][:, :T - shift]], 1)
-        v_r = torch.cat([values[r - 1][:, :1].expand(-1, shift, -1) * 0, values[r - 1][:, :T - shift]], 1)
-        d = (q * k_r).sum(-1) * scale  # [Hq, T]
-        extra.append(d.masked_fill(pos[None, :] < shift, float("-inf"))[..., None])
+        k_r = F.pad(keys[r - 1][..., :T - shift, :], (0, 0, shift, 0))
+        v_r = F.pad(values[r - 1][..., :T - shift, :], (0, 0, shift, 0))
+        d = (q * k_r).sum(-1) * scale  # [..., Hq, T]
+        extra.append(d.masked_fill(pos < shift, float("-inf"))[..., None])
         shifted_values.append(v_r)
     probs = torch.softmax(torch.cat([scores, *extra], -1), -1)
     attn = probs[..., :T] @ values[0]
@@ -123,8 +125,10 @@ class Eagle3Head(nn.Module):
 
     def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
         """The head over one whole sequence, differentiable, unrolled `steps` times on its own outputs (EAGLE-3's
-        training-time test), through the serving layers. Returns out_s [T, H] for s = 1..steps; row p of step
-        s is what serving computes for the s-th draft token when the last feature it had was token p - s + 1's:
+        training-time test), through the serving layers. embeds [..., T, H], features [..., T, 3H]: one
+        sequence, or a batch of right-padded ones (padding rows never reach a real row: attention is causal).
+        Returns out_s [..., T, H] for s = 1..steps; row p of step s is what serving computes for the s-th draft
+        token when the last feature it had was token p - s + 1's:
 
             step 1, row p: hidden fc(features[p]),  token p + 1 (embeds[p]), keys: step-1 rows 0..p
             step s, row p: hidden out_(s-1)[p - 1], token p + 1,             keys: step-1 rows 0..p-s+1, and the
@@ -133,22 +137,31 @@ class Eagle3Head(nn.Module):
         so rows p < s - 1 of step s are meaningless. Only the attention pattern is training's own: serving
         reads the same keys from its paged cache."""
         L = self.midlayer
-        T = embeds.shape[0]
+        lead, (T, H) = embeds.shape[:-2], embeds.shape[-2:]
         pos = torch.arange(T, device=embeds.device)
-        cos, sin = self.rope_cos[pos][:, None, :], self.rope_sin[pos][:, None, :]
+        D = self.rope_cos.shape[-1]
+        cos = self.rope_cos[pos][:, None, :].expand(*lead, T, 1, D).reshape(-1, 1, D)  # per flattened row
+        sin = self.rope_sin[pos][:, None, :].expand(*lead, T, 1, D).reshape(-1, 1, D)
         group = L.num_heads // L.num_kv_heads
+        flat_embeds = embeds.reshape(-1, H)
+
+        def heads(x: torch.Tensor, repeat: int = 1) -> torch.Tensor:  # [N, h, D] -> [..., h * repeat, T, D]
+            x = x.view(*lead, T, x.shape[-2], D)
+            return (x.repeat_interleave(repeat, -2) if repeat > 1 else x).transpose(-3, -2)
+
         h = self.fc(features)
-        keys: list[torch.Tensor] = []  # per step, [Hq, T, D] (GQA heads repeated)
+        keys: list[torch.Tensor] = []  # per step, [..., Hq, T, D] (GQA heads repeated)
         values: list[torch.Tensor] = []
         outs: list[torch.Tensor] = []
         for s in range(1, steps + 1):
-            if s > 1:
-                h = torch.cat([outs[-1][:1] * 0, outs[-1][:-1]])  # row p reads the previous step's row p - 1
-            q, k, v = L.project_inputs(embeds, h, cos, sin)
-            keys.append(k.repeat_interleave(group, 1).transpose(0, 1))
-            values.append(v.repeat_interleave(group, 1).transpose(0, 1))
-            attn = unrolled_attention(q.transpose(0, 1), keys, values, L.scale)  # [Hq, T, D]
-            outs.append(L.finish(h, attn.transpose(0, 1)))
+            if s > 1:  # row p reads the previous step's row p - 1
+                h = F.pad(outs[-1][..., :T - 1, :], (0, 0, 1, 0))
+            q, k, v = L.project_inputs(flat_embeds, h.reshape(-1, H), cos, sin)
+            keys.append(heads(k, group))
+            values.append(heads(v, group))
+            attn = unrolled_attention(heads(q), keys, values, L.scale)  # [..., Hq, T, D]
+            out = L.finish(h.reshape(-1, H), attn.transpose(-3, -2).reshape(-1, L.num_heads, D))
+            outs.append(out.view(*lead, T, H))
         return outs
 
     def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,

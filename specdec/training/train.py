@@ -404,13 +404,13 @@ def warm_start(head: torch.nn.Module, old: torch.nn.Module) -> None:
             continue
         new_sd[name].copy_(value.to(new_sd[name].dtype))
     if hasattr(head, "d2t") and hasattr(old, "d2t"):
-        ar = lambda h: torch.arange(h.draft_vocab_size)  # noqa: E731
-        new_ids, old_ids = head.target_ids(ar(head)), old.target_ids(ar(old))
-        where = {t: j for j, t in enumerate(old_ids.tolist())}
-        pairs = [(j, where[t]) for j, t in enumerate(new_ids.tolist()) if t in where]
+        ar = lambda h: torch.arange(h.draft_vocab_size, device=h.d2t.device)  # noqa: E731
+        new_ids, old_ids = head.target_ids(ar(head)).tolist(), old.target_ids(ar(old)).tolist()
+        where = {t: j for j, t in enumerate(old_ids)}
+        pairs = [(j, where[t]) for j, t in enumerate(new_ids) if t in where]
         if pairs:
-            dst, src = torch.tensor(pairs).T
-            head.lm_head.data[dst] = old.lm_head.data[src].to(head.lm_head.dtype)
+            dst, src = torch.tensor(pairs, device=head.lm_head.device).T
+            head.lm_head.data[dst] = old.lm_head.data[src.to(old.lm_head.device)].to(head.lm_head.dtype)
 
 
 def trainable_parameters(head: torch.nn.Module) -> list[torch.nn.Parameter]:

@@ -1,0 +1,71 @@
+"""tools/train_head_gpu.py, the GPU training pipeline, run on CPU with a tiny target: the answers are the target's
+own greedy ones, the head it saves serves losslessly, and a second run resumes from the first one's answers."""
+from __future__ import annotations
+
+import gzip
+import json
+import sys
+from pathlib import Path
+
+import numpy as np
+import pytest
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+from train_head_gpu import main  # noqa: E402
+
+from specdec import LLM, SamplingParams  # noqa: E402
+
+PROMPTS = ["the quick brown fox", "hello world", "1 2 3 4 5", "def add(a, b):", "the answer is", "speculative",
+           "decoding is fast", "brown fox jumps", "lazy dog", "7 8 9 10", "return a + b", "Hello there"]
+
+
+def write_prompts(path: Path, prompts: list[str]) -> Path:
+    with gzip.open(path, "wt", encoding="utf-8") as f:
+        for p in prompts:
+            f.write(json.dumps({"source": "test", "prompt": p}) + "\n")
+    return path
+
+
+def run(model: Path, prompts: Path, out: Path, *extra: str) -> dict:
+    main(["train", "--prompts", str(prompts), "--out", str(out), "--model", str(model), "--device", "cpu",
+          "--dtype", "float32", "--init", "none", "--max-new-tokens", "8", "--gen-batch", "4", "--sampled-every", "0",
+          "--gen-seconds", "120", "--train-seconds", "3", "--eval-every", "1", "--held-out", "3",
+          "--batch-tokens", "256", "--max-len", "128", "--draft-vocab", "64", *extra])
+    return json.loads((out / "train_log.json").read_text())
+
+
+def test_the_pipeline_answers_trains_a_lossless_head_and_resumes(tiny_llama_dir, tmp_path):
+    prompts = write_prompts(tmp_path / "prompts.jsonl.gz", PROMPTS)
+    first = run(tiny_llama_dir, prompts, tmp_path / "a")
+    assert first["answers"]["prompts"] == first["answers"]["new_prompts"] == len(PROMPTS)
+    curve = first["curve"]
+    assert len(curve) >= 2 and curve[0]["tokens"] == 0 and curve[-1]["tokens"] > 0
+    assert 0 <= curve[-1]["step1"]["top1"] <= curve[-1]["step1"]["top4"] <= 1
+
+    # the answers are the target's own greedy answers (as specdec's plain decoding gives them)
+    z = np.load(tmp_path / "a" / "answers-0.npz")
+    llm = LLM(str(tiny_llama_dir), speculative_config="off")
+    plain = llm.chat([[{"role": "user", "content": PROMPTS[i]}] for i in z["prompt_index"]],
+                     SamplingParams(temperature=0, max_tokens=8))
+    for k, out in enumerate(plain):
+        answer = z["answer_ids"][z["offsets"][k]:z["offsets"][k + 1]].tolist()
+        assert answer == list(out.token_ids)[:len(answer)]
+
+    # the saved head (two shards) serves, and speculation keeps the output
+    spec = LLM(str(tiny_llama_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "a" / "head"),
+                                                         "num_speculative_tokens": 3})
+    greedy = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    assert [o.token_ids for o in spec.generate(PROMPTS, greedy)] == \
+        [o.token_ids for o in llm.generate(PROMPTS, greedy)]
+
+    # a second run answers nothing again, holds out the same prompts and keeps every answer
+    second = run(tiny_llama_dir, prompts, tmp_path / "b", "--answers", str(tmp_path / "a" / "answers-0.npz"))
+    assert second["answers"]["new_prompts"] == 0 and second["answers"]["prompts"] == len(PROMPTS)
+    assert second["curve"][0] == first["curve"][0]
+    again = np.load(tmp_path / "b" / "answers-0.npz")
+    assert all(np.array_equal(again[k], z[k]) for k in ("prompt_index", "offsets", "answer_ids", "sampled"))
+
+    # answers made for another prompts file are refused
+    other = write_prompts(tmp_path / "other.jsonl.gz", PROMPTS[::-1])
+    with pytest.raises(SystemExit, match="answers another prompts file"):
+        run(tiny_llama_dir, other, tmp_path / "c", "--answers", str(tmp_path / "a" / "answers-0.npz"))
