@@ -65,6 +65,17 @@ def test_the_pipeline_answers_trains_a_lossless_head_and_resumes(tiny_llama_dir,
     again = np.load(tmp_path / "b" / "answers-0.npz")
     assert all(np.array_equal(again[k], z[k]) for k in ("prompt_index", "offsets", "answer_ids", "sampled"))
 
+    # the CPU pipeline resumes: --train-seconds counts every run, the curve goes on
+    state = tmp_path / "state"
+    part = run(tiny_llama_dir, prompts, tmp_path / "d", "--answers", str(tmp_path / "a" / "answers-0.npz"),
+               "--state", str(state), "--train-seconds", "2")
+    assert (state / "trainer_state.pt").is_file()
+    whole = run(tiny_llama_dir, prompts, tmp_path / "d", "--answers", str(tmp_path / "a" / "answers-0.npz"),
+                "--state", str(state), "--train-seconds", "4", "--resume")
+    assert whole["trained"]["tokens"] > part["trained"]["tokens"]
+    assert whole["curve"][:len(part["curve"])] == part["curve"]
+    assert 4 <= whole["trained"]["seconds"] < 4 + 30
+
     # answers made for another prompts file are refused
     other = write_prompts(tmp_path / "other.jsonl.gz", PROMPTS[::-1])
     with pytest.raises(SystemExit, match="answers another prompts file"):

@@ -56,7 +56,7 @@ note "== device: $($PYTHON -c "import torch; print(torch.__version__, torch.cuda
 # 1. the head (its own log: train.txt)
 # shellcheck disable=SC2086
 timeout "$(left)" $PYTHON tools/train_head_gpu.py train --prompts "$PROMPTS" --out "$OUT" --device "$DEVICE" \
-  --dtype "$DTYPE" --gen-seconds "$GEN_S" --train-seconds "$TRAIN_S" --answers $ANSWERS $TRAIN_ARGS 2>&1 \
+  --dtype "$DTYPE" --gen-seconds "$GEN_S" --train-seconds "$TRAIN_S" --answers $ANSWERS --state /tmp/head-state $TRAIN_ARGS 2>&1 \
   | grep -v -e "it/s]" -e "s/it]" | tee "$OUT/train.txt"
 rc=${PIPESTATUS[0]}
 note "== training: exit $rc after $SECONDS s"

@@ -370,11 +370,15 @@ def train(args: argparse.Namespace) -> None:
 
     train_samples, held_samples = fits(train_samples), fits(held_samples)
 
-    # the draft vocabulary: the most frequent answer tokens (ties to lower ids), padded with the lowest unused
+    # the draft vocabulary: the most frequent answer tokens (ties to lower ids); a resumed run keeps its own
+    state_path = Path(args.state or out) / "trainer_state.pt"
+    state_path.parent.mkdir(parents=True, exist_ok=True)
+    st = torch.load(state_path, weights_only=False) if args.resume and state_path.is_file() else None
     counts = np.bincount(np.array([t for ids, s in train_samples for t in ids[s:]], np.int64),
                          minlength=target.config.vocab_size)
     size = min(args.draft_vocab, target.config.vocab_size)
-    chosen = np.argsort(-counts, kind="stable")[:size]
+    chosen = np.argsort(-counts, kind="stable")[:size] if st is None else st["draft_ids"].numpy()
+    size = len(chosen)
     draft_ids = torch.tensor(np.sort(chosen), dtype=torch.long)
     coverage = counts[chosen].sum() / max(counts.sum(), 1)
     log(f"draft vocabulary {size}: covers {coverage:.4f} of the answer tokens")
@@ -385,7 +389,10 @@ def train(args: argparse.Namespace) -> None:
     lm_head_full = target.model.get_output_embeddings().weight
     head.lm_head.data.copy_(lm_head_full[draft_ids.to(args.device)].float())
     head.d2t.copy_((draft_ids - torch.arange(size)).to(args.device))
-    if args.init.lower() != "none":
+    if st is not None:
+        head.load_state_dict(st["head"])
+        log(f"resumed from {state_path}: {st['tokens']} tokens, {st['elapsed']:.0f} s trained")
+    elif args.init.lower() != "none":
         warm_start(head, Eagle3Head.load(args.init, target.config, torch.float32, args.device))
         log(f"warm start from {args.init}")
     lm_rows = lm_head_full[draft_ids.to(args.device)].detach()
@@ -394,34 +401,45 @@ def train(args: argparse.Namespace) -> None:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay, betas=(0.9, 0.95))
     autocast = torch.autocast("cuda", dtype=torch.bfloat16) if args.device == "cuda" else contextlib.nullcontext()
-    rng = random.Random(args.seed)
     held = batches_of(held_samples, args.batch_tokens, random.Random(0))
 
-    # 2. training, 3. the curve
+    # 2. training, 3. the curve; --train-seconds counts every run of a resumed training
     t2 = time.perf_counter()
-    deadline = t2 + args.train_seconds
-    curve = [{"tokens": 0, "seconds": 0.0, **evaluate(head, target, held, lm_rows, args, autocast)}]
-    log("eval at 0 tokens:", json.dumps(curve[-1]))
-    best = (curve[-1]["step1"]["top1"] if "step1" in curve[-1] else -1.0, copy.deepcopy(head.state_dict()), 0)
-    step = tokens = epoch = 0
-    # optimizer steps the budget allows, estimated after the first 20 and refined as training goes
-    planned, next_eval, last_stats = None, t2 + args.eval_every, []
-    done = False
-    while not done:
-        for batch in batches_of(train_samples, args.batch_tokens, rng):
-            now = time.perf_counter()
-            if now > deadline:
-                done = True
-                break
-            if step == 20:
-                planned = max(int(20 * args.train_seconds / max(now - t2, 1e-3)), 40)
-            total = planned or 10**6
-            lr = args.lr * lr_factor(step + 1, total, args.warmup, "cosine")
-            if planned is None:
-                lr = args.lr * min((step + 1) / args.warmup, 1.0)
+    if st is None:
+        curve = [{"tokens": 0, "seconds": 0.0, **evaluate(head, target, held, lm_rows, args, autocast)}]
+        log("eval at 0 tokens:", json.dumps(curve[-1]))
+        best = (curve[-1]["step1"]["top1"] if "step1" in curve[-1] else -1.0, copy.deepcopy(head.state_dict()), 0)
+        step = tokens = epoch = position = 0
+        planned, elapsed0 = None, 0.0  # optimizer steps the budget allows: estimated after the first 20
+    else:
+        opt.load_state_dict(st["optimizer"])
+        curve, best, planned, elapsed0 = st["curve"], st["best"], st["planned"], st["elapsed"]
+        step, tokens, epoch, position = st["step"], st["tokens"], st["epoch"], st["position"]
+
+    def trained_s() -> float:
+        return elapsed0 + time.perf_counter() - t2
+
+    def save_state() -> None:
+        tmp = state_path.with_suffix(".tmp")
+        torch.save({"head": head.state_dict(), "optimizer": opt.state_dict(), "draft_ids": draft_ids, "step": step,
+                    "tokens": tokens, "epoch": epoch, "position": position, "planned": planned, "curve": curve,
+                    "best": best, "elapsed": trained_s()}, tmp)
+        tmp.replace(state_path)
+
+    next_eval, next_save, last_stats = t2 + args.eval_every, t2 + args.save_every, []
+    lr = args.lr
+    while trained_s() < args.train_seconds:
+        # each epoch's batches in an order fixed by the seed, so a resumed run goes on where it stopped
+        batches = batches_of(train_samples, args.batch_tokens, random.Random(args.seed * 1000 + epoch))
+        while position < len(batches) and trained_s() < args.train_seconds:
+            if step == 20 and planned is None:
+                planned = max(int(20 * args.train_seconds / trained_s()), 40)
+            lr = args.lr * (lr_factor(step + 1, planned, args.warmup, "cosine") if planned
+                            else min((step + 1) / args.warmup, 1.0))
             for g in opt.param_groups:
                 g["lr"] = lr
-            ids, mask = pad(batch, target.pad, args.device)
+            ids, mask = pad(batches[position], target.pad, args.device)
+            position += 1
             loss, last_stats = batch_loss(head, target, ids, mask, lm_rows, args, autocast)
             if not isinstance(loss, torch.Tensor):
                 continue
@@ -434,20 +452,25 @@ def train(args: argparse.Namespace) -> None:
             tokens += int(mask.sum())
             if time.perf_counter() > next_eval:
                 next_eval = time.perf_counter() + args.eval_every
-                point = {"tokens": tokens, "seconds": round(time.perf_counter() - t2, 1), "step": step, "epoch": epoch,
+                point = {"tokens": tokens, "seconds": round(trained_s(), 1), "step": step, "epoch": epoch,
                          "lr": lr, "train": last_stats[:1],
                          **evaluate(head, target, held, lm_rows, args, autocast)}
                 curve.append(point)
                 log("eval:", json.dumps(point))
                 if point.get("step1", {}).get("top1", -1) > best[0]:
                     best = (point["step1"]["top1"], copy.deepcopy(head.state_dict()), tokens)
-        epoch += 1
-    final = {"tokens": tokens, "seconds": round(time.perf_counter() - t2, 1), "step": step, "epoch": epoch,
+            if time.perf_counter() > next_save:
+                next_save = time.perf_counter() + args.save_every
+                save_state()
+        if position >= len(batches):
+            epoch, position = epoch + 1, 0
+    final = {"tokens": tokens, "seconds": round(trained_s(), 1), "step": step, "epoch": epoch,
              **evaluate(head, target, held, lm_rows, args, autocast)}
     curve.append(final)
     log("final eval:", json.dumps(final))
     if final.get("step1", {}).get("top1", -1) >= best[0]:
         best = (final["step1"]["top1"], head.state_dict(), tokens)
+    save_state()
     head.load_state_dict(best[1])
     save_head(head, out / "head")
     summary = {"settings": vars(args), "answers": {"prompts": len(got), "answer_tokens": n_tokens,
@@ -456,7 +479,7 @@ def train(args: argparse.Namespace) -> None:
                                                    "sampled": sum(s for *_, s in got)},
                "held_out_prompts": held_n, "draft_vocab_coverage": float(coverage),
                "trained": {"optimizer_steps": step, "tokens": tokens, "epochs": epoch,
-                           "seconds": round(time.perf_counter() - t2, 1)},
+                           "seconds": round(trained_s(), 1)},
                "saved": {"step1_top1": best[0], "at_tokens": best[2]}, "curve": curve,
                "total_seconds": round(time.perf_counter() - t0, 1)}
     (out / "train_log.json").write_text(json.dumps(summary, indent=1))
@@ -513,6 +536,10 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--ce-weight", type=float, default=1.0)
     t.add_argument("--regression-weight", type=float, default=0.1)
     t.add_argument("--eval-every", type=float, default=25)
+    t.add_argument("--save-every", type=float, default=600, help="seconds between checkpoints (trainer_state.pt)")
+    t.add_argument("--state", default=None, help="where trainer_state.pt goes (default: --out)")
+    t.add_argument("--resume", action="store_true",
+                   help="go on from --out's trainer_state.pt (the CPU pipeline, across sessions)")
     args = ap.parse_args(argv)
     if args.cmd == "prompts":
         export_prompts(args.data_dir, args.out)
