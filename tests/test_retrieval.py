@@ -81,6 +81,21 @@ def test_retrieval_is_lossless_and_drafts_from_the_corpus(target_dir, reference,
     assert sum(o.metrics["acceptance_length"] for o in outs) / len(outs) >= 3
 
 
+def test_the_answers_of_the_training_pipeline_are_a_corpus(target_dir, reference, tmp_path):
+    """tools/train_head_gpu.py's answers-*.npz (answer_ids, offsets, prompt_index, sampled) read as a token file."""
+    lengths = [len(r) for r in reference]
+    corpus = tmp_path / "answers-0.npz"
+    np.savez_compressed(corpus, answer_ids=np.array([t for r in reference for t in r], np.uint16),
+                        offsets=np.array([0, *np.cumsum(lengths)], np.int64),
+                        prompt_index=np.arange(len(reference), dtype=np.int32),
+                        sampled=np.zeros(len(reference), bool))
+    llm = LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus),
+                                                   "num_speculative_tokens": 6})
+    outs = llm.generate(PROMPTS, GREEDY)
+    assert [o.token_ids for o in outs] == reference
+    assert sum(o.metrics["acceptance_length"] for o in outs) / len(outs) >= 3
+
+
 @pytest.mark.parametrize("kind", ["text", "jsonl"])
 def test_text_corpora_are_tokenized_once_and_cached(target_dir, reference, tmp_path, private_cache, kind):
     llm = LLM(str(target_dir))

@@ -12,7 +12,7 @@
                token-averaged. Warm start from `--init`; linear warm-up, then a cosine decay to a tenth over
                the time budget.
   3. curve     every `--eval-every` seconds: on held-out answers (never trained on), per draft step, how often
-               the head's top-1 / top-4 hold the target's top-1 (step 1's top-1 is the greedy first-position
+               the head's top-1 / top-2 / top-4 hold the target's top-1 (step 1's top-1 is the greedy first-position
                acceptance), against the tokens trained on. The best head by step-1 top-1 is the one saved.
 
 Writes to --out: head/ (config.json + two bfloat16 safetensors shards: the device returns files of at most
@@ -279,8 +279,8 @@ def batch_loss(head: Eagle3Head, target: Target, ids: torch.Tensor, mask: torch.
                args: argparse.Namespace, autocast: contextlib.AbstractContextManager
                ) -> tuple[torch.Tensor, list[dict]]:
     """specdec's loss (train.sequence_loss) over a batch: row t pairs feature t with token t + 1's embedding and
-    is fitted to the target at t + 1 (token t + 2), for every unrolled step; per step, top-1 / top-4 agreement
-    with the target's own top-1 (over the draft vocabulary: a token outside it is never drafted)."""
+    is fitted to the target at t + 1 (token t + 2), for every unrolled step; per step, top-1 / top-2 / top-4
+    agreement with the target's own top-1 (over the draft vocabulary: a token outside it is never drafted)."""
     features, last, logits = target.outputs(ids, lm_rows)
     T = ids.shape[1]
     rows = T - 2
@@ -308,27 +308,29 @@ def batch_loss(head: Eagle3Head, target: Target, ids: torch.Tensor, mask: torch.
             t = target_top[m]
             stats.append({"ce": ce.item(), "l1": reg.item(), "n": int(m.sum()),
                           "top1": (top4[:, 0] == t).float().mean().item(),
+                          "top2": (top4[:, :2] == t[:, None]).any(-1).float().mean().item(),
                           "top4": (top4 == t[:, None]).any(-1).float().mean().item()})
     return loss, stats
 
 
 def evaluate(head: Eagle3Head, target: Target, held: list[list[tuple[list[int], int]]], lm_rows: torch.Tensor,
              args: argparse.Namespace, autocast: contextlib.AbstractContextManager) -> dict:
-    """Per draft step, top-1 / top-4 agreement with the target on held-out answers (token-weighted). The draft
-    vocabulary's coverage of the target's top-1 is counted: agreement is with the target's top-1 over its
-    whole vocabulary only when that token is in the draft vocabulary."""
+    """Per draft step, top-1 / top-2 / top-4 agreement with the target on held-out answers (token-weighted).
+    The draft vocabulary's coverage of the target's top-1 is counted: agreement is with the target's top-1 over
+    its whole vocabulary only when that token is in the draft vocabulary."""
+    keys = ("top1", "top2", "top4")
     totals: dict[int, list[float]] = {}
     with torch.no_grad():
         for batch in held:
             ids, mask = pad(batch, target.pad, args.device)
             _, stats = batch_loss(head, target, ids, mask, lm_rows, args, autocast)
             for s, st in enumerate(stats):
-                acc = totals.setdefault(s, [0.0, 0.0, 0])
-                acc[0] += st["top1"] * st["n"]
-                acc[1] += st["top4"] * st["n"]
-                acc[2] += st["n"]
-    return {f"step{s + 1}": {"top1": round(a / n, 4), "top4": round(b / n, 4), "rows": n}
-            for s, (a, b, n) in sorted(totals.items()) if n}
+                acc = totals.setdefault(s, [0.0] * (len(keys) + 1))
+                for j, k in enumerate(keys):
+                    acc[j] += st[k] * st["n"]
+                acc[-1] += st["n"]
+    return {f"step{s + 1}": {**{k: round(acc[j] / acc[-1], 4) for j, k in enumerate(keys)}, "rows": int(acc[-1])}
+            for s, acc in sorted(totals.items()) if acc[-1]}
 
 
 # ------------------------------------------------------------------------------------------------ main

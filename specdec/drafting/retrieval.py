@@ -14,7 +14,8 @@ deterministic, so verification keeps greedy output identical and sampled output 
 
 A corpus is a text file (documents separated by blank lines), a JSONL file (each line an object with a
 "text" string or a "messages" list whose assistant turns are taken: the training data's format), or the
-token ids of `specdec distill` (.npz, checked to be the target's own).
+token ids of `specdec distill` or the answers of `tools/train_head_gpu.py` (.npz, `specdec/data/answers/`;
+a distill file is checked to be the target's own).
 """
 from __future__ import annotations
 
@@ -122,9 +123,10 @@ def _read_token_file(path: Path, vocab_size: int, max_tokens: int, fingerprint: 
     try:
         with np.load(path) as z:
             meta = json.loads(z["meta"].tobytes().decode()) if "meta" in z else {}
-            tokens, offsets = z["tokens"].astype(np.int64), z["offsets"].astype(np.int64)
+            ids = z["tokens"] if "tokens" in z else z["answer_ids"]  # `specdec distill` / tools/train_head_gpu.py
+            tokens, offsets = ids.astype(np.int64), z["offsets"].astype(np.int64)
     except (OSError, ValueError, KeyError, json.JSONDecodeError) as err:
-        raise SpecdecError(f"retrieval corpus {path} is not a token file with 'tokens' and 'offsets' "
+        raise SpecdecError(f"retrieval corpus {path} is not a token file with 'tokens' (or 'answer_ids') and 'offsets' "
                            f"({type(err).__name__})") from None
     if fingerprint is not None and meta.get("model") not in (None, fingerprint):
         raise SpecdecError(f"retrieval corpus {path} holds token ids of another model (fingerprint "
