@@ -33,15 +33,18 @@ def test_tune_writes_a_dispatch_table_that_speculative_config_loads(tiny_llama_d
     assert "batch 1:" in capsys.readouterr().out
 
 
-def test_candidates_for_a_head_are_chains_and_static_trees():
-    """Heads draft static trees only, so tuning one never proposes a dynamic tree (it would be refused)."""
+def test_candidates_include_dynamic_trees_for_methods_that_draft_them():
+    """Feature heads and draft models draft EAGLE-2 dynamic trees, so tune tries them; Medusa's heads draft static
+    trees only, so tuning them never proposes a dynamic tree (it would be refused)."""
     from specdec.bench.tune import candidates
 
     rates = [[0.6, 0.2, 0.1], [0.5, 0.2, 0.1], [0.4, 0.1, 0.05]]
-    for method in ("eagle3", "medusa"):
-        shapes = candidates(SpeculativeConfig.parse({"method": method, "model": "head", "num_speculative_tokens": 3}),
-                            rates)
-        assert shapes and all(s.dynamic is None for s in shapes) and any(s.tree for s in shapes)
+    eagle3 = candidates(SpeculativeConfig.parse({"method": "eagle3", "model": "head", "num_speculative_tokens": 3}),
+                        rates)
+    assert any(s.dynamic for s in eagle3) and any(s.tree for s in eagle3)
+    medusa = candidates(SpeculativeConfig.parse({"method": "medusa", "model": "head", "num_speculative_tokens": 3}),
+                        rates)
+    assert medusa and all(s.dynamic is None for s in medusa) and any(s.tree for s in medusa)
     layer_skip = SpeculativeConfig.parse({"method": "layer_skip", "num_layers": 2})
     assert any(s.dynamic for s in candidates(layer_skip, rates))
 

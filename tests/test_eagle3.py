@@ -67,7 +67,10 @@ def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
         LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
 
 
-@pytest.mark.parametrize("tree", ["chain", "D2-BF2", [[0], [1], [0, 0], [0, 0, 0], [1, 0]]])
+DYNAMIC = {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}
+
+
+@pytest.mark.parametrize("tree", ["chain", "D2-BF2", [[0], [1], [0, 0], [0, 0, 0], [1, 0]], DYNAMIC])
 def test_eagle3_greedy_equals_plain(target_dir, head_dir, tree):
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
     llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
@@ -138,9 +141,38 @@ def test_eagle3_tree_nodes_follow_the_heads_own_chain(target_dir, head_dir):
     assert len(seen) > 5 and all(seen)
 
 
-def test_dynamic_trees_are_refused_for_eagle3(head_dir):
-    from specdec.drafting.registry import SpeculativeConfig
+def test_a_dynamic_tree_keeps_only_nodes_the_head_rates_at_least_min_prob(target_dir, head_dir):
+    """EAGLE-2 trees sized by min_prob: every node kept is one whose path the head gives at least min_prob (its
+    probabilities recomputed from the head's own outputs); min_prob 1 drafts nothing; output equals plain."""
+    reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
+    drafted = {}
+    for min_prob in (0.0, 0.05, 1.0):
+        llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                       "num_speculative_tokens": 5, "tree": DYNAMIC,
+                                                       "min_prob": min_prob})
+        outs = llm.generate(PROMPTS, GREEDY)
+        assert [o.token_ids for o in outs] == reference
+        drafted[min_prob] = sum(o.metrics["num_draft_tokens"] for o in outs)
+    assert drafted[1.0] == 0 < drafted[0.05] < drafted[0.0]
 
-    with pytest.raises(SpecdecError, match="eagle3 drafts chains and static trees"):
-        SpeculativeConfig.parse({"method": "eagle3", "model": str(head_dir),
-                                 "tree": {"topk": 2, "num_steps": 2, "num_draft_tokens": 4}})
+
+def test_dynamic_tree_paths_are_the_heads_most_probable(target_dir, head_dir):
+    """With topk 1 a dynamic tree is the head's greedy chain: each node fed its parent's output."""
+    def drafts(tree):
+        llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
+                                                       "num_speculative_tokens": 3, "tree": tree})
+        seen = []
+        propose = llm.engine.speculator.drafter.propose
+
+        def recording(requests):
+            draft = propose(requests)
+            seen.append([draft.tokens[i, :n].tolist() for i, n in enumerate(draft.num_nodes())])
+            return draft
+
+        llm.engine.speculator.drafter.propose = recording
+        llm.generate(PROMPTS, GREEDY)
+        return seen
+
+    chain = drafts("chain")
+    assert drafts({"topk": 1, "num_steps": 3, "num_draft_tokens": 3}) == chain
+    assert sum(len(row) for step in chain for row in step) > 10

@@ -170,6 +170,7 @@ CASES = [  # (method, its keys, sampling, max_tokens)
     ("eagle", {"tree": "D2-BF2"}, TOP_K, 4),
     ("eagle3", {}, TOP_K, 4),
     ("eagle3", {"tree": CHOICES}, TOP_K, 4),
+    ("eagle3", {"tree": {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}}, TOP_K, 4),  # EAGLE-2 dynamic tree
     ("mtp", {}, TOP_K, 4),
     ("mtp", {"tree": "D2-BF2"}, TOP_K, 4),
     ("medusa", {}, TOP_K, 4),

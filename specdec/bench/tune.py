@@ -75,7 +75,7 @@ def candidates(cfg: SpeculativeConfig, rates: list[list[float]] | None) -> list[
     if rates is not None:
         for size in PRUNED_SIZES:
             shapes.append(cfg.parse_shape(pruned_tree(rates, size), "tree"))
-        if cfg.info.dynamic_trees:  # the heads draft static trees only
+        if cfg.info.dynamic_trees:  # draft models and feature heads (Medusa's heads draft static trees only)
             shapes += [cfg.parse_shape(dict(d), "tree") for d in DYNAMIC_TREES]
     unique: dict[SpecShape, None] = dict.fromkeys(shapes)
     return list(unique)

@@ -1,6 +1,8 @@
 """Feature-head drafting (`eagle`, `eagle3`, `mtp`): a small head over the target's hidden states (EAGLE-3:
-low/mid/high features; EAGLE-1 and MTP: the last one) drafts a chain of k tokens, or a static tree of its
-top-ranked tokens (one batched forward per level, each node feeding its own output to its children).
+low/mid/high features; EAGLE-1 and MTP: the last one) drafts a chain of k tokens, a static tree of its
+top-ranked tokens, or an EAGLE-2 dynamic tree grown by cumulative draft probability and cut where a node's
+chance of acceptance falls under `min_prob` (one batched forward per level, each node feeding its own output to
+its children).
 The heads (`specdec/models/eagle.py`, `eagle3.py`) share one interface: forward(embeds, positions, meta, kv,
 features=... | hidden=...) -> out, compute_logits / target_logits, target_ids and aux_layers.
 
@@ -25,37 +27,53 @@ from typing import ClassVar
 
 import torch
 
-from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
-from specdec.drafting.tree_draft import grow_static_tree
+from specdec.drafting.tree_draft import grow_dynamic_tree, grow_static_tree
 from specdec.models.eagle import EagleHead
 from specdec.models.eagle3 import Eagle3Head
-from specdec.tree import TreeFeed, tree_shape
+from specdec.tree import ROOT, TreeFeed, tree_shape
 
 
 @dataclass
-class Eagle3Options(HeadOptions):
+class FeatureHeadOptions(HeadOptions):
+    # A dynamic tree keeps a node only when the head's probability of its whole path is at least this: the cost
+    # of verifying one more token, in plain steps (`specdec tune` measures it when left out; 0: the node count
+    # alone sizes the tree).
+    min_prob: float = 0.0
+
+    def __post_init__(self) -> None:
+        super().__post_init__()
+        check_number("min_prob", self.min_prob, 0, 1)
+
+
+@dataclass
+class Eagle3Options(FeatureHeadOptions):
     method: ClassVar[str] = "eagle3"
 
 
 @dataclass
-class EagleOptions(HeadOptions):
+class EagleOptions(FeatureHeadOptions):
     method: ClassVar[str] = "eagle"
 
 
 @dataclass
-class MtpOptions(HeadOptions):
+class MtpOptions(FeatureHeadOptions):
     method: ClassVar[str] = "mtp"
 
 
-@register_method("mtp", MtpOptions, trees=True, head=EagleHead)
-@register_method("eagle", EagleOptions, trees=True, head=EagleHead)
-@register_method("eagle3", Eagle3Options, trees=True, head=Eagle3Head)
+HEAD_KEYS = dict(trees=True, dynamic_trees=True, verify_cost_keys=("min_prob",))
+
+
+@register_method("mtp", MtpOptions, head=EagleHead, **HEAD_KEYS)
+@register_method("eagle", EagleOptions, head=EagleHead, **HEAD_KEYS)
+@register_method("eagle3", Eagle3Options, head=Eagle3Head, **HEAD_KEYS)
 class EagleDrafter(Drafter):
     cache_reads_next_token = True
 
-    def __init__(self, head: EagleHead | Eagle3Head, env: DraftEnv, num_speculative_tokens: int) -> None:
-        self.head, self.k, self.env = head, num_speculative_tokens, env
+    def __init__(self, head: EagleHead | Eagle3Head, env: DraftEnv, num_speculative_tokens: int,
+                 min_prob: float = 0.0) -> None:
+        self.head, self.k, self.env, self.min_prob = head, num_speculative_tokens, env, min_prob
         self.embed = env.target.embed
         self.kv = env.kv_pool(head.config, torch.float32)
         self.feature_layers = head.aux_layers
@@ -65,7 +83,7 @@ class EagleDrafter(Drafter):
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> EagleDrafter:
         head = cfg.info.head.load_for(cfg.method, cfg.options.model, env.target)
         cfg.options.quantize(head)
-        return cls(head, env, cfg.num_speculative_tokens)
+        return cls(head, env, cfg.num_speculative_tokens, cfg.options.min_prob)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
@@ -75,6 +93,8 @@ class EagleDrafter(Drafter):
         for i in active:
             r = requests[i]
             self.consumed[r.seq_id] = (r.epoch, r.features_start + len(r.features))
+        if requests[0].dynamic is not None:
+            return self._dynamic(requests, active, root, *requests[0].dynamic)
         if requests[0].tree is not None:
             return self._tree(requests, active, root)
         return self._chain(requests, active, root)
@@ -143,6 +163,30 @@ class EagleDrafter(Drafter):
             return self.head.target_logits(out)
 
         return grow_static_tree(shape, reqs, root_logits, expand)
+
+    def _dynamic(self, requests: list[DraftRequest], active: list[int], root: torch.Tensor, topk: int,
+                 num_steps: int, num_draft_tokens: int) -> Draft:
+        """An EAGLE-2 dynamic tree (`grow_dynamic_tree`): one head forward per expansion step, each expanded node
+        fed with its parent's output (the root's children: the catch-up's), the head's row t holding token
+        t + 1; nodes the head gives less than `min_prob` of being accepted are left out."""
+        reqs = [requests[i] for i in active]
+        tables, starts = [r.block_table for r in reqs], [len(r.token_ids) - 1 for r in reqs]
+        outputs: list[dict[int, torch.Tensor]] = [{} for _ in reqs]  # per request: candidate -> head output
+
+        def log_probs(out: torch.Tensor) -> torch.Tensor:  # over the target's vocabulary, -inf outside the head's
+            return torch.log_softmax(self.head.target_logits(out), -1).cpu()
+
+        def expand(frontier: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, feeds: list[TreeFeed]
+                   ) -> torch.Tensor:
+            hidden = torch.stack([root[b] if p == ROOT else outputs[b][p]
+                                  for b, row in enumerate(parents.tolist()) for p in row])
+            out = self._run(tables, starts, tokens.tolist(), hidden=hidden, trees=feeds)
+            for j, (b, node) in enumerate((b, n) for b, row in enumerate(frontier.tolist()) for n in row):
+                outputs[b][node] = out[j]
+            return log_probs(out)
+
+        draft = grow_dynamic_tree(reqs, log_probs(root), topk, num_steps, num_draft_tokens, expand, self.min_prob)
+        return draft.spread(active, len(requests))
 
     def _run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
              features: torch.Tensor | None = None, hidden: torch.Tensor | None = None,

@@ -10,6 +10,7 @@ verification overwrites) and are not kept: the next catch-up feeds the accepted 
 """
 from __future__ import annotations
 
+import math
 from collections.abc import Callable
 
 import torch
@@ -93,49 +94,69 @@ class TreeDrafter(ChainDrafter):
 
     def _propose_dynamic(self, requests: list[DraftRequest], topk: int, num_steps: int, num_draft_tokens: int
                          ) -> Draft:
-        """EAGLE-2: grow a candidate tree by expanding, `num_steps` times, the `topk` candidates with the highest
-        cumulative draft log-probability (each expanded node gets its `topk` best children), then keep the
-        `num_draft_tokens` best candidates. Expanded nodes are fed one level per forward into consecutive
-        slots after the last committed token (their ancestors were expanded before them)."""
-        B = len(requests)
-        logp = torch.log_softmax(self._catch_up(requests).float(), -1).cpu()
-        first = logp.topk(topk)  # [B, topk]
-        tokens, parents, scores = [first.indices], [torch.full((B, topk), ROOT)], [first.values]
-        depth = [torch.ones(B, topk, dtype=torch.long)]
-        frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
-        fed: list[torch.Tensor] = []  # candidate index of every expanded node, in slot order, [B] each
-        tables = [r.block_table for r in requests]
-        for _ in range(num_steps - 1):
-            all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
-            fed += list(frontier.T)
-            all_depth = torch.cat(depth, 1)
-            feeds = []
-            for i in range(B):
-                slot_of = {int(f[i]): j for j, f in enumerate(fed)}  # candidate -> slot offset
-                visible = torch.zeros(topk, len(fed), dtype=torch.bool)
-                for row, node in enumerate(frontier[i].tolist()):
-                    while node != ROOT:
-                        visible[row, slot_of[node]] = True
-                        node = int(all_parents[i, node])
-                rows = frontier[i].tolist()
-                feeds.append(TreeFeed([slot_of[n] for n in rows], (all_depth[i, rows] - 1).tolist(), visible))
-            hidden = self.run(tables, [len(r.token_ids) for r in requests],
-                              [all_tokens[i, frontier[i]].tolist() for i in range(B)], feeds)
-            child = torch.log_softmax(self.model.compute_logits(hidden).float(), -1).cpu().topk(topk)
-            child_tokens, child_logp = child.indices.view(B, topk, topk), child.values.view(B, topk, topk)
-            step = expand_step(frontier, frontier_scores, child_tokens, child_logp, topk)
-            base = all_tokens.shape[1]
-            tokens.append(step.tokens)
-            parents.append(step.parents)
-            scores.append(step.scores)
-            depth.append(all_depth.gather(1, step.parents) + 1)
-            frontier = base + step.next_frontier
-            frontier_scores = step.scores.gather(1, step.next_frontier)
+        """EAGLE-2 dynamic trees of the draft model's candidates (`grow_dynamic_tree`); the draft's row at slot t
+        holds token t, so expanded nodes go to the slots right after the last committed token."""
+        tables, starts = [r.block_table for r in requests], [len(r.token_ids) for r in requests]
+
+        def expand(frontier: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, feeds: list[TreeFeed]
+                   ) -> torch.Tensor:
+            hidden = self.run(tables, starts, tokens.tolist(), feeds)
+            return torch.log_softmax(self.model.compute_logits(hidden).float(), -1).cpu()
+
+        root = torch.log_softmax(self._catch_up(requests).float(), -1).cpu()
+        return grow_dynamic_tree(requests, root, topk, num_steps, num_draft_tokens, expand)
+
+
+def grow_dynamic_tree(requests: list[DraftRequest], root_logp: torch.Tensor, topk: int, num_steps: int,
+                      num_draft_tokens: int, expand: Callable[..., torch.Tensor], min_prob: float = 0.0) -> Draft:
+    """EAGLE-2: grow a candidate tree by expanding, `num_steps` times, the `topk` candidates with the highest
+    cumulative draft log-probability (each expanded node gets its `topk` best children), then keep the
+    `num_draft_tokens` best candidates whose estimated chance of acceptance (the product of the draft's
+    probabilities along the path) is at least `min_prob` (0: the count alone sizes the tree).
+
+    root_logp [B, V]: the draft's log-probabilities after the last committed token. expand(frontier, tokens,
+    parents, feeds) feeds the frontier in one forward and returns its children's log-probabilities
+    [B * topk, V] (request-major): frontier [B, topk] candidate indices, tokens [B, topk] their tokens, parents
+    [B, topk] their parents' candidate indices (ROOT for the root's children), feeds one TreeFeed per request.
+    Expanded nodes take consecutive slots from the drafter's start on in the order they are fed (their
+    ancestors were fed before them), each seeing its own slot and its ancestors'."""
+    B = len(requests)
+    first = root_logp.topk(topk)  # [B, topk]
+    tokens, parents, scores = [first.indices], [torch.full((B, topk), ROOT)], [first.values]
+    depth = [torch.ones(B, topk, dtype=torch.long)]
+    frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
+    fed: list[torch.Tensor] = []  # candidate index of every expanded node, in slot order, [B] each
+    for _ in range(num_steps - 1):
         all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
-        all_scores, all_depth = torch.cat(scores, 1), torch.cat(depth, 1)
-        max_depth = torch.tensor([r.max_depth if r.max_depth is not None else num_steps for r in requests])
-        all_parents = torch.where(all_depth <= max_depth[:, None], all_parents, PAD)  # too deep to be emitted
-        keep, new_parents = select_dynamic_tree(all_scores, all_parents, num_draft_tokens)
-        budget = torch.tensor([r.max_tokens for r in requests])
-        new_parents = torch.where(torch.arange(keep.shape[1]) < budget[:, None], new_parents, PAD)
-        return Draft(all_tokens.gather(1, keep), new_parents)
+        fed += list(frontier.T)
+        all_depth = torch.cat(depth, 1)
+        feeds = []
+        for i in range(B):
+            slot_of = {int(f[i]): j for j, f in enumerate(fed)}  # candidate -> slot offset
+            visible = torch.zeros(topk, len(fed), dtype=torch.bool)
+            for row, node in enumerate(frontier[i].tolist()):
+                while node != ROOT:
+                    visible[row, slot_of[node]] = True
+                    node = int(all_parents[i, node])
+            rows = frontier[i].tolist()
+            feeds.append(TreeFeed([slot_of[n] for n in rows], (all_depth[i, rows] - 1).tolist(), visible))
+        child = expand(frontier, all_tokens.gather(1, frontier), all_parents.gather(1, frontier), feeds).topk(topk)
+        child_tokens, child_logp = child.indices.view(B, topk, topk), child.values.view(B, topk, topk)
+        step = expand_step(frontier, frontier_scores, child_tokens, child_logp, topk)
+        base = all_tokens.shape[1]
+        tokens.append(step.tokens)
+        parents.append(step.parents)
+        scores.append(step.scores)
+        depth.append(all_depth.gather(1, step.parents) + 1)
+        frontier = base + step.next_frontier
+        frontier_scores = step.scores.gather(1, step.next_frontier)
+    all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
+    all_scores, all_depth = torch.cat(scores, 1), torch.cat(depth, 1)
+    max_depth = torch.tensor([r.max_depth if r.max_depth is not None else num_steps for r in requests])
+    all_parents = torch.where(all_depth <= max_depth[:, None], all_parents, PAD)  # too deep to be emitted
+    if min_prob > 0:  # path scores never rise along a path, so this drops whole subtrees
+        all_parents = torch.where(all_scores >= math.log(min_prob), all_parents, PAD)
+    keep, new_parents = select_dynamic_tree(all_scores, all_parents, num_draft_tokens)
+    budget = torch.tensor([r.max_tokens for r in requests])
+    new_parents = torch.where(torch.arange(keep.shape[1]) < budget[:, None], new_parents, PAD)
+    return Draft(all_tokens.gather(1, keep), new_parents)
