@@ -80,3 +80,16 @@ def test_the_pipeline_answers_trains_a_lossless_head_and_resumes(tiny_llama_dir,
     other = write_prompts(tmp_path / "other.jsonl.gz", PROMPTS[::-1])
     with pytest.raises(SystemExit, match="answers another prompts file"):
         run(tiny_llama_dir, other, tmp_path / "c", "--answers", str(tmp_path / "a" / "answers-0.npz"))
+
+
+def test_specdecs_engine_and_transformers_give_the_same_greedy_answers(tiny_llama_dir, tmp_path, capsys):
+    """The two answerers agree (float32 on CPU), and "auto" times both before it picks one."""
+    prompts = write_prompts(tmp_path / "prompts.jsonl.gz", PROMPTS)
+    answers = {}
+    for generator in ("hf", "specdec", "auto"):
+        run(tiny_llama_dir, prompts, tmp_path / generator, "--generator", generator, "--train-seconds", "0")
+        z = np.load(tmp_path / generator / "answers-0.npz")
+        answers[generator] = {int(i): z["answer_ids"][z["offsets"][k]:z["offsets"][k + 1]].tolist()
+                              for k, i in enumerate(z["prompt_index"])}
+    assert answers["hf"] == answers["specdec"] == answers["auto"] and len(answers["hf"]) == len(PROMPTS)
+    assert "answering with" in capsys.readouterr().out

@@ -1,9 +1,10 @@
 """Train the default model's EAGLE-3 head on the target's own answers, on one borrowed GPU, in one command
 (issue 40). Three phases, each under a wall-clock budget so that the command ends in time:
 
-  1. answers   the target (transformers from the GGUF, bfloat16) answers the training prompts, batched by
-               prompt length: greedily, except every `--sampled-every`-th batch at temperature 0.7. These are
-               the training data, and the greedy ones are a drafting corpus (`answers-*.npz`).
+  1. answers   the target answers the training prompts, batched by prompt length (transformers from the GGUF
+               in bfloat16, or specdec's own engine: `--generator`, by default the faster of the two): greedily,
+               except every `--sampled-every`-th batch at temperature 0.7. These are the training data, and
+               the greedy ones are a drafting corpus (`answers-*.npz`).
   2. training  batches of answers, right-padded; the target runs once per batch under inference mode for its
                layer 2 / 15 / 27 outputs, its last layer's output and its logits over the draft vocabulary;
                the head (float32 weights, bfloat16 autocast) unrolls `--ttt-steps` draft steps
@@ -155,10 +156,57 @@ class Target:
 
 
 # ------------------------------------------------------------------------------------------------ phase 1
+class Answerer:
+    """Who answers the prompts: transformers' `generate` ("hf": padded batches, each decoding until its longest
+    answer ends) or specdec's own engine ("specdec": continuous batching over paged K/V, CUDA graphs on a GPU).
+    With "auto" the first batch goes to specdec's engine and the second to transformers, and whichever made more
+    answer tokens a second answers the rest; an error in specdec's engine hands everything to transformers."""
+
+    def __init__(self, target: Target, args: argparse.Namespace) -> None:
+        self.target, self.args = target, args
+        self.choice = None if args.generator == "auto" else args.generator
+        self.speed: dict[str, float] = {}
+        self.llm = None
+
+    def answer(self, batch: list[list[int]], temperature: float, seed: int) -> list[list[int]]:
+        name = self.choice or next((n for n in ("specdec", "hf") if n not in self.speed), None)
+        if name is None:
+            self.choice = name = max(self.speed, key=self.speed.get)
+            log(f"answering with {name}: " + ", ".join(f"{n} {v:.0f} tok/s" for n, v in self.speed.items()))
+        start = time.perf_counter()
+        try:
+            answers = (self._specdec(batch, temperature, seed) if name == "specdec" else
+                       answer_split(self.target, batch, self.args.max_new_tokens, temperature))
+        except Exception as e:  # noqa: BLE001  the fallback is the point: transformers answers instead
+            if name != "specdec" or self.args.generator == "specdec":
+                raise
+            log(f"specdec's engine failed ({type(e).__name__}: {e}); transformers answers")
+            self.choice = "hf"
+            return self.answer(batch, temperature, seed)
+        if self.choice is None:
+            self.speed[name] = sum(map(len, answers)) / (time.perf_counter() - start)
+        return answers
+
+    def _specdec(self, batch: list[list[int]], temperature: float, seed: int) -> list[list[int]]:
+        from specdec import LLM, SamplingParams
+
+        if self.llm is None:
+            self.llm = LLM(self.args.model, dtype=self.args.dtype, device=self.args.device,
+                           speculative_config="off", max_num_seqs=min(self.args.gen_batch, 512),
+                           max_num_batched_tokens=16384, kv_cache_memory_gb=self.args.gen_kv_gb)
+        params = [SamplingParams(temperature=temperature, max_tokens=self.args.max_new_tokens,
+                                 seed=seed * 100_003 + j if temperature > 0 else None) for j in range(len(batch))]
+        outs = self.llm.generate([{"prompt_token_ids": p} for p in batch], params)
+        eos = set(self.target.eos)
+        return [list(o.token_ids)[:next((j + 1 for j, t in enumerate(o.token_ids) if t in eos), len(o.token_ids))]
+                for o in outs]
+
+
 def make_answers(target: Target, prompts: list[str], args: argparse.Namespace, deadline: float
                  ) -> list[tuple[int, list[int], list[int], bool]]:
     """(prompt index, prompt ids, answer ids, sampled) for as many prompts as the budget allows, in order."""
     done: list[tuple[int, list[int], list[int], bool]] = []
+    answerer = Answerer(target, args)
     chunk = args.gen_batch * 8  # prompts are sorted by length within a chunk, so a batch pads little
     batches = tokens = 0
     start = time.perf_counter()
@@ -174,7 +222,7 @@ def make_answers(target: Target, prompts: list[str], args: argparse.Namespace, d
             batch = enc[b:b + size]
             b += size
             sampled = args.sampled_every > 0 and batches % args.sampled_every == args.sampled_every - 1
-            answers = answer_split(target, [p for _, p in batch], args.max_new_tokens, 0.7 if sampled else 0.0)
+            answers = answerer.answer([p for _, p in batch], 0.7 if sampled else 0.0, args.seed * 1_000_003 + batches)
             done.extend((i, p, a, sampled) for (i, p), a in zip(batch, answers))
             batches += 1
             tokens += sum(len(a) for a in answers)
@@ -522,6 +570,9 @@ def main(argv: list[str] | None = None) -> None:
     t.add_argument("--gen-batch", type=int, default=1024, help="prompts answered together, at most")
     t.add_argument("--gen-prefill-tokens", type=int, default=600_000,
                    help="at most this many (padded) prompt tokens in one batch")
+    t.add_argument("--generator", choices=["auto", "hf", "specdec"], default="auto",
+                   help="who answers: transformers' generate, specdec's engine, or the faster of the two")
+    t.add_argument("--gen-kv-gb", type=float, default=24.0, help="K/V memory of specdec's engine when it answers")
     t.add_argument("--answers", nargs="*", default=[], help="answers-*.npz of earlier runs (the same --prompts)")
     t.add_argument("--sampled-every", type=int, default=5, help="every k-th batch of answers sampled at 0.7")
     t.add_argument("--gen-seconds", type=float, default=170)
