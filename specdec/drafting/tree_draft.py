@@ -127,6 +127,8 @@ def grow_dynamic_tree(requests: list[DraftRequest], root_logp: torch.Tensor, top
     frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
     fed: list[torch.Tensor] = []  # candidate index of every expanded node, in slot order, [B] each
     for _ in range(num_steps - 1):
+        if min_prob > 0 and frontier_scores.max() < math.log(min_prob):
+            break  # no child of the frontier could be kept: spare the forward
         all_tokens, all_parents = torch.cat(tokens, 1), torch.cat(parents, 1)
         fed += list(frontier.T)
         all_depth = torch.cat(depth, 1)
