@@ -273,13 +273,15 @@ def select_dynamic_tree(cum_logprobs: torch.Tensor, parents: torch.Tensor,
 
 
 def _path_min(scores: torch.Tensor, parents: torch.Tensor) -> torch.Tensor:
-    """[B, N]: each node's score capped by its parent's capped score (monotone along every path)."""
+    """[B, N]: each node's score capped by its parent's capped score (monotone along every path): the minimum over
+    its path, found by relaxing every node at once until nothing changes (as many rounds as the tree is deep)."""
     capped = scores.clone()
-    rows = torch.arange(parents.shape[0], device=parents.device)
-    for i in range(parents.shape[1]):
-        p = parents[:, i]
-        parent_score = torch.where(p >= 0, capped[rows, p.clamp(min=0)], capped[:, i])
-        capped[:, i] = torch.minimum(capped[:, i], parent_score)
+    has_parent, parent = parents >= 0, parents.clamp(min=0)
+    for _ in range(parents.shape[1]):  # a path is at most N nodes long
+        relaxed = torch.where(has_parent, torch.minimum(capped, capped.gather(1, parent)), capped)
+        if torch.equal(relaxed, capped):
+            break
+        capped = relaxed
     return capped
 
 

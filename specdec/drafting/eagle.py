@@ -173,8 +173,8 @@ class EagleDrafter(Drafter):
         tables, starts = [r.block_table for r in reqs], [len(r.token_ids) - 1 for r in reqs]
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in reqs]  # per request: candidate -> head output
 
-        def log_probs(out: torch.Tensor) -> torch.Tensor:  # over the target's vocabulary, -inf outside the head's
-            return torch.log_softmax(self.head.target_logits(out), -1).cpu()
+        def log_probs(out: torch.Tensor) -> torch.Tensor:  # over the head's vocabulary
+            return torch.log_softmax(self.head.compute_logits(out), -1).cpu()
 
         def expand(frontier: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, feeds: list[TreeFeed]
                    ) -> torch.Tensor:
@@ -185,7 +185,9 @@ class EagleDrafter(Drafter):
                 outputs[b][node] = out[j]
             return log_probs(out)
 
-        draft = grow_dynamic_tree(reqs, log_probs(root), topk, num_steps, num_draft_tokens, expand, self.min_prob)
+        vocab = self.head.target_ids(torch.arange(self.head.draft_vocab_size, device=root.device)).cpu()
+        draft = grow_dynamic_tree(reqs, log_probs(root), topk, num_steps, num_draft_tokens, expand, self.min_prob,
+                                  vocab)
         return draft.spread(active, len(requests))
 
     def _run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],

@@ -108,7 +108,8 @@ class TreeDrafter(ChainDrafter):
 
 
 def grow_dynamic_tree(requests: list[DraftRequest], root_logp: torch.Tensor, topk: int, num_steps: int,
-                      num_draft_tokens: int, expand: Callable[..., torch.Tensor], min_prob: float = 0.0) -> Draft:
+                      num_draft_tokens: int, expand: Callable[..., torch.Tensor], min_prob: float = 0.0,
+                      vocab: torch.Tensor | None = None) -> Draft:
     """EAGLE-2: grow a candidate tree by expanding, `num_steps` times, the `topk` candidates with the highest
     cumulative draft log-probability (each expanded node gets its `topk` best children), then keep the
     `num_draft_tokens` best candidates whose estimated chance of acceptance (the product of the draft's
@@ -119,9 +120,15 @@ def grow_dynamic_tree(requests: list[DraftRequest], root_logp: torch.Tensor, top
     [B * topk, V] (request-major): frontier [B, topk] candidate indices, tokens [B, topk] their tokens, parents
     [B, topk] their parents' candidate indices (ROOT for the root's children), feeds one TreeFeed per request.
     Expanded nodes take consecutive slots from the drafter's start on in the order they are fed (their
-    ancestors were fed before them), each seeing its own slot and its ancestors'."""
+    ancestors were fed before them), each seeing its own slot and its ancestors'. `vocab` [V]: the token id of
+    each column of the log-probabilities (a head's reduced vocabulary), None when they are token ids."""
     B = len(requests)
-    first = root_logp.topk(topk)  # [B, topk]
+
+    def best(logp: torch.Tensor) -> torch.return_types.topk:
+        top = logp.topk(topk)
+        return top if vocab is None else torch.return_types.topk((top.values, vocab[top.indices]))
+
+    first = best(root_logp)  # [B, topk]
     tokens, parents, scores = [first.indices], [torch.full((B, topk), ROOT)], [first.values]
     depth = [torch.ones(B, topk, dtype=torch.long)]
     frontier, frontier_scores = torch.arange(topk).expand(B, topk), first.values
@@ -142,7 +149,7 @@ def grow_dynamic_tree(requests: list[DraftRequest], root_logp: torch.Tensor, top
                     node = int(all_parents[i, node])
             rows = frontier[i].tolist()
             feeds.append(TreeFeed([slot_of[n] for n in rows], (all_depth[i, rows] - 1).tolist(), visible))
-        child = expand(frontier, all_tokens.gather(1, frontier), all_parents.gather(1, frontier), feeds).topk(topk)
+        child = best(expand(frontier, all_tokens.gather(1, frontier), all_parents.gather(1, frontier), feeds))
         child_tokens, child_logp = child.indices.view(B, topk, topk), child.values.view(B, topk, topk)
         step = expand_step(frontier, frontier_scores, child_tokens, child_logp, topk)
         base = all_tokens.shape[1]
