@@ -26,8 +26,11 @@ DTYPE=${DTYPE:-bfloat16}
 OUT=${OUT:-gpu_results}
 PROMPTS=${PROMPTS:-.dev/p3/prompts.jsonl.gz}
 ANSWERS=${ANSWERS:-$(ls specdec/data/answers/*.npz 2>/dev/null)}
-GEN_S=${GEN_S:-100}
-TRAIN_S=${TRAIN_S:-240}
+GEN_S=${GEN_S:-150}
+TRAIN_S=${TRAIN_S:-200}
+# who answers: transformers' generate (ran on an H200) unless GENERATOR=auto tries specdec's engine too (not yet
+# run on a GPU at batch > 1: a CUDA fault there would end the whole command, training included)
+GENERATOR=${GENERATOR:-hf}
 TRAIN_ARGS=${TRAIN_ARGS:-}  # word-split: e.g. "--init none --lr 2e-4" (no quotes inside)
 DEADLINE=${DEADLINE:-545}
 NUM_PROMPTS=${NUM_PROMPTS:-10}
@@ -56,7 +59,7 @@ note "== device: $($PYTHON -c "import torch; print(torch.__version__, torch.cuda
 # 1. the head (its own log: train.txt)
 # shellcheck disable=SC2086
 timeout "$(left)" $PYTHON tools/train_head_gpu.py train --prompts "$PROMPTS" --out "$OUT" --device "$DEVICE" \
-  --dtype "$DTYPE" --gen-seconds "$GEN_S" --train-seconds "$TRAIN_S" --answers $ANSWERS --state /tmp/head-state $TRAIN_ARGS 2>&1 \
+  --dtype "$DTYPE" --gen-seconds "$GEN_S" --train-seconds "$TRAIN_S" --answers $ANSWERS --state /tmp/head-state --generator "$GENERATOR" $TRAIN_ARGS 2>&1 \
   | grep -v -e "it/s]" -e "s/it]" | tee "$OUT/train.txt"
 rc=${PIPESTATUS[0]}
 note "== training: exit $rc after $SECONDS s"
