@@ -176,3 +176,22 @@ def test_dynamic_tree_paths_are_the_heads_most_probable(target_dir, head_dir):
     chain = drafts("chain")
     assert drafts({"topk": 1, "num_steps": 3, "num_draft_tokens": 3}) == chain
     assert sum(len(row) for step in chain for row in step) > 10
+
+
+@pytest.mark.parametrize("quantization, expected", [(None, "q8_0"), ("none", None), ("q4_0", "q4_0")])
+def test_a_head_computes_on_blocks_when_the_target_does(tmp_path_factory, quantization, expected):
+    """By default ("auto") a head drafting for a target on quantized blocks is quantized to q8_0 (the same
+    acceptance as float32 at about half the draft time); "none" keeps its float weights; output equals plain."""
+    from specdec.models.quant import QuantWeight
+
+    target = save_tiny_model(tmp_path_factory.mktemp("blocks"), "llama", num_hidden_layers=4, intermediate_size=128)
+    plain = LLM(str(target), quantization="q8_0", speculative_config="off")
+    head_dir = tmp_path_factory.mktemp("blocks-head")
+    random_head(plain.engine.model.config).save(head_dir)
+    spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
+    llm = plain.with_speculative_config(spec if quantization is None else {**spec, "quantization": quantization})
+    head = llm.engine.speculator.drafter.head
+    formats = {f for w in (head.fc.weight, head.lm_head) if isinstance(w, QuantWeight) for f in w.formats}
+    assert formats == ({expected} if expected else set())
+    assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
+        [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]

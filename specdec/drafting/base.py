@@ -187,22 +187,30 @@ class Draft:
 
 @dataclass
 class HeadOptions:
-    """The keys of every draft-head method: the head's directory, and optionally a block format to quantize
-    its matrices into on load (one of `quant.FORMATS`, e.g. 'q8_0', 'q4_0', 'q4_k': the native int8 kernels on CPU)."""
+    """The keys of every draft-head method: the head's directory, and the block format its matrices compute in
+    (one of `quant.FORMATS`, e.g. 'q8_0', 'q4_0', 'q4_k': the native int8 kernels on CPU). "auto" (the default):
+    q8_0 when the target itself computes on quantized blocks on CPU (measured on the shipped EAGLE-3 head: the same
+    acceptance per position as float32, its draft step 0.68 ms instead of 1.27 ms), else the head's float weights;
+    "none": float weights always."""
 
     model: str | None = None
-    quantization: str | None = None
+    quantization: str | None = "auto"
     method: ClassVar[str] = "a draft"
 
     def __post_init__(self) -> None:
         if not self.model:
             raise SpecdecError(f"method {self.method!r} needs 'model': the directory of a {self.method} head "
                                "(config.json + model.safetensors)")
-        check_quantization_name(self.quantization, self.method)
+        check_quantization_name(self.quantization, self.method, ("auto", "none", *QUANTIZE_ON_LOAD))
 
-    def quantize(self, head: torch.nn.Module) -> None:
-        if self.quantization:
-            quantize_module(head, self.quantization)
+    def quantize(self, head: torch.nn.Module, target: torch.nn.Module) -> None:
+        """Quantize the head's matrices into the chosen format (with "auto", by what the target computes on)."""
+        fmt = self.quantization
+        if fmt == "auto":
+            on_blocks = target.device.type == "cpu" and getattr(target, "quantization", None) is not None
+            fmt = "q8_0" if on_blocks else None
+        if fmt and fmt != "none":
+            quantize_module(head, fmt)
 
 
 def check_int(name: str, value: object, low: int, high: int) -> None:

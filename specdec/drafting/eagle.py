@@ -82,7 +82,7 @@ class EagleDrafter(Drafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> EagleDrafter:
         head = cfg.info.head.load_for(cfg.method, cfg.options.model, env.target)
-        cfg.options.quantize(head)
+        cfg.options.quantize(head, env.target)
         return cls(head, env, cfg.num_speculative_tokens, cfg.options.min_prob)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:

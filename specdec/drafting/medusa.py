@@ -60,7 +60,7 @@ class MedusaDrafter(Drafter):
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv) -> MedusaDrafter:
         heads = MedusaHeads.load_for(cfg.method, cfg.options.model, env.target)
         check_depth(cfg, heads.num_heads, cfg.options.model)
-        cfg.options.quantize(heads)
+        cfg.options.quantize(heads, env.target)
         return cls(heads, env.target, cfg.num_speculative_tokens)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
