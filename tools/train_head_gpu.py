@@ -48,7 +48,6 @@ from pathlib import Path
 
 import numpy as np
 import torch
-import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1]))
 
@@ -56,7 +55,7 @@ from specdec.config import ModelConfig  # noqa: E402
 from specdec.models.eagle3 import Eagle3Head, default_aux_layers  # noqa: E402
 from specdec.models.head_files import init_random  # noqa: E402
 from specdec.models.loader import load_tokenizer, resolve  # noqa: E402
-from specdec.training.train import CE_WEIGHT, REGRESSION_WEIGHT, TTT_DECAY, lr_factor, warm_start  # noqa: E402,F401
+from specdec.training.train import TTT_DECAY, draft_vocabulary, head_loss, lr_factor, warm_start  # noqa: E402
 
 SHARD_TOKENS = 5_000_000  # answer tokens per answers-*.npz (uint16, compressed: well under 16 MiB)
 
@@ -326,38 +325,28 @@ def pad(batch: list[tuple[list[int], int]], pad_id: int, device: str) -> tuple[t
 def batch_loss(head: Eagle3Head, target: Target, ids: torch.Tensor, mask: torch.Tensor, lm_rows: torch.Tensor,
                args: argparse.Namespace, autocast: contextlib.AbstractContextManager
                ) -> tuple[torch.Tensor, list[dict]]:
-    """specdec's loss (train.sequence_loss) over a batch: row t pairs feature t with token t + 1's embedding and
-    is fitted to the target at t + 1 (token t + 2), for every unrolled step; per step, top-1 / top-2 / top-4
-    agreement with the target's own top-1 (over the draft vocabulary: a token outside it is never drafted)."""
+    """specdec's loss (`train.head_loss`, as `train.sequence_loss` weighs it) over a batch: row t pairs feature t with
+    token t + 1's embedding and is fitted to the target at t + 1 (token t + 2), for every unrolled step; per step,
+    its stats: top-1 / top-2 / top-4 agreement with the target's own top-1 over the draft vocabulary (a token
+    outside it is never drafted) and the row count."""
     features, last, logits = target.outputs(ids, lm_rows)
     T = ids.shape[1]
     rows = T - 2
     embeds = target.embed(ids[:, 1:1 + rows])
     with autocast:
         outs = head.unroll(embeds, features[:, :rows], args.ttt_steps)
-    goal, goal_logits = last[:, 1:1 + rows], logits[:, 1:1 + rows]
-    p = torch.softmax(goal_logits, -1)
-    target_top = goal_logits.argmax(-1)
+    goal, goal_logits = last[:, 1:1 + rows].flatten(0, 1), logits[:, 1:1 + rows].flatten(0, 1)
     loss, stats = 0.0, []
     for s, out in enumerate(outs):
         m = mask[:, 2:2 + rows].clone()
         m[:, :s] = False
         if not m.any():
             continue
-        o = out[m].float()
         with autocast:
-            head_logits = F.linear(F.rms_norm(o, head.norm.weight.shape, head.norm.weight, head.norm.eps),
-                                   head.lm_head).float()
-        ce = -(p[m] * torch.log_softmax(head_logits, -1)).sum(-1).mean()
-        reg = F.smooth_l1_loss(o, goal[m])
-        loss = loss + TTT_DECAY ** s * (args.ce_weight * ce + args.regression_weight * reg)
-        with torch.no_grad():
-            top4 = head_logits.topk(4, -1).indices
-            t = target_top[m]
-            stats.append({"ce": ce.item(), "l1": reg.item(), "n": int(m.sum()),
-                          "top1": (top4[:, 0] == t).float().mean().item(),
-                          "top2": (top4[:, :2] == t[:, None]).any(-1).float().mean().item(),
-                          "top4": (top4 == t[:, None]).any(-1).float().mean().item()})
+            step_loss, step_stats = head_loss(head, out.flatten(0, 1), goal, goal_logits, m.flatten(), None,
+                                              (args.ce_weight, args.regression_weight))
+        loss = loss + TTT_DECAY ** s * step_loss
+        stats.append(step_stats)
     return loss, stats
 
 
@@ -420,17 +409,16 @@ def train(args: argparse.Namespace) -> None:
 
     train_samples, held_samples = fits(train_samples), fits(held_samples)
 
-    # the draft vocabulary: the most frequent answer tokens (ties to lower ids); a resumed run keeps its own
+    # the draft vocabulary: the most frequent answer tokens (`train.draft_vocabulary`); a resumed run keeps its own
     state_path = Path(args.state or out) / "trainer_state.pt"
     state_path.parent.mkdir(parents=True, exist_ok=True)
     st = torch.load(state_path, weights_only=False) if args.resume and state_path.is_file() else None
-    counts = np.bincount(np.array([t for ids, s in train_samples for t in ids[s:]], np.int64),
-                         minlength=target.config.vocab_size)
-    size = min(args.draft_vocab, target.config.vocab_size)
-    chosen = np.argsort(-counts, kind="stable")[:size] if st is None else st["draft_ids"].numpy()
-    size = len(chosen)
-    draft_ids = torch.tensor(np.sort(chosen), dtype=torch.long)
-    coverage = counts[chosen].sum() / max(counts.sum(), 1)
+    V = target.config.vocab_size
+    draft_ids = st["draft_ids"] if st is not None else draft_vocabulary(
+        [(ids, [j >= start for j in range(len(ids))]) for ids, start in train_samples], min(args.draft_vocab, V), V)
+    size = len(draft_ids)
+    answer_tokens = np.array([t for ids, start in train_samples for t in ids[start:]], np.int64)
+    coverage = np.isin(answer_tokens, draft_ids.numpy()).mean() if len(answer_tokens) else 1.0
     log(f"draft vocabulary {size}: covers {coverage:.4f} of the answer tokens")
 
     head = Eagle3Head(dataclasses.replace(target.config, num_hidden_layers=1), size, target.aux,

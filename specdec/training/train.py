@@ -214,11 +214,13 @@ def head_loss(head: torch.nn.Module, out: torch.Tensor, target_hidden: torch.Ten
         target_logits = target_logits[:, draft_ids]
     logits = F.linear(_norm(getattr(head, "norm", None), out), head.lm_head)  # [N, draft_vocab]
     p = torch.softmax(target_logits, -1)
-    ce = -(p * torch.log_softmax(logits, -1)).sum(-1).mean()
-    regression = F.smooth_l1_loss(out, target_hidden)
-    top1 = (logits.argmax(-1) == target_logits.argmax(-1)).float().mean()
-    return weights[0] * ce + weights[1] * regression, {"ce": ce.item(), "l1": regression.item(),
-                                                            "top1": top1.item()}
+    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+    regression = F.smooth_l1_loss(out.float(), target_hidden.float())
+    with torch.no_grad():  # how often the head's top-1 / top-2 / top-4 hold the target's top-1
+        best = logits.topk(min(4, logits.shape[-1]), -1).indices == target_logits.argmax(-1)[:, None]
+        recall = {f"top{k}": best[:, :k].any(-1).float().mean().item() for k in (1, 2, 4)}
+    return weights[0] * ce + weights[1] * regression, {"ce": ce.item(), "l1": regression.item(), **recall,
+                                                            "n": len(out)}
 
 
 # ---------------------------------------------------------------------------------------------- run
