@@ -76,6 +76,17 @@ def test_the_pipeline_answers_trains_a_lossless_head_and_resumes(tiny_llama_dir,
     assert whole["curve"][:len(part["curve"])] == part["curve"]
     assert 4 <= whole["trained"]["seconds"] < 4 + 30
 
+    # a run whose trainer state is gone starts after the batches an earlier run trained on (its tokens counted)
+    skipped = run(tiny_llama_dir, prompts, tmp_path / "e", "--answers", str(tmp_path / "a" / "answers-0.npz"),
+                  "--skip-tokens", "10", "--train-seconds", "0")
+    assert 10 <= skipped["curve"][0]["tokens"] < skipped["answers"]["answer_tokens"]
+    assert skipped["trained"]["tokens"] == skipped["curve"][0]["tokens"]
+
+    # bfloat16 (autocast for the head) trains too
+    bf16 = run(tiny_llama_dir, prompts, tmp_path / "f", "--answers", str(tmp_path / "a" / "answers-0.npz"),
+               "--dtype", "bfloat16", "--train-seconds", "1")
+    assert bf16["trained"]["tokens"] > 0 and 0 <= bf16["curve"][-1]["step1"]["top1"] <= 1
+
     # answers made for another prompts file are refused
     other = write_prompts(tmp_path / "other.jsonl.gz", PROMPTS[::-1])
     with pytest.raises(SystemExit, match="answers another prompts file"):

@@ -1,6 +1,7 @@
-"""Write a prompt set for `specdec tune` from the training data's rows that the distilled set (and so the
-trained head) never saw, in Spec-Bench's layout ({"category", "turns"} per line), so tuning the default
-touches neither the evaluation prompts nor the head's own training prompts.
+"""Write a prompt set for `specdec tune` from the training data's rows that the head never trained on (neither the
+distilled set nor the answers of `tools/train_head_gpu.py`, which are also the retrieval corpus), in Spec-Bench's
+layout ({"category", "turns"} per line), so tuning the default touches neither the evaluation prompts nor the
+head's own training prompts.
 
     python tools/tune_prompts.py --per-source 4 --out specdec/data/tune_prompts.jsonl
 """
@@ -11,6 +12,9 @@ import json
 import random
 from pathlib import Path
 
+import numpy as np
+from train_head_gpu import first_turns
+
 from specdec.training import distill
 
 ROOT = Path(__file__).resolve().parent.parent
@@ -20,6 +24,8 @@ def main() -> None:
     ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     ap.add_argument("--data", default=str(ROOT.parent / "shared" / "data" / "train"))
     ap.add_argument("--distilled", default=str(ROOT / "specdec" / "data" / "distill" / "smollm2-135m.npz"))
+    ap.add_argument("--answers", nargs="*", default=sorted(map(str, (ROOT / "specdec/data/answers").glob("*.npz"))),
+                    help="answers-*.npz whose prompts (indices into the first turns of --data) are left out")
     ap.add_argument("--per-source", type=int, default=4)
     ap.add_argument("--max-chars", type=int, default=3000, help="skip longer prompts (tune times decoding)")
     ap.add_argument("--seed", type=int, default=0)
@@ -28,13 +34,16 @@ def main() -> None:
 
     _, records = distill.load(Path(args.distilled))
     seen = {(r.job.source, r.job.row) for r in records}
+    turns = first_turns(Path(args.data)) if args.answers else []
+    answered = {turns[i]["prompt"] for f in args.answers for i in np.load(f)["prompt_index"].tolist()}
     rng = random.Random(args.seed)
     out = []
     for name, prompts in distill.read_sources(args.data).items():
         order = list(range(len(prompts)))
         rng.shuffle(order)
         picked = [i for i in order if prompts[i] is not None and (name, i) not in seen
-                  and len(next(m["content"] for m in prompts[i] if m["role"] == "user")) <= args.max_chars]
+                  and len(user := next(m["content"] for m in prompts[i] if m["role"] == "user")) <= args.max_chars
+                  and user not in answered]
         for i in picked[:args.per_source]:
             user = next(m["content"] for m in prompts[i] if m["role"] == "user")
             out.append({"category": name, "turns": [user], "source_row": i})

@@ -27,9 +27,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
+from specdec.models.attention import AttentionMetadata, KVLayers
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
-from specdec.models.kernels import linear
+from specdec.models.kernels import linear, on_native
 from specdec.models.llama import (
     DecoderLayer,
     Linear,
@@ -60,8 +60,13 @@ class Eagle3Layer(DecoderLayer):
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        if on_native(hidden):  # one C++ call for the layer, as the target's layers (QKV reading the 2H rows)
+            rows = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+            out = self.native_forward(hidden, cos, sin, meta, k_pool, v_pool, qkv_input=rows)
+            if out is not None:
+                return out
         q, k, v = self.project_inputs(embeds, hidden, cos, sin)
-        return self.finish(hidden, paged_attention(q, k, v, k_pool, v_pool, meta, self.scale))
+        return self.finish(hidden, self.attend(q, k, v, k_pool, v_pool, meta))
 
     def project_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

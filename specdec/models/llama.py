@@ -173,16 +173,26 @@ class DecoderLayer(nn.Module):
         if self.tp is not None:  # a shard: the row-parallel outputs are all-reduced between the fused halves
             q, k, v = self.project(self.input_layernorm(x), cos, sin)
             return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
-        if on_native(x) and k_pool.device.type == "cpu" and (layer := self.native_layer()) is not None:
-            # Every row count (decode, verification, prefill) through the one C++ layer: a token's bits then
-            # never depend on how its step was batched, so a self-draft is always accepted.
-            out = x.contiguous().clone()
-            layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
-                          meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
-                          self.scale)
+        out = self.native_forward(x, cos, sin, meta, k_pool, v_pool)
+        if out is not None:
             return out
         q, k, v = self.project(self.input_layernorm(x), cos, sin)
         return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
+
+    def native_forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
+                       k_pool: torch.Tensor, v_pool: torch.Tensor, qkv_input: torch.Tensor | None = None
+                       ) -> torch.Tensor | None:
+        """The layer in one C++ call on CPU (None where it cannot run there): every row count (decode,
+        verification, prefill) through the same code, so a token's bits never depend on how its step was
+        batched and a self-draft is always accepted. qkv_input [T, in]: what QKV reads instead of the input norm
+        of x (an EAGLE-3 head's 2H-wide rows)."""
+        if not (on_native(x) and k_pool.device.type == "cpu") or (layer := self.native_layer()) is None:
+            return None
+        out = x.contiguous().clone()
+        layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
+                      meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
+                      self.scale, qkv_input.contiguous() if qkv_input is not None else torch.empty(0))
+        return out
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:

@@ -45,7 +45,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps) {
         return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps};
       }))
-      .def("forward", &layer_forward);
+      .def("forward", &layer_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"),
+           py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
+           py::arg("query_starts"), py::arg("scale"), py::arg("qkv_input") = torch::Tensor());
   py::class_<Stack>(m, "Stack")
       .def(py::init([](std::vector<Layer> layers, torch::Tensor norm, double eps) {
         TORCH_CHECK(norm.dtype() == torch::kFloat32 && norm.is_contiguous(), "norm weight must be contiguous float32");

@@ -91,8 +91,11 @@ StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& c
                         query_starts.data_ptr<int64_t>(), B)};
 }
 
+// qkv_in: when given, what the QKV projection reads [T, L.qkv.K] instead of the input norm of x (an EAGLE-3
+// head's [norm(embedding), norm(hidden)], 2H wide); x stays the residual stream.
 void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
-                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale) {
+                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
+                   const float* qkv_in = nullptr) {
   const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
   const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
   // per calling thread, grown as needed and never cleared (every element is written before it is read): no
@@ -104,9 +107,13 @@ void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float*
   float* attn = grow(attn_buf, T * Hq * D);
   float* out = grow(out_buf, T * std::max(H, 2 * inter));
 
-  if (L.ln1.numel() > 0) rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
-  else std::memcpy(h, xp, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
-  matmul(L.qkv, h, T, H, qx, qkv, W);
+  if (qkv_in != nullptr) {
+    matmul(L.qkv, qkv_in, T, L.qkv.K, qx, qkv, W);
+  } else {
+    if (L.ln1.numel() > 0) rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+    else std::memcpy(h, xp, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
+    matmul(L.qkv, h, T, H, qx, qkv, W);
+  }
   if (L.qkv_b.numel() > 0) {
     const float* bias = L.qkv_b.data_ptr<float>();
     for (int64_t t = 0; t < T; t++)
@@ -163,11 +170,19 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, 
 void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
                    torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
                    const torch::Tensor& context_slots, const torch::Tensor& mask, const torch::Tensor& query_starts,
-                   double scale) {
+                   double scale, const torch::Tensor& qkv_input) {
   check_rows(x, cos, ssin, L.head_dim);
+  const bool own_input = qkv_input.defined() && qkv_input.numel() > 0;
+  if (own_input) {
+    TORCH_CHECK(qkv_input.dtype() == torch::kFloat32 && qkv_input.is_contiguous() && qkv_input.dim() == 2 &&
+                qkv_input.size(0) == x.size(0) && qkv_input.size(1) == L.qkv.K,
+                "qkv_input must be contiguous float32 [T, ", L.qkv.K, "]");
+  } else {
+    TORCH_CHECK(L.qkv.K == x.size(1), "this layer's QKV reads ", L.qkv.K, " inputs: pass them as qkv_input");
+  }
   StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
   decoder_layer(L, x.data_ptr<float>(), x.size(0), x.size(1), cos.data_ptr<float>(), ssin.data_ptr<float>(), k_pool,
-                v_pool, step, scale);
+                v_pool, step, scale, own_input ? qkv_input.data_ptr<float>() : nullptr);
 }
 
 // The first num_layers layers in order, in place on x; returns the final norm of the result, then x after each layer
