@@ -41,12 +41,10 @@ def main() -> None:
     for name, prompts in distill.read_sources(args.data).items():
         order = list(range(len(prompts)))
         rng.shuffle(order)
-        picked = [i for i in order if prompts[i] is not None and (name, i) not in seen
-                  and len(user := next(m["content"] for m in prompts[i] if m["role"] == "user")) <= args.max_chars
-                  and user not in answered]
-        for i in picked[:args.per_source]:
-            user = next(m["content"] for m in prompts[i] if m["role"] == "user")
-            out.append({"category": name, "turns": [user], "source_row": i})
+        users = {i: next(m["content"] for m in prompts[i] if m["role"] == "user")
+                 for i in order if prompts[i] is not None and (name, i) not in seen}
+        picked = [i for i in order if i in users and len(users[i]) <= args.max_chars and users[i] not in answered]
+        out += [{"category": name, "turns": [users[i]], "source_row": i} for i in picked[:args.per_source]]
     Path(args.out).write_text("".join(json.dumps(r, ensure_ascii=False) + "\n" for r in out), encoding="utf-8")
     print(f"{len(out)} prompts written to {args.out}")
 

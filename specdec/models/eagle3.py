@@ -61,17 +61,20 @@ class Eagle3Layer(DecoderLayer):
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         if on_native(hidden):  # one C++ call for the layer, as the target's layers (QKV reading the 2H rows)
-            rows = torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
-            out = self.native_forward(hidden, cos, sin, meta, k_pool, v_pool, qkv_input=rows)
+            out = self.native_forward(hidden, cos, sin, meta, k_pool, v_pool, qkv_input=self.qkv_rows(embeds, hidden))
             if out is not None:
                 return out
         q, k, v = self.project_inputs(embeds, hidden, cos, sin)
         return self.finish(hidden, self.attend(q, k, v, k_pool, v_pool, meta))
 
+    def qkv_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
+        """What QKV reads: [norm(embedding of the next token), norm(hidden state)] [T, 2H]."""
+        return torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1)
+
     def project_inputs(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                        ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """q, k, v ([T, Hq, D], [T, Hkv, D] x 2) of the rows (embedding of the next token, hidden state)."""
-        return self.project(torch.cat([self.input_layernorm(embeds), self.hidden_norm(hidden)], -1), cos, sin)
+        return self.project(self.qkv_rows(embeds, hidden), cos, sin)
 
 
 def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[torch.Tensor], scale: float
