@@ -30,9 +30,11 @@ run: setup
 test: setup
 	$(PY) -m pytest -q
 
-# The linter's rules are in pyproject.toml ([tool.ruff]); CI runs this after the tests.
+# The linter's rules are in pyproject.toml ([tool.ruff]); then code nothing runs ([tool.vulture], its whitelist in
+# vulture_whitelist.py). CI runs this after the tests.
 lint: setup
 	$(VENV)/bin/ruff check specdec tests tools
+	$(VENV)/bin/vulture
 
 # The lossless suite on a GPU, run on the GPU machine itself with the torch it has (no venv, no network; specdec
 # imports need the gguf wheel there: ../shared/device/README.md, tools/gpu_check.sh). Every engine a test builds

@@ -13,7 +13,8 @@ from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.engine.llm_engine import LLMEngine, RequestOutput
+from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.outputs import RequestOutput
 from specdec.engine.parallel import Workers, launched_by_torchrun
 from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer
 from specdec.models.parallel import check_split, shard_model

@@ -237,21 +237,6 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     return logits.argmax(dim=-1)
 
 
-def sample(logits: torch.Tensor, st: SamplingTensors) -> torch.Tensor:
-    """Next token per row from logits [B, V]. Returns [B] long, still on the device. In a mixed batch only
-    the sampled rows build distributions and draw noise (every step of a batch with one sampling request
-    would otherwise pay for all rows); each row's result depends on its own row alone."""
-    if st.all_greedy:
-        return greedy_tokens(logits)
-    rows = (st.temperature != 0).nonzero().flatten().tolist()
-    if len(rows) == logits.shape[0]:
-        return sample_from_probs(logits_to_probs(logits, st), st.generators)
-    tokens = greedy_tokens(logits)
-    sub = st.select(rows)
-    tokens[rows] = sample_from_probs(logits_to_probs(logits[rows], sub), sub.generators)
-    return tokens
-
-
 # ---- position-keyed sampling -------------------------------------------------------------------------------
 # A sampled request draws the token at output position t by the exponential race over its processed distribution,
 # argmax p / E, with the noise E ~ Exp(1) [V] drawn from a generator seeded by a key of (its seed, t). The draw

@@ -65,37 +65,6 @@ def depths(parents: torch.Tensor) -> torch.Tensor:
     return ancestor_mask(parents).sum(-1) * (parents != PAD)
 
 
-def positions(parents: torch.Tensor, num_committed: torch.Tensor) -> torch.Tensor:
-    """position [B, N] long: where each node sits in its sequence, for rotary embeddings / KV slots.
-
-    num_committed [B] counts every committed token including the root (the last one), so the root is at
-    position num_committed - 1 and a node at depth d is at num_committed - 1 + d: siblings share a
-    position, as they are alternatives for the same slot. Padding gets the root's position
-    (num_committed - 1), which is always in range and is never attended to.
-    """
-    return num_committed[:, None] - 1 + depths(parents)
-
-
-def root_to_leaf_paths(parents: torch.Tensor) -> list[list[list[int]]]:
-    """Per sequence, every root-to-leaf path as node indices from depth 1 down, ordered by leaf index.
-
-    A leaf is a real node with no children. These are the candidate continuations verification can accept.
-    """
-    result = []
-    for row in parents.tolist():
-        has_child = {p for p in row if p >= 0}
-        leaves = [i for i, p in enumerate(row) if p != PAD and i not in has_child]
-        result.append([_path_to(row, leaf) for leaf in leaves])
-    return result
-
-
-def _path_to(row: list[int], node: int) -> list[int]:
-    path = [node]
-    while row[path[-1]] >= 0:
-        path.append(row[path[-1]])
-    return path[::-1]
-
-
 # ---- feeding a tree to the model -------------------------------------------------------------------
 
 @dataclass

@@ -3,6 +3,8 @@ from __future__ import annotations
 
 import json
 
+import pytest
+
 from specdec.bench.tune import MIN_GAIN
 from specdec.cli import main
 from specdec.drafting.registry import SpeculativeConfig
@@ -104,11 +106,14 @@ def test_tune_sets_a_hybrids_min_score_from_the_measured_verification_cost(tiny_
 
 
 def test_token_cost_times_the_engines_own_steps(tiny_llama_dir):
-    from specdec import LLM
-    from specdec.bench.verify_cost import step_times, token_cost
+    from specdec import LLM, SamplingParams, SpecdecError
+    from specdec.bench.verify_cost import token_cost
 
     engine = LLM(str(tiny_llama_dir), speculative_config="off").engine
-    times = step_times(engine, 20, [1, 5], repeats=3)
+    times = engine.time_verification(20, [1, 5], repeats=3)
     assert set(times) == {1, 5} and all(t > 0 for t in times.values())
     assert token_cost(engine, 20, 4, repeats=3) >= 0
     assert not engine.has_unfinished() and engine.allocator.num_used == 0  # the probe sequence is given back
+    engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
+    with pytest.raises(SpecdecError, match="while requests run"):
+        engine.time_verification(20, [1])

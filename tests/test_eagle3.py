@@ -93,19 +93,19 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
     history: dict[int, list[torch.Tensor]] = {}
     compared, first_tokens = [], []
 
-    def catch_up(reqs):
-        roots = EagleDrafter._catch_up(drafter, reqs)
+    def catch_up(reqs, greedy):
+        roots, first = EagleDrafter._catch_up(drafter, reqs, greedy)
         for r, root in zip(reqs, roots):
             history.setdefault(r.seq_id, []).append(r.features)
             fresh = EagleDrafter(drafter.head, drafter.env, drafter.k)
             full = dataclasses.replace(r, features=torch.cat(history[r.seq_id]), features_start=0)
-            again = fresh._catch_up([full])[0]
+            again = fresh._catch_up([full], False)[0][0]
             compared.append(torch.allclose(root, again, atol=1e-4, rtol=1e-4))
             logits = drafter.head.compute_logits(torch.stack([root, again]))
             top = logits[1].topk(2).values
             if top[0] - top[1] > NEAR_TIE:
                 first_tokens.append(bool(logits[0].argmax() == logits[1].argmax()))
-        return roots
+        return roots, first
 
     drafter._catch_up = catch_up
     llm.generate(PROMPTS, GREEDY)
@@ -195,3 +195,44 @@ def test_a_head_computes_on_blocks_when_the_target_does(tmp_path_factory, quanti
     assert formats == ({expected} if expected else set())
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
+
+
+@pytest.mark.parametrize("quantization", ["none", "q8_0"])
+def test_the_native_draft_step_gives_the_op_by_op_steps_bits(tmp_path_factory, quantization):
+    """`Eagle3Head.draft_step` runs fc, the layer, the final norm, the LM head and the argmax as one C++ call (one
+    thread team for a few rows, a parallel region per product above): the same output rows and draft tokens as
+    `forward`, `compute_logits` and argmax one op at a time, from features (a catch-up) and from the head's own
+    output (a chain's next step), in a head cache written either way."""
+    from specdec.models import native
+
+    target = save_tiny_model(tmp_path_factory.mktemp("step"), "llama", num_hidden_layers=4, intermediate_size=128)
+    plain = LLM(str(target), quantization="q8_0", speculative_config="off")
+    head_dir = tmp_path_factory.mktemp("step-head")
+    random_head(plain.engine.model.config).save(head_dir)
+    llm = plain.with_speculative_config({"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2,
+                                         "quantization": quantization})
+    drafter = llm.engine.speculator.drafter
+    head, env = drafter.head, drafter.env
+    assert head.native_step() is not None
+    g = torch.Generator().manual_seed(0)
+    table = list(range(1, 9))  # blocks of the drafter's own pool, written by this test only
+    ops, before = native.ops(), native.ops().team_max_rows()
+    try:
+        for n, team in ((1, 16), (5, 16), (5, 0), (20, 16)):  # rows, and whether few rows run as one team
+            ops.team_max_rows(team)
+            tokens = torch.randint(0, 320, (n,), generator=g).tolist()
+            features = torch.randn(n, 3 * head.config.hidden_size, generator=g)
+            hidden = torch.randn(n, head.config.hidden_size, generator=g)
+            for kwargs in ({"features": features}, {"hidden": hidden}):
+                got, want = [], []
+                for out in (got, want):
+                    ids, positions, meta = env.inputs([table], [3], [tokens])
+                    embeds = drafter.embed(ids)
+                    if out is got:
+                        out.extend(head.draft_step(embeds, positions, meta, drafter.kv, [n - 1, 0], **kwargs))
+                    else:
+                        rows = head.forward(embeds, positions, meta, drafter.kv, **kwargs)
+                        out.extend([rows, head.target_ids(head.compute_logits(rows[[n - 1, 0]]).argmax(-1))])
+                assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+    finally:
+        ops.team_max_rows(before)

@@ -28,6 +28,11 @@ def hybrid(rows, k=6, min_score=0.0, ks=None) -> HybridDrafter:
     return HybridDrafter(sources, k, min_score)
 
 
+def calibration(drafter: HybridDrafter, source: int) -> list[float]:
+    """Source `source`'s calibration g by depth, what the merged tree scores its nodes with."""
+    return [round(drafter.sources[source].calibration(d), 4) for d in range(1, drafter.k + 1)]
+
+
 def test_merged_tree_takes_nodes_by_calibrated_score():
     """A: chain 1 2 3 (no scores: b = 1). B: 1 5 and 4, with its own probabilities 0.9, 0.6, 0.3. Before any
     feedback g = 1/2, so A's nodes score 0.5; B's 0.45, 0.3, 0.15. The shared node [1] scores 0.5."""
@@ -48,17 +53,17 @@ def test_calibration_learns_from_what_the_target_kept():
     drafter = hybrid([([1, 2, 3], [-1, 0, 1]), ([1, 5, 4], [-1, 0, -1], [0.9, 0.6, 0.3])])
     drafter.propose([DraftRequest(0, [9, 9], 2, 6)])
     drafter.propose([DraftRequest(0, [9, 9, 1, 2, 7], 3, 6)])  # kept 1, 2 then the target's own 7
-    g = drafter.acceptance_estimates()
+    a = calibration(drafter, 0)
     # A: depth 1 and 2 accepted (b = 1 each): (1 + 1) / (1 + 2); depth 3 rejected: 1 / 3
-    assert g["ngram#0"][:3] == [round(2 / 3, 4), round(2 / 3, 4), round(1 / 3, 4)]
+    assert a[:3] == [round(2 / 3, 4), round(2 / 3, 4), round(1 / 3, 4)]
     # B: [1] accepted with b 0.9 and [4] not (b 0.3) at depth 1: (1 + 1) / (1.2 + 2); [1 5] not: 1 / (0.6 + 2)
-    assert g["ngram#1"][:2] == [round(2 / 3.2, 4), round(1 / 2.6, 4)]
+    assert calibration(drafter, 1)[:2] == [round(2 / 3.2, 4), round(1 / 2.6, 4)]
     preempted = DraftRequest(0, [9, 9, 1, 2, 7, 8], 1, 6, epoch=1)
     drafter.propose([preempted])  # another epoch: nothing is learnt from a tree whose K/V was dropped
-    assert drafter.acceptance_estimates()["ngram#0"][:3] == g["ngram#0"][:3]
+    assert calibration(drafter, 0)[:3] == a[:3]
     drafter.release(0)
     drafter.forget()  # between benchmark passes: back to the prior, (0 + 1) / (0 + 2)
-    assert set(drafter.acceptance_estimates()["ngram#0"]) == {0.5}
+    assert set(calibration(drafter, 0)) == {0.5}
 
 
 def test_a_source_that_does_not_pay_drafts_only_on_probe_steps():
@@ -71,8 +76,7 @@ def test_a_source_that_does_not_pay_drafts_only_on_probe_steps():
         draft = drafter.propose([DraftRequest(0, list(tokens), 2, 2)])
         assert 7 in draft.tokens[0].tolist()
         tokens += [7, 5]  # the target kept 7 (B's node), then its own 5
-    g = drafter.acceptance_estimates()
-    assert g["ngram#0"][0] < 0.3 < g["ngram#1"][0]
+    assert calibration(drafter, 0)[0] < 0.3 < calibration(drafter, 1)[0]
     # A is asked at step 1 (the request's first, g(1) = 1/2) and 2 (1/3 >= 0.3); from step 3 (1/4) only at
     # steps 8, 16, 24, 32, 40, where its node scores under min_score and is not verified (B's is the best)
     assert drafter.asked == [2 + 40 // HybridDrafter.PROBE_EVERY, 40]
@@ -91,7 +95,7 @@ def test_a_depth_that_fell_under_min_score_is_probed_and_recovers():
         draft = drafter.propose([DraftRequest(0, list(tokens), 2, 3)])
         sizes.append(draft.num_nodes()[0])
         tokens += [1, 2, 3, 5] if step > 4 else [1, 5]  # the first four steps: 2 rejected
-    g = drafter.acceptance_estimates()["ngram#0"]
+    g = calibration(drafter, 0)
     assert sizes[4] == 1 and g[1] > 0.3 and g[2] > 0.3  # fell under min_score, then earned it back
     assert sizes[HybridDrafter.PROBE_EVERY - 1] == 3  # a probe step takes the whole best path
     assert sizes[-1] == 3

@@ -11,6 +11,7 @@ from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
 from specdec.kv_cache import BlockAllocator, BlockTable, KVPool
 from specdec.models.loader import load_model
+from specdec.tree import TreeFeed
 
 CASES = {
     "llama": dict(model_type="llama", tie_word_embeddings=True),
@@ -138,3 +139,51 @@ def test_the_device_forward_compiles_as_one_graph(tmp_path, monkeypatch, feeds, 
     eager, _ = model(tokens, positions, meta, runner.kv)
     captured, _ = torch.compile(model.forward, fullgraph=True, backend="eager")(tokens, positions, meta, runner.kv)
     torch.testing.assert_close(captured, eager)
+
+
+@pytest.mark.parametrize("quantization", [None, "q4_1", "q8_0"])
+def test_the_stack_in_one_thread_team_gives_the_bits_of_the_layer_by_layer_path(tmp_path, quantization):
+    """Steps of few rows run the whole stack and the LM head in one OpenMP team (native `team_max_rows`), larger
+    ones layer by layer with a parallel region per product: every output element gets the same operations either
+    way, so decode, verification and tree steps over a cache filled by a prefill give the same hidden states,
+    features and logits bit for bit whichever path runs them, and the logits computed in the same call are those
+    of `compute_logits`."""
+    from specdec.models import native
+
+    path = save_tiny_model(tmp_path, "llama", intermediate_size=128, num_hidden_layers=3)
+    model, _ = load_model(path, quantization=quantization)
+    assert model.native_stack() is not None
+    ops = native.ops()
+    g = torch.Generator().manual_seed(3)
+    prompt = torch.randint(0, 320, (37,), generator=g).tolist()
+    feeds = [torch.randint(0, 320, (n,), generator=g).tolist() for n in (1, 3, 9, 16)]
+
+    def step(feed, tree=None):
+        alloc = BlockAllocator(32, 8)
+        runner = ModelRunner(model, KVPool(model.config, 32, 8, model.kv_dtype, "cpu"), 8)
+        seq = Sequence(0, prompt, SamplingParams(), 512)
+        alloc.allocate(seq.block_table, len(prompt) + len(feed))
+        runner.run([seq.block_table.blocks], [0], [prompt])  # the prefill: layer by layer either way
+        tokens, positions, meta = runner.inputs([seq.block_table.blocks], [len(prompt)], [feed], tree)
+        rows = list(range(len(feed)))[::-2]  # some rows, out of order: the LM head in the same call
+        hidden, features, logits = model.forward_logits(tokens, positions, meta, runner.kv, rows, (0, 2))
+        assert torch.equal(logits, runner.logits(hidden, rows))
+        return hidden, features[0], features[2], logits
+
+    before = ops.team_max_rows()
+    try:
+        for feed in feeds:
+            trees = [None]  # causal rows, then the same rows as a verified chain and as a tree
+            if len(feed) > 1:
+                trees.append([TreeFeed.verification(list(range(-1, len(feed) - 2)))])
+            if len(feed) == 9:  # two branches under the last token
+                trees.append([TreeFeed.verification([-1, -1, 0, 1, 2, 3, 4, 5])])
+            for tree in trees:
+                ops.team_max_rows(16)
+                team = step(feed, tree)
+                ops.team_max_rows(0)
+                alone = step(feed, tree)
+                for a, b in zip(team, alone):
+                    assert torch.equal(a, b)
+    finally:
+        ops.team_max_rows(before)

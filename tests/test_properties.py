@@ -141,7 +141,7 @@ def test_the_block_allocator_never_leaks_or_double_frees(ops, prefix_caching):
 def test_incremental_detokenization_equals_decoding_everything(tiny_llama_dir):
     """Over random id sequences (special tokens, byte pieces that cut characters): at every step the streamed
     text is a prefix of the full decode that never ends in a cut character, and equal to it where none is."""
-    from specdec.engine.llm_engine import IncrementalText
+    from specdec.engine.outputs import IncrementalText
     from specdec.models.loader import load_tokenizer, resolve
 
     tok = load_tokenizer(resolve(str(tiny_llama_dir)))

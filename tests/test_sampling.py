@@ -16,7 +16,6 @@ from specdec.sampling import (
     keyed_sample,
     logits_to_probs,
     penalize,
-    sample,
     sample_from_probs,
     sampling_key,
 )
@@ -118,29 +117,44 @@ def test_zero_probability_tokens_are_never_sampled():
     assert set(draws.tolist()) <= {1, 3}
 
 
-def test_seeded_rows_repeat_and_ignore_their_neighbours():
+def plain_step_tokens(logits: torch.Tensor, params: list[SamplingParams], seeds: list[int],
+                      output_lens: list[int]) -> torch.Tensor:
+    """The tokens a plain step chooses (`token_choice.target_tokens`, the engine's path): one row per sequence,
+    sequence i with output_lens[i] tokens generated after a 2-token prompt."""
+    from specdec.engine.layout import StepLayout
+    from specdec.engine.sequence import Sequence
+    from specdec.engine.token_choice import StepDrafts, target_tokens
+
+    seqs = []
+    for i, (p, seed, n) in enumerate(zip(params, seeds, output_lens)):
+        seq = Sequence(i, [1, 2], p, 100, sampling_seed=seed)
+        seq.token_ids = [1, 2] + [3] * n
+        seqs.append(seq)
+    return target_tokens(seqs, StepDrafts.none(len(seqs)), StepLayout.of_drafts([0] * len(seqs)), logits.clone(),
+                         None)
+
+
+def test_keyed_rows_repeat_and_ignore_their_neighbours():
+    """A sampled row's token depends on its seed and output position alone: the same again, beside any rows."""
     logits = torch.randn(3, 50, generator=torch.Generator().manual_seed(0))
     params = [SamplingParams(temperature=1.0, seed=7)] * 3
-    first = sample(logits, tensors(params, [7, None, None]))[0].item()
-    runs = []
-    for _ in range(3):
-        st = tensors(params, [7, None, 11])
-        runs.append(torch.stack([sample(logits, st) for _ in range(20)]))
-    assert torch.equal(runs[0][:, 0], runs[1][:, 0]) and torch.equal(runs[0][:, 2], runs[2][:, 2])
-    assert runs[0][0, 0].item() == first
+    first = plain_step_tokens(logits, params, [7, 8, 9], [0, 0, 0])
+    again = plain_step_tokens(logits[[2, 0, 1]], params, [9, 7, 8], [0, 0, 0])
+    assert first.tolist() == again[[1, 2, 0]].tolist()
+    later = [plain_step_tokens(logits, params, [7, 8, 9], [n, 0, 0])[0].item() for n in range(20)]
+    assert len(set(later)) > 1  # a new position draws new noise
 
 
 def test_a_seeded_row_draws_the_same_beside_greedy_rows():
     """In a mixed batch only sampled rows draw, each from its own row: a seeded row with top-k gives the same
-    tokens alone and among greedy rows and an unseeded one; greedy rows give their argmax."""
+    token alone and among greedy rows and another sampled one; greedy rows give their argmax."""
     logits = torch.randn(4, 300, generator=torch.Generator().manual_seed(1))
     seeded = SamplingParams(temperature=0.8, top_k=20, seed=3)
-    alone = sample(logits[1:2], tensors([seeded], [3])).item()
+    alone = plain_step_tokens(logits[1:2], [seeded], [3], [5]).item()
     mixed = [SamplingParams(temperature=0), seeded, SamplingParams(temperature=1.0), SamplingParams(temperature=0)]
-    for _ in range(3):  # fresh generators each time: the seeded row's first draw again
-        out = sample(logits, tensors(mixed, [None, 3, None, 5]))
-        assert out[1].item() == alone
-        assert out[0].item() == logits[0].argmax().item() and out[3].item() == logits[3].argmax().item()
+    out = plain_step_tokens(logits, mixed, [0, 3, 11, 5], [2, 5, 1, 0])
+    assert out[1].item() == alone and alone in logits[1].topk(20).indices.tolist()
+    assert out[0].item() == logits[0].argmax().item() and out[3].item() == logits[3].argmax().item()
 
 
 def test_invalid_values_are_refused_with_the_field_named():

@@ -643,7 +643,7 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
 def test_incremental_detokenization_equals_decoding_everything(tiny_llama_dir):
     """Streaming decodes a short window per step; the text it builds is the full decode at every step where
     no UTF-8 character is cut (and never shows a half character)."""
-    from specdec.engine.llm_engine import IncrementalText
+    from specdec.engine.outputs import IncrementalText
 
     tok = LLM(str(tiny_llama_dir)).tokenizer
     ids = tok.encode("héllo wörld 😀 naïve café, déjà vu 🚀🚀 end", add_special_tokens=False)

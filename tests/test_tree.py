@@ -5,15 +5,14 @@ import pytest
 import torch
 
 from specdec.tree import (
+    TreeFeed,
     ancestor_mask,
     chain,
     depths,
     expand_step,
     full_tree,
     parse_tree_spec,
-    positions,
     pruned_tree,
-    root_to_leaf_paths,
     select_dynamic_tree,
     tree_from_choices,
 )
@@ -42,12 +41,12 @@ def test_ancestor_mask(parents, rows):
     assert mask_rows(parents) == rows
 
 
-def test_depths_positions_paths_on_a_ragged_batch():
+def test_depths_and_fed_positions_on_a_ragged_batch():
     parents = torch.tensor(RAGGED)
     assert depths(parents).tolist() == [[1, 2, 3, 0, 0], [1, 2, 1, 3, 2]]
-    # 4 and 7 committed tokens: roots at positions 3 and 6; padding sits at the root's position
-    assert positions(parents, torch.tensor([4, 7])).tolist() == [[4, 5, 6, 3, 3], [7, 8, 7, 9, 8]]
-    assert root_to_leaf_paths(parents) == [[[0, 1, 2]], [[0, 1, 3], [2, 4]]]
+    # fed for verification: the last committed token, then each node at its depth's position, siblings alike
+    feed = TreeFeed.verification(TWO_BRANCH)
+    assert feed.rope == [0, 1, 2, 1, 3, 2] and feed.index == [0, 1, 2, 3, 4, 5]
 
 
 def test_a_chain_is_causal_and_an_empty_tree_is_empty():
@@ -55,7 +54,6 @@ def test_a_chain_is_causal_and_an_empty_tree_is_empty():
     assert torch.equal(ancestor_mask((torch.arange(n) - 1)[None])[0], torch.ones(n, n, dtype=torch.bool).tril())
     empty = torch.zeros(2, 0, dtype=torch.long)
     assert ancestor_mask(empty).shape == (2, 0, 0) and depths(empty).shape == (2, 0)
-    assert root_to_leaf_paths(empty) == [[], []]
 
 
 def naive_ancestors(parents: list[int], i: int) -> set[int]:

@@ -6,7 +6,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.models.attention import _sdpa
-from specdec.models.tree_attention import attention_with_lse, merge_attention, tree_attention
+from specdec.models.tree_attention import attention_with_lse, merge_attention, paged_tree_attention
 
 HQ, HKV, D, BLOCK = 6, 2, 16, 4
 SCALE = D ** -0.5
@@ -49,6 +49,16 @@ def paged_prefix(prefix_lens: list[int], gen: torch.Generator):
         prefix_slots[i, :n] = slots
         dense.append((k_pool[slots], v_pool[slots]))
     return k_pool, v_pool, prefix_slots, dense
+
+
+def tree_attention(q, k_new, v_new, k_pool, v_pool, prefix_slots, prefix_lens, tree_mask, scale):
+    """The tree tokens' K/V [B, S, Hkv, D] written into fresh pool slots, as the engine writes them, then
+    `paged_tree_attention` over the pool."""
+    B, S = k_new.shape[:2]
+    suffix_slots = k_pool.shape[0] + torch.arange(B * S).view(B, S)
+    k_pool = torch.cat([k_pool, k_new.reshape(B * S, *k_new.shape[2:])])
+    v_pool = torch.cat([v_pool, v_new.reshape(B * S, *v_new.shape[2:])])
+    return paged_tree_attention(q, k_pool, v_pool, prefix_slots, prefix_lens, suffix_slots, tree_mask, scale)
 
 
 def reference(q, k_new, v_new, dense, tree_mask):

@@ -16,7 +16,7 @@ if TYPE_CHECKING:
     from llama_cpp import Llama
     from transformers import PreTrainedModel
 
-    from specdec.engine.llm_engine import RequestOutput
+    from specdec.engine.outputs import RequestOutput
     from specdec.llm import LLM
 
 

@@ -2,7 +2,9 @@
 
 Results are a list of runs, each a config {engine, method, dtype, batch_size} with its measurements, so a
 new decoding method is one more run. Batch-1 runs of different engines alternate per prompt (A/B, then
-B/A) so that drift in a noisy machine's speed hits both engines alike.
+B/A) so that drift in a noisy machine's speed hits both engines alike. Every specdec run also says where its
+engine steps' time went (`step_times`: ms per step by phase, `LLMEngine.step_times`), beside the roofline step:
+one read of the target's weights at the bandwidth measured at the start.
 """
 from __future__ import annotations
 
@@ -191,6 +193,15 @@ def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None, records
             "fraction_of_read_bw_beside_median": beside[len(beside) // 2] if beside else None}
 
 
+def add_step_times(runs: list[dict], engines: dict[tuple[str, str], object], roofline_step_ms: float) -> None:
+    """Each specdec run's step accounting: its engine's `step_times` since the pass began (prefill and decode
+    steps apart), and the roofline step."""
+    for run in runs:
+        llm = engines.get((run["config"]["engine"], run["config"]["method"]))
+        if llm is not None:
+            run["step_times"] = {**llm.engine.step_times.summary(), "roofline_step_ms": roofline_step_ms}
+
+
 def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
                 bandwidth: dict) -> tuple[list[dict], list[dict]]:
     """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked),
@@ -220,14 +231,18 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
         timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
 
-    def forget() -> None:
+    def forget() -> None:  # before each timed pass: no drafter remembers it, every engine counts its steps anew
         for engine in engines.values():
             engine.engine.forget_finished()
+            engine.engine.step_times.switch(True)  # on a GPU too (there every phase then waits for the device)
+            engine.engine.step_times.reset()
 
     runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device), forget)
+    weight_bytes = llm.engine.model.weight_bytes_per_token()
+    roofline_step_ms = 1e3 * weight_bytes / bandwidth["read_bytes_per_s"]
+    add_step_times(runs, engines, roofline_step_ms)
     plain = runs[0]
-    plain["roofline"] = roofline(llm.engine.model.weight_bytes_per_token(), bandwidth,
-                                 plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
+    plain["roofline"] = roofline(weight_bytes, bandwidth, plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
     def differs_by_design(method: str) -> bool:  # rejection sampling's tokens depend on the drafts; keyed ones do not
         speculator = engines[("specdec", method)].engine.speculator
         return params.temperature > 0 and speculator is not None and speculator.cfg.sampled_verification == "rejection"
@@ -241,7 +256,9 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     for b in batch_sizes:
         if b > 1:
             forget()  # each pass drafts as a first pass over these prompts would
-            runs += batched_runs(engines, prompts, b, params, dtype, batch1)
+            batched = batched_runs(engines, prompts, b, params, dtype, batch1)
+            add_step_times(batched, engines, roofline_step_ms)
+            runs += batched
     return runs, comparisons
 
 

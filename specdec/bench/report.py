@@ -1,5 +1,5 @@
-"""How benchmark results read: aligned plain-text tables (per prompt, summary), one-line comparisons,
-acceptance and roofline lines, and where the JSON goes."""
+"""How benchmark results read: aligned plain-text tables (per prompt, summary, step accounting), one-line
+comparisons, acceptance and roofline lines, and where the JSON goes."""
 from __future__ import annotations
 
 from collections.abc import Iterable
@@ -77,6 +77,27 @@ def summary_table(runs: list[dict]) -> str:
     return format_table(headers, rows, left=3)
 
 
+STEP_COLUMNS = [("schedule", "schedule"), ("draft model", "draft_forward"), ("draft host", "draft_host"),
+                ("target forward", "target_forward"), ("logits", "logits"), ("token choice", "token_choice"),
+                ("settle", "settle"), ("commit", "commit")]
+
+
+def step_table(runs: list[dict]) -> str:
+    """Where a decode step's time goes, per specdec run: ms per engine step by phase, the whole step, and the
+    roofline step (one read of the target's weights)."""
+    headers = ["config", "tokens/step", *(name for name, _ in STEP_COLUMNS), "whole step", "roofline step"]
+    rows = []
+    for run in runs:
+        if "step_times" not in run:
+            continue
+        c, t = run["config"], run["step_times"]
+        d = t["decode"]
+        rows.append([f"{label(c)} {c['dtype']} b{c['batch_size']}", _num(d["tokens_per_step"], ".2f"),
+                     *(_num(d[f"{key}_ms"], ".2f") for _, key in STEP_COLUMNS), _num(d["step_ms"], ".2f"),
+                     _num(t["roofline_step_ms"], ".2f")])
+    return format_table(headers, rows)
+
+
 def comparison_line(c: dict) -> str:
     cand, base = c["candidate"], c["baseline"]
     text = (f"{cand['engine']}/{cand['method']} vs {base['engine']}/{base['method']} ({cand['dtype']}, batch 1): "
@@ -146,7 +167,12 @@ def format_report(result: dict) -> str:
         parts += [f"\nPer prompt ({dtype}, batch 1)", per_prompt_table(batch1, comps)]
     parts += ["\nSummary (aggregates = total tokens / total time; for batch > 1, TTFT is the mean over requests "
               "and decode starts once every request in the group has its first token)",
-              summary_table(result["runs"]), ""]
+              summary_table(result["runs"])]
+    if any("step_times" in r for r in result["runs"]):
+        parts += ["\nStep accounting (ms per decode step; tokens/step: tokens emitted per engine step, every "
+                  "sequence of the step together; roofline step: one read of the target's weights)",
+                  step_table(result["runs"])]
+    parts += [""]
     parts += [comparison_line(c) for c in result["comparisons"]]
     parts += batched_comparison_lines(result["runs"])
     parts += [acceptance_line(r) for r in result["runs"] if r.get("acceptance")]

@@ -8,7 +8,7 @@ from __future__ import annotations
 import importlib
 import pkgutil
 
-from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, ForwardClock, HeadOptions
 from specdec.drafting.registry import MethodInfo, SpeculativeConfig, method_info, register_method, registered_methods
 
 for _module in pkgutil.iter_modules(__path__):
@@ -20,5 +20,5 @@ def build_drafter(cfg: SpeculativeConfig, env: DraftEnv) -> Drafter:
     return cfg.info.build(cfg, env)
 
 
-__all__ = ["Draft", "DraftEnv", "DraftRequest", "Drafter", "HeadOptions", "MethodInfo", "SpeculativeConfig",
-           "build_drafter", "method_info", "register_method", "registered_methods"]
+__all__ = ["Draft", "DraftEnv", "DraftRequest", "Drafter", "ForwardClock", "HeadOptions", "MethodInfo",
+           "SpeculativeConfig", "build_drafter", "method_info", "register_method", "registered_methods"]

@@ -10,12 +10,14 @@ Each step the engine tells the drafter what was committed since its last call an
 A chain is a tree, so trees need no second code path.
 
 What a drafter sees is plain data, never the engine: per step a `DraftRequest` for each sequence, and once,
-when its method builds it, a `DraftEnv` with the target model, the shared block geometry and `inputs`, the
-one way to lay tokens out over the paged cache. Adding a method means adding one file here that defines
-its options dataclass and its Drafter and registers them (`specdec.drafting.registry.register_method`).
+when its method builds it, a `DraftEnv` with the target model, the shared block geometry, `inputs`, the
+one way to lay tokens out over the paged cache, and `clock`, which times its model's forwards. Adding a method
+means adding one file here that defines its options dataclass and its Drafter and registers them
+(`specdec.drafting.registry.register_method`).
 """
 from __future__ import annotations
 
+import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
 from dataclasses import dataclass, field
@@ -37,6 +39,33 @@ Inputs = Callable[[list[list[int]], list[int], list[list[int]], "list[TreeFeed |
                   tuple[torch.Tensor, torch.Tensor, AttentionMetadata]]
 
 
+class ForwardClock:
+    """Seconds a drafter spends in its model's forwards (a draft model's or a head's layers and LM head), apart
+    from the host-side work around them: a drafter that runs a model wraps each call, `with env.clock: ...`, and
+    the engine reads `seconds` around each draft (its step accounting). Two perf_counter calls a forward; nested
+    uses count once. With `sync` set (on a GPU) the device is waited for on both sides, so the time is the
+    forward's own rather than its launch."""
+
+    def __init__(self) -> None:
+        self.seconds = 0.0
+        self.sync: Callable[[], None] | None = None
+        self._depth, self._start = 0, 0.0
+
+    def __enter__(self) -> None:
+        self._depth += 1
+        if self._depth == 1:
+            if self.sync is not None:
+                self.sync()
+            self._start = time.perf_counter()
+
+    def __exit__(self, *exc: object) -> None:
+        self._depth -= 1
+        if self._depth == 0:
+            if self.sync is not None:
+                self.sync()
+            self.seconds += time.perf_counter() - self._start
+
+
 @dataclass
 class DraftEnv:
     """What the engine lends a drafting method when it is built: the frozen target (its config, embedding,
@@ -52,6 +81,7 @@ class DraftEnv:
     inputs: Inputs
     pools: list[KVPool] = field(default_factory=list)  # every pool over the shared blocks (the allocator's)
     tensor_parallel_size: int = 1  # processes the target is split over (a method that nests others checks them)
+    clock: ForwardClock = field(default_factory=ForwardClock)  # times the drafter's model forwards
 
     def kv_pool(self, config: ModelConfig, dtype: torch.dtype) -> KVPool:
         """A KV pool of the drafter's own over the shared blocks, addressed by the target's block tables, so
@@ -65,7 +95,13 @@ class DraftEnv:
             num_layers: int | None = None) -> torch.Tensor:
         """Feed a Llama-family model (a draft LM, or the target's first layers); hidden states [T, H]."""
         tokens, positions, meta = self.inputs(tables, starts, feeds, trees)
-        return model(tokens, positions, meta, kv, num_layers=num_layers)[0]
+        with self.clock:
+            return model(tokens, positions, meta, kv, num_layers=num_layers)[0]
+
+    def logits(self, model: torch.nn.Module, hidden: torch.Tensor) -> torch.Tensor:
+        """A draft model's (or head's) logits of hidden states [N, H] -> [N, V], timed as part of its forward."""
+        with self.clock:
+            return model.compute_logits(hidden)
 
 
 @dataclass

@@ -66,7 +66,7 @@ class ChainDrafter(Drafter):
         for step in range(steps):
             hidden = self.run(tables, starts, feeds)
             last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
-            tok, q = self._sample(self.model.compute_logits(hidden[last]), st, requests, step)
+            tok, q = self._sample(self.env.logits(self.model, hidden[last]), st, requests, step)
             tokens.append(tok)
             probs.append(q)
             starts = [start + len(f) for start, f in zip(starts, feeds)]

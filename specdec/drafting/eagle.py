@@ -22,6 +22,7 @@ Drafts are the head's argmax (q = one-hot), which verification handles losslessl
 from __future__ import annotations
 
 import dataclasses
+import itertools
 from dataclasses import dataclass
 from typing import ClassVar
 
@@ -89,7 +90,8 @@ class EagleDrafter(Drafter):
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
         if not active:
             return Draft.chains([[] for _ in requests])
-        root = self._catch_up([requests[i] for i in active])  # [len(active), H]
+        chain = requests[0].dynamic is None and requests[0].tree is None
+        root, first = self._catch_up([requests[i] for i in active], chain)  # [len(active), H], [len(active)]
         for i in active:
             r = requests[i]
             self.consumed[r.seq_id] = (r.epoch, r.features_start + len(r.features))
@@ -97,7 +99,7 @@ class EagleDrafter(Drafter):
             return self._dynamic(requests, active, root, *requests[0].dynamic)
         if requests[0].tree is not None:
             return self._tree(requests, active, root)
-        return self._chain(requests, active, root)
+        return self._chain(requests, active, root, first)
 
     def cached_prefix(self, request: DraftRequest) -> int | None:
         """Rows whose head K/V pair a consumed target feature with the committed token after it (blocks that
@@ -108,28 +110,32 @@ class EagleDrafter(Drafter):
     def release(self, seq_id: int) -> None:
         self.consumed.pop(seq_id, None)
 
-    def _catch_up(self, reqs: list[DraftRequest]) -> torch.Tensor:
-        """Feed each request's new target features (paired with the next tokens); the head's output at its
-        last row, from which the first draft tokens come, [B, H]."""
+    def _catch_up(self, reqs: list[DraftRequest], greedy: bool) -> tuple[torch.Tensor, torch.Tensor]:
+        """Feed each request's new target features (paired with the next tokens): the head's output at its last
+        row, from which the first draft tokens come, [B, H], and with `greedy` those tokens themselves [B] (else
+        empty: trees rank the head's logits themselves)."""
         starts = [r.features_start for r in reqs]
         feeds = [r.token_ids[s + 1:s + 1 + len(r.features)] for r, s in zip(reqs, starts)]
-        out = self._run([r.block_table for r in reqs], starts, feeds,
-                        features=torch.cat([r.features for r in reqs]))
-        return out[torch.tensor([len(f) for f in feeds]).cumsum(0) - 1]
+        last = list(itertools.accumulate(len(f) for f in feeds))
+        last = [n - 1 for n in last]
+        out, first = self._step([r.block_table for r in reqs], starts, feeds, last if greedy else [],
+                                features=torch.cat([r.features for r in reqs]))
+        return out[last], first
 
-    def _chain(self, requests: list[DraftRequest], active: list[int], hidden: torch.Tensor) -> Draft:
+    def _chain(self, requests: list[DraftRequest], active: list[int], hidden: torch.Tensor, first: torch.Tensor
+               ) -> Draft:
         reqs = [requests[i] for i in active]
         tables = [r.block_table for r in reqs]
         first_row = [len(r.token_ids) - 1 for r in reqs]  # the first draft token's row: right after the features
         budget = [min(self.k, r.max_tokens) for r in reqs]
-        chains = [[t] for t in self._next(hidden).tolist()]
+        chains = [[t] for t in first.tolist()]
         for step in range(1, max(budget)):
             rows = [i for i, b in enumerate(budget) if b > step]
-            out = self._run([tables[i] for i in rows], [first_row[i] + step - 1 for i in rows],
-                            [[chains[i][-1]] for i in rows], hidden=hidden[rows])
+            out, tokens = self._step([tables[i] for i in rows], [first_row[i] + step - 1 for i in rows],
+                                     [[chains[i][-1]] for i in rows], list(range(len(rows))), hidden=hidden[rows])
             hidden = hidden.clone()
             hidden[rows] = out
-            for i, t in zip(rows, self._next(out).tolist()):
+            for i, t in zip(rows, tokens.tolist()):
                 chains[i].append(t)
         proposals: list[list[int]] = [[] for _ in requests]
         for i, chain, b in zip(active, chains, budget):
@@ -144,7 +150,8 @@ class EagleDrafter(Drafter):
         outputs: dict[tuple[int, int], torch.Tensor] = {}
 
         def root_logits() -> torch.Tensor:
-            logits = self.head.target_logits(root)
+            with self.env.clock:
+                logits = self.head.target_logits(root)
             full = logits.new_zeros(len(reqs), logits.shape[1])
             full[active] = logits
             return full
@@ -160,7 +167,8 @@ class EagleDrafter(Drafter):
                 for n in rows[i]:
                     outputs[(i, n)] = out[j]
                     j += 1
-            return self.head.target_logits(out)
+            with self.env.clock:
+                return self.head.target_logits(out)
 
         return grow_static_tree(shape, reqs, root_logits, expand)
 
@@ -174,7 +182,7 @@ class EagleDrafter(Drafter):
         outputs: list[dict[int, torch.Tensor]] = [{} for _ in reqs]  # per request: candidate -> head output
 
         def log_probs(out: torch.Tensor) -> torch.Tensor:  # over the head's vocabulary
-            return torch.log_softmax(self.head.compute_logits(out), -1).cpu()
+            return torch.log_softmax(self.env.logits(self.head, out), -1).cpu()
 
         def expand(frontier: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, feeds: list[TreeFeed]
                    ) -> torch.Tensor:
@@ -190,12 +198,20 @@ class EagleDrafter(Drafter):
                                   vocab)
         return draft.spread(active, len(requests))
 
+    def _step(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]], rows: list[int],
+              features: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+              ) -> tuple[torch.Tensor, torch.Tensor]:
+        """A head step over a chain's rows and its greedy tokens at `rows` (the head's `draft_step`: one native
+        call on CPU)."""
+        tokens, positions, meta = self.env.inputs(tables, starts, feeds)
+        with self.env.clock:
+            return self.head.draft_step(self.embed(tokens), positions, meta, self.kv, rows, features=features,
+                                        hidden=hidden)
+
     def _run(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
              features: torch.Tensor | None = None, hidden: torch.Tensor | None = None,
              trees: list[TreeFeed | None] | None = None) -> torch.Tensor:
         tokens, positions, meta = self.env.inputs(tables, starts, feeds, trees)
-        return self.head(self.embed(tokens), positions, meta, self.kv, features=features, hidden=hidden)
+        with self.env.clock:
+            return self.head(self.embed(tokens), positions, meta, self.kv, features=features, hidden=hidden)
 
-    def _next(self, out: torch.Tensor) -> torch.Tensor:
-        """Greedy draft tokens (target ids) from head outputs [N, H]."""
-        return self.head.target_ids(self.head.compute_logits(out).argmax(-1))

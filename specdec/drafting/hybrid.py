@@ -229,7 +229,3 @@ class HybridDrafter(Drafter):
         found = [n for n in (s.drafter.cached_prefix(request) for s in self.sources) if n is not None]
         return min(found) if found else None
 
-    def acceptance_estimates(self) -> dict[str, list[float]]:
-        """Per source (method name), the calibration g by depth so far (for reports and tests)."""
-        return {f"{s.cfg.method}#{n}": [round(s.calibration(d), 4) for d in range(1, self.k + 1)]
-                for n, s in enumerate(self.sources)}

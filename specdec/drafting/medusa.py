@@ -19,7 +19,7 @@ from typing import ClassVar
 import torch
 
 from specdec.config import SpecdecError
-from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, ForwardClock, HeadOptions
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import grow_static_tree
 from specdec.models.llama import LlamaModel
@@ -50,9 +50,11 @@ def check_depth(cfg: SpeculativeConfig, num_heads: int, where: str) -> None:
 
 @register_method("medusa", MedusaOptions, trees=True, head=MedusaHeads)
 class MedusaDrafter(Drafter):
-    def __init__(self, heads: MedusaHeads, target: LlamaModel, num_speculative_tokens: int) -> None:
-        """target: the model the heads draft for (its final norm is applied to its last layer's output)."""
-        self.heads, self.k = heads, num_speculative_tokens
+    def __init__(self, heads: MedusaHeads, target: LlamaModel, num_speculative_tokens: int,
+                 clock: ForwardClock | None = None) -> None:
+        """target: the model the heads draft for (its final norm is applied to its last layer's output); clock:
+        times the heads' forward (`DraftEnv.clock`)."""
+        self.heads, self.k, self.clock = heads, num_speculative_tokens, clock or ForwardClock()
         self.norm = target.norm
         self.feature_layers = (target.config.num_hidden_layers - 1,)  # the last layer, pre-norm
 
@@ -61,7 +63,7 @@ class MedusaDrafter(Drafter):
         heads = MedusaHeads.load_for(cfg.method, cfg.options.model, env.target)
         check_depth(cfg, heads.num_heads, cfg.options.model)
         cfg.options.quantize(heads, env.target)
-        return cls(heads, env.target, cfg.num_speculative_tokens)
+        return cls(heads, env.target, cfg.num_speculative_tokens, env.clock)
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
         active = [i for i, r in enumerate(requests) if r.features is not None and r.max_tokens > 0]
@@ -73,7 +75,8 @@ class MedusaDrafter(Drafter):
         if depth > K:  # build_drafter's check_depth refuses such shapes up front
             raise SpecdecError(f"a tree {depth} deep needs {depth} Medusa heads, the head has {K}")
         rows = torch.stack([requests[i].features[-1] for i in active])  # [B, H]: token n - 2 of each request
-        logits = self.heads.logits(self.heads(self.norm(rows), depth))  # [depth, B, V]
+        with self.clock:
+            logits = self.heads.logits(self.heads(self.norm(rows), depth))  # [depth, B, V]
         if tree is not None:
             return self._tree(requests, active, logits)
         tokens = logits.argmax(-1).T.tolist()  # [B, depth]

@@ -77,7 +77,7 @@ class TreeDrafter(ChainDrafter):
             trees = [TreeFeed.level(shape.parents[:sizes[i]], rows[i]) for i in batch]
             hidden = self.run([tables[i] for i in batch], [len(requests[i].token_ids) for i in batch],
                               [tokens[i, rows[i]].tolist() for i in batch], trees)
-            return self.model.compute_logits(hidden)
+            return self.env.logits(self.model, hidden)
 
         return grow_static_tree(shape, requests, lambda: self._catch_up(requests), expand)
 
@@ -90,7 +90,7 @@ class TreeDrafter(ChainDrafter):
         last = torch.tensor([len(f) for f in feeds], device=hidden.device).cumsum(0) - 1
         for r in requests:
             self.caches[r.seq_id] = DraftCache(r.epoch, list(r.token_ids), len(r.token_ids))
-        return self.model.compute_logits(hidden[last])
+        return self.env.logits(self.model, hidden[last])
 
     def _propose_dynamic(self, requests: list[DraftRequest], topk: int, num_steps: int, num_draft_tokens: int
                          ) -> Draft:
@@ -101,7 +101,7 @@ class TreeDrafter(ChainDrafter):
         def expand(frontier: torch.Tensor, tokens: torch.Tensor, parents: torch.Tensor, feeds: list[TreeFeed]
                    ) -> torch.Tensor:
             hidden = self.run(tables, starts, tokens.tolist(), feeds)
-            return torch.log_softmax(self.model.compute_logits(hidden).float(), -1).cpu()
+            return torch.log_softmax(self.env.logits(self.model, hidden).float(), -1).cpu()
 
         root = torch.log_softmax(self._catch_up(requests).float(), -1).cpu()
         return grow_dynamic_tree(requests, root, topk, num_steps, num_draft_tokens, expand)

@@ -1,26 +1,33 @@
-"""The engine loop: schedule -> run the model -> sample -> bookkeeping, one `step()` at a time."""
+"""The engine core: schedule -> draft -> run the model -> choose tokens -> commit, one `step()` at a time.
+
+What a request looks like from outside (text, stop strings, updates, outputs) is `outputs.OutputProcessor`'s;
+where each sequence's rows sit in a step is `layout.StepLayout`'s; where a step's time goes is `step_times`'.
+"""
 from __future__ import annotations
 
 import itertools
 import logging
 import random
+import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
-from dataclasses import dataclass, field
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError
-from specdec.drafting import DraftEnv, SpeculativeConfig, build_drafter
+from specdec.drafting import DraftEnv, ForwardClock, SpeculativeConfig, build_drafter
 from specdec.engine.graphs import GraphRunner
+from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
+from specdec.engine.outputs import OutputProcessor, RequestOutput, RequestUpdate, eos_ids
 from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
-from specdec.engine.token_choice import StepDrafts, choose_tokens
+from specdec.engine.step_times import StepTimes
+from specdec.engine.token_choice import Choice, StepDrafts, choose_tokens
 from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import TokenLogprob, token_logprobs
@@ -31,68 +38,6 @@ if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
 log = logging.getLogger("specdec.engine")
-
-
-@dataclass
-class RequestOutput:
-    """What a finished (or streaming) request returns; vLLM-like names."""
-
-    request_id: int
-    prompt: str | None
-    prompt_token_ids: list[int]
-    token_ids: list[int]
-    text: str
-    finish_reason: str | None
-    stop_reason: int | str | None = None
-    metrics: dict = field(default_factory=dict)
-    logprobs: list[TokenLogprob] | None = None  # one per token id, when SamplingParams.logprobs asked for them
-    prompt_logprobs: list[TokenLogprob] | None = None  # one per prompt token after the first (prompt_logprobs)
-
-    @property
-    def finished(self) -> bool:
-        return self.finish_reason is not None
-
-
-@dataclass
-class RequestUpdate:
-    """What one request gained in a step: what every front door (`LLM`, the server's engine thread, the Ray Serve
-    replicas) reads of the engine. A finished request's last update carries its whole `output`."""
-
-    request_id: int
-    new_token_ids: list[int]
-    text: str | None  # the output's text so far (requests added with stream=True; else only with `output`)
-    new_logprobs: list[TokenLogprob] | None = None  # one per new token, when SamplingParams.logprobs asked
-    prompt_logprobs: list[TokenLogprob] | None = None  # with the request's first update, when it asked for them
-    output: RequestOutput | None = None  # the finished request's result (its metrics included)
-
-    @property
-    def finished(self) -> bool:
-        return self.output is not None
-
-
-def eos_ids(model: LlamaModel, tokenizer: PreTrainedTokenizerBase) -> frozenset[int]:
-    ids = model.config.eos_token_id
-    ids = set(ids if isinstance(ids, list) else [ids] if ids is not None else [])
-    if getattr(tokenizer, "eos_token_id", None) is not None:
-        ids.add(tokenizer.eos_token_id)
-    return frozenset(ids)
-
-
-class IncrementalText:
-    """The text of a growing list of output ids, decoding only a short window each step (the prefix/read
-    offsets of TGI and vLLM) instead of the whole output: the new text is decode(ids[prefix:]) minus
-    decode(ids[prefix:read]), held back while it ends in an incomplete UTF-8 character."""
-
-    def __init__(self, decode: Callable[[list[int]], str]) -> None:
-        self.decode, self.text, self.prefix, self.read = decode, "", 0, 0
-
-    def update(self, ids: list[int]) -> str:
-        before = self.decode(ids[self.prefix:self.read])
-        after = self.decode(ids[self.prefix:])
-        if len(after) > len(before) and not after.endswith("\ufffd"):
-            self.text += after[len(before):]
-            self.prefix, self.read = self.read, len(ids)
-        return self.text
 
 
 class LLMEngine:
@@ -124,19 +69,20 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, bs, graphs) if workers is None else \
             TPRunner(model, self.kv, bs, workers)
         self.speculator = None
+        clock = ForwardClock()  # the drafter's model forwards
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs, self.allocator.pools,
-                           workers.tp.world if workers is not None else 1)
+                           workers.tp.world if workers is not None else 1, clock)
             self.speculator = Speculator(build_drafter(speculative, env), self.runner, speculative, tokenizer)
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         if self.speculator is not None:
             self.allocator.match_next_token = self.speculator.cache_reads_next_token
         self.eos_token_ids = eos_ids(model, tokenizer)
+        self.outputs = OutputProcessor(tokenizer)
+        cuda = model.device.type == "cuda"  # there the accounting waits for the device: off until switched on
+        self.step_times = StepTimes(clock, torch.cuda.synchronize if cuda else None, on=not cuda)
         self._ids = itertools.count()
         self._requests: dict[int, Sequence] = {}  # request id -> its sequence, until its output is handed out
-        self._streamed: set[int] = set()  # requests whose updates carry their text so far
-        self._texts: dict[int, str] = {}
-        self._detok: dict[int, IncrementalText] = {}  # sequences whose text is read while they run
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
         self.num_failed = 0  # requests failed by a step that raised with them alone
         # Tests and `bench --soak` only: called with each step's sequences before it computes; raising from it
@@ -180,8 +126,7 @@ class LLMEngine:
             seq.prompt_source = source
         self.scheduler.add(seq)
         self._requests[seq.seq_id] = seq
-        if stream:
-            self._streamed.add(seq.seq_id)
+        self.outputs.add(seq, stream)
         return seq.seq_id
 
     def abort(self, request_id: int, reason: str = "abort", stop_reason: str | None = None) -> RequestOutput | None:
@@ -202,7 +147,7 @@ class LLMEngine:
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
         self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
-        self._detok.pop(seq.seq_id, None)
+        self.outputs.finished(seq)
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
             self.speculator.release(seq.seq_id)
@@ -240,10 +185,12 @@ class LLMEngine:
 
     def step(self) -> list[RequestUpdate]:
         """Advance every scheduled sequence: schedule -> draft -> run the model -> choose tokens -> commit.
-        Returns an update per request that gained tokens or finished."""
+        Returns an update per request that gained tokens or finished. `step_times` accounts for each phase."""
+        self.step_times.begin()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
+        self.step_times.mark("schedule")
         try:
             if self.inject_fault is not None:
                 self.inject_fault(batch.seqs)
@@ -252,7 +199,15 @@ class LLMEngine:
             raise
         except Exception as e:  # noqa: BLE001  anything else: only the request at fault may fail
             self._isolate(batch, e)
-            return [self._update(seq, [], None) for seq in batch.seqs if seq.is_finished]
+            updates = [self._update(seq, [], None) for seq in batch.seqs if seq.is_finished]
+            self.step_times.end(batch.is_prefill, 0)
+            return updates
+        updates = self._commit_step(batch, outputs)
+        self.step_times.end(batch.is_prefill, sum(len(u.new_token_ids) for u in updates))
+        return updates
+
+    def _commit_step(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> list[RequestUpdate]:
+        """Apply what each sequence kept: its cache, its tokens up to a stop, its update, the prefix cache."""
         self.scheduler.cleared(batch)
         self.scheduler.update(batch, outputs)
         updates = []
@@ -271,13 +226,9 @@ class LLMEngine:
         return updates
 
     def _update(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestUpdate:
-        first = seq.num_steps == 1 and seq.params.prompt_logprobs is not None
-        update = RequestUpdate(seq.seq_id, new_ids, None, new_logprobs, list(seq.prompt_logprobs) if first else None)
-        if seq.is_finished:
-            update.output = self._output(seq)
-            update.text = update.output.text
-        elif seq.seq_id in self._streamed:
-            update.text = self._text(seq)
+        update = self.outputs.update(seq, new_ids, new_logprobs)
+        if update.finished:  # its output is handed out: the engine forgets the request
+            self._requests.pop(seq.seq_id, None)
         return update
 
     def _compute(self, batch: ScheduledBatch) -> list[StepOutput]:
@@ -285,39 +236,54 @@ class LLMEngine:
         last token) and, in a speculative decode step, its draft after them; a sequence whose input is then fully
         cached chooses its next tokens through `token_choice` (no drafts: a plain step). A prefill or plain step
         still gathers the target features a feature drafter will need."""
-        seqs, counts = batch.seqs, batch.num_new_tokens
+        seqs, counts, times = batch.seqs, batch.num_new_tokens, self.step_times
         speculating = self.speculator is not None and not batch.is_prefill and self.speculator.drafts(seqs)
         drafts = self.speculator.draft(seqs) if speculating else StepDrafts.none(len(seqs))
+        times.mark_draft()
         feeds = [s.token_ids[s.num_cached:s.num_cached + n] + d for s, n, d in zip(seqs, counts, drafts.tokens)]
-        hidden, features = self.runner.run([s.block_table.blocks for s in seqs], [s.num_cached for s in seqs], feeds,
-                                           drafts.trees if drafts.any_tree else None, self.feature_layers)
-        starts = list(itertools.accumulate((len(f) for f in feeds), initial=0))  # sequence i's rows: starts[i]..
+        layout = StepLayout.build(counts, drafts.counts,
+                                  [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n])
+        tables, starts = [s.block_table.blocks for s in seqs], [s.num_cached for s in seqs]
+        trees = drafts.trees if drafts.any_tree else None
+        logits = None
+        if layout.ready:  # the LM head in the forward's own call where the model runs natively
+            hidden, features, logits = self.runner.run_logits(tables, starts, feeds, trees, self.feature_layers,
+                                                              layout.logits_rows)
+        else:
+            hidden, features = self.runner.run(tables, starts, feeds, trees, self.feature_layers)
+        times.mark("target_forward")
         for i, (seq, n) in enumerate(zip(seqs, counts)):
             if seq.params.prompt_logprobs is not None:
-                self._prompt_logprobs(seq, hidden, starts[i], n)
-        ready = [i for i, (s, n) in enumerate(zip(seqs, counts)) if s.num_uncached == n]
+                self._prompt_logprobs(seq, hidden, layout.starts[i], n)
+        times.mark("logits")
         choice = None
-        if ready:  # each one's rows: after its last fed token, then after each draft node
-            rows = [r for i in ready for r in range(starts[i] + counts[i] - 1, starts[i + 1])]
-            logits = self.runner.logits(hidden, rows)
-            chosen = [seqs[i] for i in ready]
+        if logits is not None:  # each ready sequence's rows: after its last fed token, then after each draft node
+            chosen = [seqs[i] for i in layout.ready]
             if speculating:  # a decode step: every sequence feeds its one last token, so all are ready
-                choice = choose_tokens(chosen, logits, drafts, self.speculator.watches_target,
+                choice = choose_tokens(chosen, logits, drafts, layout.logits, self.speculator.watches_target,
                                        self.speculator.cfg.sampled_verification == "rejection")
-                self.speculator.settle(chosen, drafts, logits, choice)
+                times.mark("token_choice")
+                self.speculator.settle(chosen, drafts, layout.logits, logits, choice)
+                times.mark("settle")
             else:
-                choice = choose_tokens(chosen, logits, StepDrafts.none(len(ready)))
-        outputs, k = [], 0
-        for i, n in enumerate(counts):
-            if not ready or ready[k:k + 1] != [i]:  # a prefill chunk short of the prompt's end
-                outputs.append(StepOutput(n, None, None if features is None else features[starts[i]:starts[i] + n]))
+                choice = choose_tokens(chosen, logits, StepDrafts.none(len(chosen)), layout.logits)
+                times.mark("token_choice")
+        return self._step_outputs(layout, features, choice)
+
+    @staticmethod
+    def _step_outputs(layout: StepLayout, features: torch.Tensor | None, choice: Choice | None) -> list[StepOutput]:
+        """What each sequence keeps: a prefill chunk short of its prompt's end, its fed tokens; a ready sequence,
+        also its accepted draft nodes (moved to the slots after the fed tokens) and the tokens it emits."""
+        outputs, ready = [], {i: k for k, i in enumerate(layout.ready)}  # sequence -> its place among the ready
+        for i, n in enumerate(layout.num_fed):
+            k = ready.get(i)
+            if k is None:
+                outputs.append(StepOutput(n, None, None if features is None else features[layout.fed_rows(i)]))
                 continue
-            nodes = choice.result.accepted_nodes[k]  # accepted drafts were moved to the slots after the fed tokens
-            kept = slice(starts[i], starts[i] + n) if not nodes else \
-                list(range(starts[i], starts[i] + n)) + [starts[i] + n + node for node in nodes]
+            nodes = choice.result.accepted_nodes[k]
+            rows = layout.kept_rows(i, nodes) if nodes else layout.fed_rows(i)
             outputs.append(StepOutput(n + len(nodes), choice.result.emitted_tokens[k],
-                                      None if features is None else features[kept], choice.logprobs[k]))
-            k += 1
+                                      None if features is None else features[rows], choice.logprobs[k]))
         return outputs
 
     def _isolate(self, batch: ScheduledBatch, error: Exception) -> None:
@@ -350,7 +316,35 @@ class LLMEngine:
         logits = self.runner.logits(hidden, rows)
         seq.prompt_logprobs += token_logprobs(logits, seq.prompt_token_ids[done:last + 1], seq.params.prompt_logprobs)
 
-    # -- control for measuring tools (`specdec tune`) ---------------------------------------------------
+    # -- control for measuring tools (`specdec tune`, `bench.verify_cost`) ------------------------------
+    def time_verification(self, context_len: int, num_rows: list[int], repeats: int = 9) -> dict[int, float]:
+        """Median seconds of a verification forward (every layer, the LM head on every row, the argmax and its copy
+        to the host) feeding n rows of one sequence after `context_len` committed tokens, for each n in
+        `num_rows`. The shapes are interleaved repetition by repetition, so drift of the machine hits them alike.
+        A request of its own is prefilled by ordinary steps; the rows are written past its committed tokens and
+        never committed; it is aborted after. The engine must be idle."""
+        if self.has_unfinished():
+            raise SpecdecError("time_verification() while requests run: it measures an idle engine")
+        vocab = self.model.config.vocab_size
+        request_id = self.add_request([(1000 + i) % vocab for i in range(context_len)],
+                                      SamplingParams(temperature=0, max_tokens=max(num_rows) + 1))
+        seq = self.sequence(request_id)
+        try:
+            while seq.num_cached < context_len:  # the prompt's prefill
+                self.step()
+            self.scheduler.reserve(seq, seq.num_cached + max(num_rows))
+            times: dict[int, list[float]] = {n: [] for n in num_rows}
+            for _ in range(repeats):
+                for n in num_rows:
+                    start = time.perf_counter()
+                    hidden, _ = self.runner.run([seq.block_table.blocks], [seq.num_cached],
+                                                [seq.token_ids[seq.num_cached:] + [100 % vocab] * (n - 1)])
+                    self.runner.logits(hidden).argmax(-1).tolist()  # the step's one copy back (a GPU waits)
+                    times[n].append(time.perf_counter() - start)
+        finally:
+            self.abort(request_id)
+        return {n: statistics.median(t) for n, t in times.items()}
+
     def pin_draft_shape(self, shape: SpecShape | None) -> None:
         """Draft this shape at every step, whatever the batch size (None: back to the dispatcher)."""
         if self.speculator is None:
@@ -394,69 +388,16 @@ class LLMEngine:
             kept.append(token)
             if seq.grammar is not None:
                 seq.grammar.accept(token)
-            if seq.append(token) or self._hit_stop_string(seq):
+            if seq.append(token) or self.outputs.hit_stop_string(seq):
                 self._finish(seq)
                 break
         return kept
 
-    def _hit_stop_string(self, seq: Sequence) -> bool:
-        if not seq.params.stop:
-            return False
-        text = self._text(seq)
-        hits = [(text.find(s), s) for s in seq.params.stop if s in text]
-        if not hits:
-            return False
-        cut, stop = min(hits)
-        seq.finish_reason, seq.stop_reason = "stop", stop
-        self._texts[seq.seq_id] = text[:cut]
-        return True
-
     def decode(self, token_ids: list[int]) -> str:
-        return self.tokenizer.decode(token_ids, skip_special_tokens=True)
-
-    def _text(self, seq: Sequence) -> str:
-        """The output text of a running sequence so far, decoded incrementally (stop strings, streaming);
-        an incomplete UTF-8 character at the end is held back."""
-        detok = self._detok.get(seq.seq_id)
-        if detok is None:
-            detok = self._detok[seq.seq_id] = IncrementalText(self.decode)
-        return detok.update(seq.output_token_ids)
+        return self.outputs.decode(token_ids)
 
     def _output(self, seq: Sequence) -> RequestOutput:
         """A finished request's result, handed out once: the engine forgets the request."""
-        text = self._texts.pop(seq.seq_id, None)
-        if text is None:
-            text = self.decode(seq.output_token_ids)
         self._requests.pop(seq.seq_id, None)
-        self._streamed.discard(seq.seq_id)
-        return RequestOutput(seq.seq_id, None, seq.prompt_token_ids, seq.output_token_ids, text,
-                             seq.finish_reason, seq.stop_reason, request_metrics(seq),
-                             list(seq.logprobs) if seq.params.logprobs is not None else None,
-                             list(seq.prompt_logprobs) if seq.params.prompt_logprobs is not None else None)
+        return self.outputs.output(seq)
 
-
-def request_metrics(seq: Sequence) -> dict:
-    """Timing and speculation metrics of one request. acceptance_length = tokens emitted per target
-    forward, bonus tokens included (TPC in the Meta paper, Spec-Bench's mean accepted tokens)."""
-    n = len(seq.output_token_ids)
-    end = seq.finish_time or time.perf_counter()
-    ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
-    decode_s = (end - seq.first_token_time) if seq.first_token_time else 0.0
-    spec = seq.spec
-    return {
-        "num_drafts": spec.num_drafts,
-        "num_draft_tokens": spec.num_draft_tokens,
-        "num_accepted_tokens": spec.num_accepted_tokens,
-        "accepted_per_pos": list(spec.accepted_per_pos),
-        "acceptance_rate": spec.num_accepted_tokens / spec.num_draft_tokens if spec.num_draft_tokens else None,
-        "acceptance_length": n / seq.num_steps if seq.num_steps else None,
-        "num_prompt_tokens": seq.num_prompt_tokens,
-        "num_cached_tokens": seq.num_prefix_hit,  # prompt tokens served from the prefix cache
-        "num_generated_tokens": n,
-        "num_steps": seq.num_steps,
-        "ttft_s": ttft,
-        "decode_s": decode_s,
-        "e2e_s": end - seq.arrival_time,
-        "tokens_per_s": (n - 1) / decode_s if n > 1 and decode_s > 0 else None,
-        "grammar_s": seq.grammar.seconds if seq.grammar is not None else None,  # structured output's masks
-    }

@@ -38,6 +38,18 @@ class ModelRunner:
         hidden, captured = self.model(tokens, positions, meta, self.kv, output_layers=feature_layers)
         return hidden, torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None
 
+    def run_logits(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+                   trees: list[TreeFeed | None] | None, feature_layers: tuple[int, ...], rows: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """`run`, then `logits(hidden, rows)`: in the same native call where the model runs its whole stack as one
+        (the LM head right after the last layer), the same bits either way."""
+        if self.graphs is not None:
+            hidden, features = self.run(tables, starts, feeds, trees, feature_layers)
+            return hidden, features, self.logits(hidden, rows)
+        tokens, positions, meta = self.inputs(tables, starts, feeds, trees)
+        hidden, captured, logits = self.model.forward_logits(tokens, positions, meta, self.kv, rows, feature_layers)
+        return hidden, torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None, logits
+
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """float32 logits [N, V] of the rows `rows` of the last forward's hidden states (None: all of them)."""
         if rows is not None and len(rows) != hidden.shape[0]:

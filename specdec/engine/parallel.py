@@ -116,8 +116,6 @@ def serve_rank(model: LlamaModel, tp: TPGroup) -> None:
         elif kind == "release":
             runners.pop(engine, None)
             last.pop(engine, None)
-        elif kind == "held":
-            dist.all_gather_object([None] * dist.get_world_size(), len(runners), group=_commands)
 
 
 def main(argv: list[str] | None = None) -> None:
@@ -237,13 +235,6 @@ class Workers:
             self.closed = True
             raise SpecdecError(f"tensor parallel: a rank stopped answering ({e})") from None
 
-    def engines_held(self) -> list[int]:
-        """How many engines' K/V pools every rank holds (rank 0's live engines, as the others count them)."""
-        self.send(("held",))
-        counts = [None] * self.tp.world
-        dist.all_gather_object(counts, None, group=_commands)
-        return counts[1:]
-
     def close(self) -> None:
         """Stop the other ranks (in order while they still answer; a rank failed: the others are killed), then
         give back what this process holds for them: the shared memory, the process group, its threads."""
@@ -302,6 +293,12 @@ class TPRunner(ModelRunner):
             ) -> tuple[torch.Tensor, torch.Tensor | None]:
         self.workers.send(("run", self.engine_id, tables, starts, feeds, trees, feature_layers))
         return self._collective(super().run, tables, starts, feeds, trees, feature_layers)
+
+    def run_logits(self, tables: list[list[int]], starts: list[int], feeds: list[list[int]],
+                   trees: list[TreeFeed | None] | None, feature_layers: tuple[int, ...], rows: list[int]
+                   ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        hidden, features = self.run(tables, starts, feeds, trees, feature_layers)  # every rank, then the gather
+        return hidden, features, self.logits(hidden, rows)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         self.workers.send(("logits", self.engine_id, rows))

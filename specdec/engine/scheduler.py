@@ -163,6 +163,13 @@ class Scheduler:
                                f"({len(seq.token_ids)} tokens, {self.allocator.num_free} blocks free)")
         return ScheduledBatch(seqs, [1] * len(seqs), False) if seqs else None
 
+    def reserve(self, seq: Sequence, num_tokens: int) -> None:
+        """Blocks for the sequence's first `num_tokens` slots, outside any step (a measuring tool writes rows past
+        its committed tokens; the next `update` or `finish` gives them back)."""
+        if not self.allocator.can_allocate(seq.block_table, num_tokens):
+            raise RuntimeError(f"{num_tokens} slots do not fit in the KV cache ({self.allocator.num_free} blocks free)")
+        self.allocator.allocate(seq.block_table, num_tokens)
+
     def update(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> None:
         """Apply a step: the kept tokens are cached, slots reserved past them go back to the pool, and their
         target features wait for the drafter."""

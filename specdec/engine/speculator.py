@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
+from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.engine.token_choice import Choice, StepDrafts
@@ -135,20 +136,20 @@ class Speculator:
         """Whether the drafter wants every row's argmax (`Drafter.observe_draft`)."""
         return self.drafter.observe_drafts
 
-    def settle(self, seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor, choice: Choice) -> None:
+    def settle(self, seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout, logits: torch.Tensor,
+               choice: Choice) -> None:
         """After verification: show the drafter what the target did, move accepted tree nodes' K/V down to
-        consecutive slots, record each request's acceptance (and its back-off)."""
+        consecutive slots, record each request's acceptance (and its back-off). layout: the logits' rows."""
         k_obs, top1, result = self.drafter.observe_topk, choice.top1, choice.result
-        row = 0
         for i, seq in enumerate(seqs):
             nodes, n = result.accepted_nodes[i], len(drafts.tokens[i])
             if k_obs and seq.spec.draft_error is None:  # the target's candidates after each kept token (recycling)
-                kept = [row] + [row + 1 + node for node in nodes]  # the last token's and the accepted nodes' rows
+                kept = layout.kept_rows(i, nodes)  # the last token's and the accepted nodes' rows
                 fed = [seq.token_ids[seq.num_cached]] + [drafts.tokens[i][node] for node in nodes]
                 self.drafter.observe(seq.seq_id, fed, logits[kept].topk(k_obs, dim=-1).indices.tolist())
             if top1 is not None and n:  # the target's guess after every node (Jacobi iterations)
-                self.drafter.observe_draft(seq.seq_id, drafts.tokens[i], top1[row:row + 1 + n])
-            row += 1 + n
+                rows = layout.rows(i)
+                self.drafter.observe_draft(seq.seq_id, drafts.tokens[i], top1[rows.start:rows.stop])
             tree = drafts.trees[i]
             if tree is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)

@@ -1,7 +1,8 @@
 """Logits -> tokens, once for every step kind: a plain step is a speculative step whose drafts are empty.
 
 Sequence i of a step owns 1 + n_i consecutive rows of the step's logits: the distribution after its committed
-tokens, then after each of its n_i draft nodes' paths (n_i = 0 in a plain step or a prefill's last chunk).
+tokens, then after each of its n_i draft nodes' paths (n_i = 0 in a plain step or a prefill's last chunk); the
+step's `StepLayout.logits` says where they are.
 
     logits [T, V] ─┬─> raw copy of the rows whose requests want logprobs (the model's own distribution)
                    ├─> logit_bias and penalties, each row counting the tokens on its own path
@@ -25,12 +26,12 @@ key on its own q (a coupling), which accepts about as often where q is close to 
 """
 from __future__ import annotations
 
-import itertools
 from dataclasses import dataclass
 
 import torch
 
 from specdec.drafting import Draft
+from specdec.engine.layout import StepLayout
 from specdec.engine.sequence import Sequence
 from specdec.sampling import (
     Penalized,
@@ -79,46 +80,44 @@ class Choice:
     top1: list[int] | None  # every row's argmax after penalties and masks, where it was computed
 
 
-def choose_tokens(seqs: list[Sequence], logits: torch.Tensor, drafts: StepDrafts, want_top1: bool = False,
-                  rejection: bool = False) -> Choice:
-    """Turn a step's logits [T, V] (sequence i's 1 + n_i rows after one another) into the tokens each sequence
-    emits. Penalties and masks are applied to `logits` in place. want_top1: return every row's argmax too (a
-    drafter that watches the target's guesses). rejection: verify sampled requests' drafts by multi-round
-    rejection sampling instead of against the target's keyed samples."""
-    counts = drafts.counts
-    starts = list(itertools.accumulate((1 + n for n in counts), initial=0))  # sequence i's rows: starts[i]..
-    asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None for r in range(starts[i], starts[i + 1])]
+def choose_tokens(seqs: list[Sequence], logits: torch.Tensor, drafts: StepDrafts, layout: StepLayout,
+                  want_top1: bool = False, rejection: bool = False) -> Choice:
+    """Turn a step's logits [T, V] (sequence i's 1 + n_i rows after one another: `layout`, the step's
+    `StepLayout.logits`) into the tokens each sequence emits. Penalties and masks are applied to `logits` in place.
+    want_top1: return every row's argmax too (a drafter that watches the target's guesses). rejection: verify
+    sampled requests' drafts by multi-round rejection sampling instead of against the target's keyed samples."""
+    asked = [r for i, s in enumerate(seqs) if s.params.logprobs is not None for r in layout.rows(i)]
     raw = logits[asked] if asked else None  # a copy: the model's own logits, before penalties and masks
     if any(s.params.penalized for s in seqs):  # the target's distribution at every row, before any mask
-        penalize(logits, penalty_rows(seqs, drafts.tokens, drafts.parents))
+        penalize(logits, penalty_rows(seqs, drafts, layout))
     top = None  # every row's argmax, where masking computed it
     if any(s.grammar is not None for s in seqs):  # row j of a constrained sequence: after node j's path
         top = mask_logits(logits, [(s.grammar, d, p, s.params.greedy)
                                    for s, d, p in zip(seqs, drafts.tokens, drafts.parents)])
-    result = _verify_rejection(seqs, drafts, logits, top) if rejection else _verify(seqs, drafts, logits, top)
+    verify_step = _verify_rejection if rejection else _verify
+    result = verify_step(seqs, drafts, layout, logits, top)
     logprobs: list[list[TokenLogprob] | None] = [None] * len(seqs)
     if raw is not None:
         raw_row = {r: k for k, r in enumerate(asked)}
         for i, seq in enumerate(seqs):
             if seq.params.logprobs is not None:  # emitted token j was predicted by the row of kept node j
-                kept = [starts[i]] + [starts[i] + 1 + node for node in result.accepted_nodes[i]]
+                kept = layout.kept_rows(i, result.accepted_nodes[i])
                 logprobs[i] = token_logprobs(raw[[raw_row[r] for r in kept]], result.emitted_tokens[i],
                                              seq.params.logprobs)
     top1 = (top or greedy_tokens(logits).tolist()) if want_top1 else None
     return Choice(result, logprobs, top1)
 
 
-def penalty_rows(seqs: list[Sequence], drafted: list[list[int]], parents: list[list[int]]) -> list[Penalized]:
+def penalty_rows(seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout) -> list[Penalized]:
     """The rows of each penalized sequence in a step's logits: after its output, then after each draft node's path
     (its ancestors and itself), as `sampling.penalize` takes them."""
-    out, row = [], 0
-    for seq, tokens, links in zip(seqs, drafted, parents):
+    out = []
+    for i, (seq, tokens, links) in enumerate(zip(seqs, drafts.tokens, drafts.parents)):
         if seq.params.penalized:
             paths: list[list[int]] = [[]]
             for token, parent in zip(tokens, links):  # a parent comes before its children
                 paths.append(paths[parent + 1] + [token])
-            out.append(Penalized(row, seq.params, seq.prompt_token_ids, seq.output_token_ids, paths))
-        row += 1 + len(tokens)
+            out.append(Penalized(layout.starts[i], seq.params, seq.prompt_token_ids, seq.output_token_ids, paths))
     return out
 
 
@@ -131,7 +130,7 @@ def row_levels(parents: list[int]) -> list[int]:
     return levels
 
 
-def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor,
+def target_tokens(seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout, logits: torch.Tensor,
                   top: list[int] | None) -> torch.Tensor:
     """The target's own token at every row [T], on the logits' device: greedy rows its argmax (`top`, when masking
     computed it), sampled rows its keyed sample, keyed by the request's seed and the output position the row
@@ -141,16 +140,14 @@ def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor
     ids = torch.tensor(top, device=logits.device) if top is not None else greedy_tokens(logits)
     if all(s.params.greedy for s in seqs):
         return ids
-    rows, owners, keys, spans, start = [], [], [], [], 0
+    rows, owners, keys, spans = [], [], [], []
     for i, seq in enumerate(seqs):
-        n = 1 + len(drafts.tokens[i])
         if not seq.params.greedy:
             position = len(seq.token_ids) - seq.num_prompt_tokens  # the output position row 0 predicts
-            spans.append((i, start, len(rows)))
-            rows += range(start, start + n)
-            owners += [i] * n
+            spans.append((i, layout.starts[i], len(rows)))
+            rows += layout.rows(i)
+            owners += [i] * len(layout.rows(i))
             keys += [sampling_key(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
-        start += n
     st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
     probs = logits_to_probs(logits[torch.tensor(rows, device=logits.device)], st)  # [R, V]
     ids = ids.clone()
@@ -169,45 +166,45 @@ def target_tokens(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor
     return ids
 
 
-def _verify(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor, top: list[int] | None) -> VerifyResult:
+def _verify(seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout, logits: torch.Tensor,
+            top: list[int] | None) -> VerifyResult:
     """Keep the draft nodes equal to the target's own token after their parent (`target_tokens`), then emit the
     target's token after the last node kept: greedy verification, whatever the request samples. Chains on host
     lists (one copy of the ids); trees on tensors (one upload of the draft, one copy of the result)."""
     if not drafts.any_tree:
         if top is not None and all(s.params.greedy for s in seqs):
             return verify_greedy_chains(drafts.tokens, top)
-        return verify_greedy_chains(drafts.tokens, target_tokens(seqs, drafts, logits, top).tolist())
-    tokens, parents, rows = _padded(drafts, logits.device)
-    return verify_greedy(tokens, parents, target_tokens(seqs, drafts, logits, top)[rows.clamp(min=0)])
+        return verify_greedy_chains(drafts.tokens, target_tokens(seqs, drafts, layout, logits, top).tolist())
+    tokens, parents, rows = _padded(drafts, layout, logits.device)
+    return verify_greedy(tokens, parents, target_tokens(seqs, drafts, layout, logits, top)[rows.clamp(min=0)])
 
 
-def _padded(drafts: StepDrafts, device: torch.device) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+def _padded(drafts: StepDrafts, layout: StepLayout, device: torch.device
+            ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
     """The drafts as padded tensors on `device`: tokens and parents [B, N], and the logits row of each (sequence,
     node + 1) [B, N + 1] (-1: padding). Drafts come from the host (n-gram, suffix, ...) or the device (model
     drafters): verification runs where the logits are, and copies its result back once (`verify._result`)."""
-    counts, draft = drafts.counts, drafts.draft
+    counts, draft = layout.num_drafts, drafts.draft
     B, N = len(counts), max(counts)
     tokens = draft.tokens[:, :N].to(device)
     real = torch.arange(N)[None, :] < torch.tensor(counts)[:, None]  # [B, N]
     parents = torch.where(real, draft.parents[:, :N].cpu(), PAD).to(device)
     rows = torch.full((B, N + 1), -1, dtype=torch.long)  # logits row of each (sequence, node + 1)
-    start = 0
     for i, n in enumerate(counts):
-        rows[i, : n + 1] = torch.arange(start, start + n + 1)
-        start += n + 1
+        rows[i, : n + 1] = torch.arange(layout.starts[i], layout.starts[i + 1])
     return tokens, parents, rows.to(device)
 
 
-def _verify_rejection(seqs: list[Sequence], drafts: StepDrafts, logits: torch.Tensor,
+def _verify_rejection(seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout, logits: torch.Tensor,
                       top: list[int] | None) -> VerifyResult:
     """Multi-round rejection sampling for sampled requests (`verify.verify`, with the draft's q where it sampled);
     greedy batches as `_verify`. The output keeps the target's distribution; its tokens depend on the drafts."""
     greedy = all(s.params.greedy for s in seqs)
     if greedy or max(drafts.counts) == 0:
-        return _verify(seqs, drafts, logits, top)
-    tokens, parents, rows = _padded(drafts, logits.device)
-    counts, N = drafts.counts, tokens.shape[1]
+        return _verify(seqs, drafts, layout, logits, top)
+    tokens, parents, rows = _padded(drafts, layout, logits.device)
+    N = tokens.shape[1]
     st = SamplingTensors.from_requests(seqs, logits.device)
-    probs = logits_to_probs(logits, st.select([i for i, n in enumerate(counts) for _ in range(n + 1)]))
+    probs = logits_to_probs(logits, st.select([i for i in range(len(seqs)) for _ in layout.rows(i)]))
     q = drafts.draft.probs[:, :N].to(logits.device) if drafts.draft.probs is not None else None
     return verify(tokens, parents, probs[rows.clamp(min=0)], q, st.generators)

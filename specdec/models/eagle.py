@@ -123,6 +123,14 @@ class EagleHead(nn.Module):
         return [(self.train_forward(embeds[:rows], normed[:rows].clone()), 1, 0)], normed.clone(), None
 
     @torch.inference_mode()
+    def draft_step(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
+                   rows: list[int], features: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, then the head's greedy draft tokens at rows `rows` of its output [N] (as `Eagle3Head`'s)."""
+        out = self.forward(embeds, positions, meta, kv, features=features, hidden=hidden)
+        return out, self.compute_logits(out[rows]).argmax(-1)
+
+    @torch.inference_mode()
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] head outputs -> float32 logits over the target's vocabulary [N, V]."""
         return linear(self.norm(out), self.lm_head).float()

@@ -21,12 +21,14 @@ from __future__ import annotations
 import dataclasses
 import json
 from pathlib import Path
+from typing import Any
 
 import torch
 import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
+from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
 from specdec.models.kernels import linear, on_native
@@ -39,6 +41,7 @@ from specdec.models.llama import (
     load_decoder_layer,
     rope_tables,
 )
+from specdec.models.quant import QuantWeight
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
@@ -121,6 +124,7 @@ class Eagle3Head(nn.Module):
         cos, sin = rope_tables(config, torch.float32, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self._step: object | None = None  # the whole draft step in C++ (`native_step`), built on first use
 
     @torch.inference_mode()
     def forward(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
@@ -130,6 +134,37 @@ class Eagle3Head(nn.Module):
         h = self.fc(features.float()) if features is not None else hidden
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         return self.midlayer(embeds.float(), h, cos, sin, meta, kv.k[0], kv.v[0])
+
+    @torch.inference_mode()
+    def draft_step(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
+                   rows: list[int], features: torch.Tensor | None = None, hidden: torch.Tensor | None = None
+                   ) -> tuple[torch.Tensor, torch.Tensor]:
+        """`forward`, then the head's greedy draft tokens (target ids [N]) at rows `rows` of its output: on CPU one
+        C++ call and one thread team for all of it (`native_step`), the same bits as the op-by-op path."""
+        x = features if features is not None else hidden
+        if kv.k[0].device.type == "cpu" and on_native(x) and (step := self.native_step()) is not None:
+            out, ids = step.forward(embeds.float().contiguous(), x.contiguous(), features is not None,
+                                    self.rope_cos[positions], self.rope_sin[positions], kv.k[0], kv.v[0],
+                                    meta.slot_mapping, meta.context_slots, meta.mask,
+                                    torch.from_numpy(kernels.query_starts(meta.query_lens)), self.midlayer.scale,
+                                    torch.tensor(rows, dtype=torch.int64))
+            return out, ids
+        out = self.forward(embeds, positions, meta, kv, features=features, hidden=hidden)
+        return out, self.target_ids(self.compute_logits(out[rows]).argmax(-1))
+
+    def native_step(self) -> Any:  # a native Eagle3Step (pybind), or None
+        """fc, the layer, the final norm, the LM head and the argmax as one C++ object over this head's weights (as
+        they are now: built on first use, after any quantization), None where the layer has no C++ form."""
+        if self._step is None:
+            layer = self.midlayer.native_layer() if self.device.type == "cpu" else None
+            matrices = (self.fc.weight, self.lm_head)
+            usable = layer is not None and all(isinstance(w, QuantWeight) or w.dtype in kernels.FLOAT_KERNEL_IDS
+                                               for w in matrices)
+            self._step = native.ops().Eagle3Step(
+                kernels.matrix(self.fc.weight), layer, self.midlayer.hidden_norm.weight.detach().float().contiguous(),
+                self.norm.weight.detach().float().contiguous(), kernels.matrix(self.lm_head), self.d2t) \
+                if usable else False
+        return self._step or None
 
     def unroll(self, embeds: torch.Tensor, features: torch.Tensor, steps: int = 1) -> list[torch.Tensor]:
         """The head over one whole sequence, differentiable, unrolled `steps` times on its own outputs (EAGLE-3's

@@ -314,23 +314,44 @@ class LlamaModel(nn.Module):
         for the layers in `output_layers` (EAGLE-3 reads low/mid/high features from these).
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         """
+        hidden, captured, _ = self._forward(tokens, positions, meta, kv, output_layers, num_layers, None)
+        return hidden, captured
+
+    @torch.inference_mode()
+    def forward_logits(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
+                       logit_rows: list[int], output_layers: tuple[int, ...] = ()
+                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
+        """`forward`, then the float32 logits [N, V] of its rows `logit_rows`: in the same native call where the whole
+        stack runs as one (no return to Python between the last layer and the LM head), else `compute_logits`.
+        Either way the same bits as `compute_logits(hidden[logit_rows])`."""
+        return self._forward(tokens, positions, meta, kv, output_layers, None, logit_rows)
+
+    def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
+                 output_layers: tuple[int, ...], num_layers: int | None, logit_rows: list[int] | None
+                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
         x = self.embed(tokens)
         if on_native(x) and (stack := self.native_stack()) is not None:  # all layers in one C++ call
             n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
             wanted = sorted({i for i in output_layers if i < n})
-            x = x.contiguous()
-            normed, *outs = stack.forward(x, self.rope_cos[positions], self.rope_sin[positions], kv.k, kv.v,
-                                          meta.slot_mapping, meta.context_slots, meta.mask,
-                                          torch.from_numpy(kernels.query_starts(meta.query_lens)), self.layers[0].scale,
-                                          n, wanted)
-            return normed, dict(zip(wanted, outs))
+            head = kernels.matrix(self.lm_head) if logit_rows is not None else None
+            rows = torch.tensor(logit_rows if logit_rows is not None else [], dtype=torch.int64)
+            normed, logits, *outs = stack.forward(
+                x.contiguous(), self.rope_cos[positions], self.rope_sin[positions], kv.k, kv.v, meta.slot_mapping,
+                meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
+                self.layers[0].scale, n, wanted, head, rows)
+            return normed, dict(zip(wanted, outs)), logits if head is not None else None
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers[:num_layers]):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
             if i in output_layers:
                 captured[i] = x
-        return self.norm(x), captured
+        hidden = self.norm(x)
+        if logit_rows is None:
+            return hidden, captured, None
+        rows = hidden if len(logit_rows) == hidden.shape[0] and logit_rows == list(range(hidden.shape[0])) else \
+            hidden[torch.tensor(logit_rows, device=hidden.device)]
+        return hidden, captured, self.compute_logits(rows)
 
     @property
     def kv_dtype(self) -> torch.dtype:

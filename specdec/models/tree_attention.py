@@ -112,34 +112,21 @@ def gather_prefix(pool: torch.Tensor, prefix_slots: torch.Tensor) -> torch.Tenso
     return pool.index_select(0, slots).view(B, P, *pool.shape[1:])
 
 
-def tree_attention(q: torch.Tensor, k_new: torch.Tensor, v_new: torch.Tensor,
-                   k_pool: torch.Tensor, v_pool: torch.Tensor,
-                   prefix_slots: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor,
-                   tree_mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """Attention of S tree tokens over [cached prefix + tree], computed as prefix part + suffix part.
-
-    q: [B, S, Hq, D]; k_new, v_new: [B, S, Hkv, D] (the tree tokens' own K/V; they need not be in the
-    pool); k_pool, v_pool: [num_slots, Hkv, D]; prefix_slots: [B, P] pool slots of each sequence's
-    cached prefix, right-padded; prefix_lens: [B] valid entries per row (0 allowed);
-    tree_mask: [B, S, S] bool, True where tree token i may see tree token j (j == i or an ancestor).
-    Returns [B, S, Hq, D].
-
-        prefix part: every tree token sees all prefix_lens[i] cached keys  (no tree mask)
-        suffix part: tree token i sees tree token j iff tree_mask[i, j]    (S x S)
-        merge:       log-sum-exp combination, exact since the key sets are disjoint
-    """
-    out, lse = attention_with_lse(q, k_new, v_new, tree_mask, scale)  # suffix
-    return _with_prefix(q, out, lse, k_pool, v_pool, prefix_slots, prefix_lens, scale)
-
-
 def paged_tree_attention(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                          prefix_slots: torch.Tensor, prefix_lens: Sequence[int] | torch.Tensor,
                          suffix_slots: torch.Tensor, suffix_mask: torch.Tensor, scale: float) -> torch.Tensor:
-    """`tree_attention` with the suffix's K/V read from the pool too (the engine writes every fed token's
-    K/V before attending, and a drafter growing a tree level by level attends to nodes fed earlier).
+    """Attention of S tree tokens over [cached prefix + tree], computed as prefix part + suffix part, every K/V
+    read from the pool (the engine writes every fed token's K/V before attending, and a drafter growing a tree
+    level by level attends to nodes fed earlier).
 
-    suffix_slots: [B, W] pool slots of each sequence's tree region, right-padded; suffix_mask: [B, S, W]
-    bool, False on padding. Returns [B, S, Hq, D].
+    q: [B, S, Hq, D]; k_pool, v_pool: [num_slots, Hkv, D]; prefix_slots: [B, P] pool slots of each sequence's
+    cached prefix, right-padded; prefix_lens: [B] valid entries per row (0 allowed); suffix_slots: [B, W] pool
+    slots of each sequence's tree region, right-padded; suffix_mask: [B, S, W] bool, True where tree token i may
+    see tree slot j (itself or an ancestor), False on padding. Returns [B, S, Hq, D].
+
+        prefix part: every tree token sees all prefix_lens[i] cached keys  (no tree mask)
+        suffix part: tree token i sees tree slot j iff suffix_mask[i, j]
+        merge:       log-sum-exp combination, exact since the key sets are disjoint
     """
     keys, values = gather_prefix(k_pool, suffix_slots), gather_prefix(v_pool, suffix_slots)
     out, lse = attention_with_lse(q, keys, values, suffix_mask, scale)  # suffix

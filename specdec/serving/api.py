@@ -86,10 +86,6 @@ class _StreamOptions(BaseModel):
     include_usage: StrictBool = False
 
 
-def _is_set(value: Any) -> bool:
-    return value not in (None, False, 0, 0.0, "", [], {})
-
-
 class _GenerationBody(BaseModel):
     model_config = ConfigDict(extra="allow")  # other fields (user, metadata, ...) are accepted and ignored
     model: str

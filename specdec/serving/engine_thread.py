@@ -17,7 +17,7 @@ from dataclasses import dataclass
 from typing import Any
 
 from specdec.config import SpecdecError
-from specdec.engine.llm_engine import RequestOutput
+from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.serving.api import APIError, Limits, internal_error
 from specdec.serving.protocol import Plan

@@ -18,7 +18,7 @@ from dataclasses import dataclass, field
 from typing import Any
 
 from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError, StructuredOutput, from_kwargs
-from specdec.engine.llm_engine import RequestOutput
+from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.sampling import TokenLogprob
 from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text

@@ -22,7 +22,7 @@ from prometheus_client import CONTENT_TYPE_LATEST, CollectorRegistry, Counter, H
 from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 
 from specdec.config import SpecdecError
-from specdec.engine.llm_engine import RequestOutput
+from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event

@@ -103,11 +103,6 @@ def parse_tools(tools: Any, tool_choice: Any, parallel_tool_calls: Any) -> Tools
                     '{"name": ...}}', "tool_choice")
 
 
-def _call_schema(fn: dict) -> dict:
-    return {"type": "object", "properties": {"name": {"const": fn["name"]}, "arguments": fn["parameters"]},
-            "required": ["name", "arguments"], "additionalProperties": False}
-
-
 def constraint(tools: Tools) -> StructuredOutput | None:
     """The structured-output constraint that `tool_choice` asks for (None under "none"). Each function is one
     tag whose begin holds its name, so the name and the keys are forced text; its arguments follow the schema.

@@ -11,13 +11,6 @@ namespace {
 // Activations: rows of K floats -> int8 blocks of 32 with scale d and s = d * sum(q).
 // ---------------------------------------------------------------------------------------------------------
 
-// v's storage, grown to at least n elements (kept across calls; contents unspecified).
-template <class T>
-inline T* grow(std::vector<T>& v, size_t n) {
-  if (v.size() < n) v.resize(n);
-  return v.data();
-}
-
 // Rows are stored in tiles of ROW_TILE (the last one shorter): within a tile, block 0 of each row, then block 1 of
 // each row, ... So a kernel tile of rows (never crossing a ROW_TILE boundary: tiles of 8, or of 4 from a multiple of
 // 4) finds row r of block j at a constant offset from one pointer: few registers for addresses however many rows.

@@ -14,8 +14,6 @@
 #pragma once
 #include "simd.h"
 
-#include <omp.h>
-
 namespace {
 
 constexpr int64_t KCHUNK = 32;  // keys per chunk of a visible list
@@ -165,100 +163,124 @@ inline bool reads_shared(const Visible& vis, int64_t t, int64_t c) {
   return vis.shared[t] >= std::min(vis.len[t], (c + 1) * KCHUNK);
 }
 
-// out [T, Hq, D] = attention of every query head (q in qkv rows [T, W], head h at h * D) over the pools [slots, Hkv, D].
-template <class KV>
-void attention(const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, const KV* kp, const KV* vp,
-               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float* out) {
-  const int64_t G = Hq / Hkv, B = vis.B, HD = Hkv * D, nthreads = at::get_num_threads();
-  auto chunks = [&](int64_t t) { return (vis.len[t] + KCHUNK - 1) / KCHUNK; };
-  // Work units: {sequence, queries t0..t1, chunks c0..c1, keep partials}. A sequence with few queries is split
-  // into runs of chunks (about 4 per thread over the whole step) whose partials are kept and folded after; a
-  // sequence with many queries into blocks of queries that go over all their chunks, folding as they go.
+// How a step's attention is shared out (the same for every layer of a forward): work units {sequence, queries
+// t0..t1, chunks c0..c1, keep partials}. A sequence with few queries is split into runs of chunks (about 4 per
+// thread over the whole step) whose partials are kept and folded after; a sequence with many queries into blocks of
+// queries that go over all their chunks, folding as they go.
+struct AttentionPlan {
   struct Unit { int64_t b, t0, t1, c0, c1; bool keep; };
   std::vector<Unit> units;
-  std::vector<int64_t> part_base(vis.T + 1, 0);  // kept partials of query t: [Hq][chunks(t)][D + 2]
+  std::vector<int64_t> part_base;  // [T + 1] kept partials of query t: [Hq][chunks(t)][D + 2] from part_base[t]
+  std::vector<float> parts;  // the kept partials (every one is written before it is read: never cleared)
+  std::vector<int64_t> nchunks;  // [T] chunks of each query's list
+};
+
+void plan_attention(const Visible& vis, int64_t Hq, int64_t D, int64_t nthreads, AttentionPlan& plan) {
+  const int64_t B = vis.B;
+  auto& units = plan.units;
+  units.clear();
+  plan.nchunks.resize(vis.T);
+  for (int64_t t = 0; t < vis.T; t++) plan.nchunks[t] = (vis.len[t] + KCHUNK - 1) / KCHUNK;
+  plan.part_base.assign(vis.T + 1, 0);
   int64_t few_chunks = 0;
   for (int64_t b = 0; b < B; b++)
     if (vis.starts[b + 1] - vis.starts[b] <= FEW_QUERIES)
-      for (int64_t t = vis.starts[b]; t < vis.starts[b + 1]; t++) few_chunks = std::max(few_chunks, chunks(t));
+      for (int64_t t = vis.starts[b]; t < vis.starts[b + 1]; t++) few_chunks = std::max(few_chunks, plan.nchunks[t]);
   const int64_t run = std::max<int64_t>(1, few_chunks * B / (4 * nthreads));
   for (int64_t b = 0; b < B; b++) {
     const int64_t t0 = vis.starts[b], t1 = vis.starts[b + 1];
     int64_t nc = 0;
-    for (int64_t t = t0; t < t1; t++) nc = std::max(nc, chunks(t));
+    for (int64_t t = t0; t < t1; t++) nc = std::max(nc, plan.nchunks[t]);
     if (t1 - t0 <= FEW_QUERIES) {
       for (int64_t c = 0; c < nc; c += run) units.push_back({b, t0, t1, c, std::min(c + run, nc), true});
-      for (int64_t t = t0; t < t1; t++) part_base[t + 1] = chunks(t) * Hq * (D + 2);
+      for (int64_t t = t0; t < t1; t++) plan.part_base[t + 1] = plan.nchunks[t] * Hq * (D + 2);
     } else {
       for (int64_t q = t0; q < t1; q += QBLOCK) units.push_back({b, q, std::min(q + QBLOCK, t1), 0, nc, false});
     }
   }
-  for (int64_t t = 0; t < vis.T; t++) part_base[t + 1] += part_base[t];
-  static thread_local std::vector<float> kept;  // every partial is written before it is read: no clearing
-  if ((int64_t)kept.size() < part_base[vis.T]) kept.resize(part_base[vis.T]);
-  float* parts = kept.data();
+  for (int64_t t = 0; t < vis.T; t++) plan.part_base[t + 1] += plan.part_base[t];
+  grow(plan.parts, plan.part_base[vis.T]);
+}
 
-  const int64_t nunits = (int64_t)units.size();
-#pragma omp parallel num_threads(nthreads)
-  {
-    static thread_local std::vector<float> buf, state;  // per worker thread, kept across calls
-    if ((int64_t)buf.size() < 4 * KCHUNK * HD + D) buf.assign(4 * KCHUNK * HD + D, 0.f);
-    float *kc = buf.data(), *vc = kc + KCHUNK * HD, *kown = vc + KCHUNK * HD, *vown = kown + KCHUNK * HD;
-    float* o = vown + KCHUNK * HD;
+// out [T, Hq, D] = attention of every query head (q in qkv rows [T, W], head h at h * D) over the pools [slots, Hkv,
+// D], by every thread of the enclosing OpenMP team (each calls it; its worksharing loops end in barriers).
+template <class KV>
+void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D,
+                    const KV* kp, const KV* vp, const int64_t* context_slots, int64_t Lk, const Visible& vis,
+                    float scale, float* out) {
+  const int64_t G = Hq / Hkv, HD = Hkv * D, nunits = (int64_t)plan.units.size();
+  const int64_t* chunks = plan.nchunks.data();
+  const int64_t* part_base = plan.part_base.data();
+  float* parts = const_cast<float*>(plan.parts.data());  // each partial written by the one unit that owns it
+  static thread_local std::vector<float> buf, state;  // per worker thread, kept across calls
+  if ((int64_t)buf.size() < 4 * KCHUNK * HD + D) buf.assign(4 * KCHUNK * HD + D, 0.f);
+  float *kc = buf.data(), *vc = kc + KCHUNK * HD, *kown = vc + KCHUNK * HD, *vown = kown + KCHUNK * HD;
+  float* o = vown + KCHUNK * HD;
 #pragma omp for schedule(dynamic, 1)
-    for (int64_t i = 0; i < nunits; i++) {
-      const Unit& u = units[i];
-      const int64_t* row = context_slots + u.b * Lk;
-      if (!u.keep && (int64_t)state.size() < (u.t1 - u.t0) * Hq * (D + 2)) state.resize((u.t1 - u.t0) * Hq * (D + 2));
-      for (int64_t c = u.c0; c < u.c1; c++) {
-        bool loaded = false;  // the shared buffer holds this chunk of the context row
-        for (int64_t t = u.t0; t < u.t1; t++) {
-          if (c * KCHUNK >= vis.len[t]) continue;
-          const float *k = kc, *v = vc;
-          int64_t m;
-          if (reads_shared(vis, t, c)) {
-            if (!loaded) load_chunk(kp, vp, row, vis.row_len[u.b], c, HD, kc, vc);
-            loaded = true;
-            m = std::min(KCHUNK, vis.len[t] - c * KCHUNK);
+  for (int64_t i = 0; i < nunits; i++) {
+    const AttentionPlan::Unit& u = plan.units[i];
+    const int64_t* row = context_slots + u.b * Lk;
+    if (!u.keep && (int64_t)state.size() < (u.t1 - u.t0) * Hq * (D + 2)) state.resize((u.t1 - u.t0) * Hq * (D + 2));
+    for (int64_t c = u.c0; c < u.c1; c++) {
+      bool loaded = false;  // the shared buffer holds this chunk of the context row
+      for (int64_t t = u.t0; t < u.t1; t++) {
+        if (c * KCHUNK >= vis.len[t]) continue;
+        const float *k = kc, *v = vc;
+        int64_t m;
+        if (reads_shared(vis, t, c)) {
+          if (!loaded) load_chunk(kp, vp, row, vis.row_len[u.b], c, HD, kc, vc);
+          loaded = true;
+          m = std::min(KCHUNK, vis.len[t] - c * KCHUNK);
+        } else {
+          m = load_chunk(kp, vp, vis.list[t], vis.len[t], c, HD, kown, vown);
+          k = kown; v = vown;
+        }
+        for (int64_t h = 0; h < Hq; h++) {
+          const int64_t hk = h / G;
+          const float* q = qkv + t * W + h * D;
+          if (u.keep) {
+            float* pt = parts + part_base[t] + (h * chunks[t] + c) * (D + 2);
+            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, pt + 2);
+            pt[0] = mx; pt[1] = l;
           } else {
-            m = load_chunk(kp, vp, vis.list[t], vis.len[t], c, HD, kown, vown);
-            k = kown; v = vown;
-          }
-          for (int64_t h = 0; h < Hq; h++) {
-            const int64_t hk = h / G;
-            const float* q = qkv + t * W + h * D;
-            if (u.keep) {
-              float* pt = parts + part_base[t] + (h * chunks(t) + c) * (D + 2);
-              auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, pt + 2);
-              pt[0] = mx; pt[1] = l;
-            } else {
-              float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
-              auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, o);
-              fold(st, st + 2, mx, l, o, D, c == 0);
-            }
+            float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
+            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, o);
+            fold(st, st + 2, mx, l, o, D, c == 0);
           }
         }
       }
-      if (!u.keep)
-        for (int64_t t = u.t0; t < u.t1; t++)
-          for (int64_t h = 0; h < Hq; h++) {
-            const float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
-            finish(st, st + 2, D, out + (t * Hq + h) * D);
-          }
     }
-    // fold the kept partials, one query head each
-    float* st = kown;  // 2 + D floats of scratch
-#pragma omp for schedule(static)
-    for (int64_t i = 0; i < vis.T * Hq; i++) {
-      const int64_t t = i / Hq, h = i % Hq;
-      if (part_base[t + 1] == part_base[t]) continue;  // done by a query block
-      for (int64_t c = 0; c < chunks(t); c++) {
-        const float* pt = parts + part_base[t] + (h * chunks(t) + c) * (D + 2);
-        fold(st, st + 2, pt[0], pt[1], pt + 2, D, c == 0);
-      }
-      finish(st, st + 2, D, out + (t * Hq + h) * D);
-    }
+    if (!u.keep)
+      for (int64_t t = u.t0; t < u.t1; t++)
+        for (int64_t h = 0; h < Hq; h++) {
+          const float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
+          finish(st, st + 2, D, out + (t * Hq + h) * D);
+        }
   }
+  // fold the kept partials, one query head each
+  float* st = kown;  // 2 + D floats of scratch
+#pragma omp for schedule(static)
+  for (int64_t i = 0; i < vis.T * Hq; i++) {
+    const int64_t t = i / Hq, h = i % Hq;
+    if (part_base[t + 1] == part_base[t]) continue;  // done by a query block
+    for (int64_t c = 0; c < chunks[t]; c++) {
+      const float* pt = parts + part_base[t] + (h * chunks[t] + c) * (D + 2);
+      fold(st, st + 2, pt[0], pt[1], pt + 2, D, c == 0);
+    }
+    finish(st, st + 2, D, out + (t * Hq + h) * D);
+  }
+}
+
+// attention_team in a team of its own (a layer called alone).
+template <class KV>
+void attention(const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, const KV* kp, const KV* vp,
+               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float* out) {
+  static thread_local AttentionPlan own;
+  AttentionPlan& plan = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
+  const int64_t nthreads = at::get_num_threads();
+  plan_attention(vis, Hq, D, nthreads, plan);
+#pragma omp parallel num_threads(nthreads)
+  attention_team(plan, qkv, W, Hq, Hkv, D, kp, vp, context_slots, Lk, vis, scale, out);
 }
 
 }  // namespace

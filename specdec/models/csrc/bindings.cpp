@@ -20,12 +20,14 @@
 //   gemm.h         integer and float GEMM tiles, QMatrix, matmul, linear, dequantize_rows
 //   layer.h        the fused decoder layer and the whole-model Stack
 //   rows.h         argmax_rows, logprob_rows, mask_rows
+//   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
 #include "formats.h"
 #include "attention.h"
 #include "activations.h"
 #include "gemm.h"
 #include "layer.h"
 #include "rows.h"
+#include "head.h"
 
 namespace {
 
@@ -53,7 +55,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK(norm.dtype() == torch::kFloat32 && norm.is_contiguous(), "norm weight must be contiguous float32");
         return Stack{std::move(layers), norm, eps};
       }))
-      .def("forward", &Stack::forward);
+      .def("forward", &Stack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pools"),
+           py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
+           py::arg("query_starts"), py::arg("scale"), py::arg("num_layers"), py::arg("capture"),
+           py::arg("lm_head") = nullptr, py::arg("logit_rows") = torch::Tensor());
+  py::class_<Eagle3Step>(m, "Eagle3Step")
+      .def(py::init([](QMatrix fc, Layer layer, torch::Tensor hidden_norm, torch::Tensor norm, QMatrix lm_head,
+                       torch::Tensor d2t) {
+        TORCH_CHECK(hidden_norm.dtype() == torch::kFloat32 && norm.dtype() == torch::kFloat32 &&
+                    hidden_norm.is_contiguous() && norm.is_contiguous(), "norm weights must be contiguous float32");
+        TORCH_CHECK(d2t.dtype() == torch::kInt64 && d2t.is_contiguous() && d2t.numel() == lm_head.N(),
+                    "d2t must be contiguous int64 [draft vocab]");
+        return Eagle3Step{fc, layer, hidden_norm, norm, lm_head, d2t};
+      }))
+      .def("forward", &Eagle3Step::forward, py::arg("embeds"), py::arg("input"), py::arg("features"), py::arg("cos"),
+           py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"),
+           py::arg("mask"), py::arg("query_starts"), py::arg("scale"), py::arg("rows"));
   m.def("linear", &linear, "y = x @ W.T for x float32 [M, K] (quantized per row to int8 blocks for block formats)");
   m.def("rms_norm", [](const torch::Tensor& x, const torch::Tensor& w, double eps) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && w.dtype() == torch::kFloat32 && w.dim() == 1 &&
@@ -69,4 +86,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
   m.def("isa", &isa);
+  m.def("team_max_rows", [](int64_t rows) {
+    const int64_t before = team_max_rows.load();
+    if (rows >= 0) team_max_rows.store(rows);
+    return before;
+  }, py::arg("rows") = -1, "steps of at most this many rows run the whole stack as one thread team (returns the "
+     "previous value; -1 only reads it; 0 runs every step layer by layer)");
 }

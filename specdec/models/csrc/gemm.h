@@ -414,48 +414,68 @@ void gemm_part(const torch::Tensor& data, const QAct& x, float* y, int64_t ldy, 
   for (; n < n1; n++) gemm_rows<F, 1>(base + (n - off) * row_bytes, row_bytes, x, y, ldy, n);
 }
 
+// y [M, ldy] columns n0..n1 = x @ W.T for x [M, ldx] float32, x quantized in qx where W needs it. Any split of the
+// columns gives the same bits: an interleaved group is done by the range holding its first row.
+void matmul_columns(const QMatrix& W, const float* xf, int64_t M, int64_t ldx, const QAct& x, float* y, int64_t ldy,
+                    int64_t n0, int64_t n1) {
+  for (size_t p = 0; p + 1 < W.first.size(); p++) {
+    int64_t a = std::max(n0, W.first[p]), b = std::min(n1, W.first[p + 1]);
+    if (a >= b) continue;
+#ifdef SPECDEC_AVX2
+    if (W.x8[p].defined()) {  // groups of 8 rows, each done by the range holding its first row
+      const int64_t off = W.first[p], packed = W.x8[p].size(0) * 8;
+      with_format(W.formats[p], [&](auto f) {
+        int64_t g = (a - off + 7) / 8;
+#ifdef SPECDEC_AVX512
+        // groups in pairs (2i, 2i + 1), each done by the range holding its first row; only an odd count's last
+        // group goes alone. Both tiles give the same bits, so the choice may depend on the row count.
+        if (x.M >= X16_MIN_ROWS) {
+          g += g % 2;
+          for (; g * 8 < std::min(b - off, packed - 8); g += 2) x16_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
+        }
+#endif
+        for (; g * 8 < std::min(b - off, packed); g++) x8_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
+        return 0;
+      });
+      a = std::max(a, off + packed);
+      if (a >= b) continue;
+    }
+#endif
+    if (is_float_format(W.formats[p])) {
+      with_float(W.formats[p], [&](auto f) {
+        float_part<decltype(f)>(W.data[p], xf, M, ldx, y, ldy, a, b, W.first[p]);
+        return 0;
+      });
+      continue;
+    }
+    with_format(W.formats[p], [&](auto f) {
+      gemm_part<decltype(f)>(W.data[p], x, y, ldy, a, b, W.first[p]);
+      return 0;
+    });
+  }
+}
+
 // y [M, ldy] (columns 0..N) = x @ W.T for x [M, ldx] float32; qx holds x quantized (done here when W needs it).
 void matmul(const QMatrix& W, const float* xf, int64_t M, int64_t ldx, QAct& x, float* y, int64_t ldy) {
   if (W.quantized) quantize_rows(xf, M, W.K, ldx, x);
   const int64_t N = W.N();
   int64_t grain = std::max<int64_t>(8, std::min<int64_t>(64, N / (8 * at::get_num_threads()) + 1));
-  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) {
-    for (size_t p = 0; p + 1 < W.first.size(); p++) {
-      int64_t a = std::max(n0, W.first[p]), b = std::min(n1, W.first[p + 1]);
-      if (a >= b) continue;
-#ifdef SPECDEC_AVX2
-      if (W.x8[p].defined()) {  // groups of 8 rows, each done by the chunk holding its first row
-        const int64_t off = W.first[p], packed = W.x8[p].size(0) * 8;
-        with_format(W.formats[p], [&](auto f) {
-          int64_t g = (a - off + 7) / 8;
-#ifdef SPECDEC_AVX512
-          // groups in pairs (2i, 2i + 1), each done by the chunk holding its first row; only an odd count's last
-          // group goes alone. Both tiles give the same bits, so the choice may depend on the row count.
-          if (x.M >= X16_MIN_ROWS) {
-            g += g % 2;
-            for (; g * 8 < std::min(b - off, packed - 8); g += 2) x16_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
-          }
-#endif
-          for (; g * 8 < std::min(b - off, packed); g++) x8_rows<decltype(f)>(W.x8[p], x, y, ldy, g, off + 8 * g);
-          return 0;
-        });
-        a = std::max(a, off + packed);
-        if (a >= b) continue;
-      }
-#endif
-      if (is_float_format(W.formats[p])) {
-        with_float(W.formats[p], [&](auto f) {
-          float_part<decltype(f)>(W.data[p], xf, M, ldx, y, ldy, a, b, W.first[p]);
-          return 0;
-        });
-        continue;
-      }
-      with_format(W.formats[p], [&](auto f) {
-        gemm_part<decltype(f)>(W.data[p], x, y, ldy, a, b, W.first[p]);
-        return 0;
-      });
-    }
-  });
+  at::parallel_for(0, N, grain, [&](int64_t n0, int64_t n1) { matmul_columns(W, xf, M, ldx, x, y, ldy, n0, n1); });
+}
+
+// This team member's share [n0, n1) of N columns: whole pairs of interleaved groups (16 rows), split evenly.
+inline std::pair<int64_t, int64_t> team_share(int64_t N) {
+  const int64_t nt = omp_get_num_threads(), tid = omp_get_thread_num(), units = (N + 15) / 16;
+  return {std::min(N, units * tid / nt * 16), std::min(N, units * (tid + 1) / nt * 16)};
+}
+
+// matmul for every thread of an OpenMP team at once (called by each, inside the parallel region): each quantizes x
+// into its own qx (the same values), computes its share of the columns, and waits for the others (a barrier).
+void matmul_team(const QMatrix& W, const float* xf, int64_t M, int64_t ldx, QAct& x, float* y, int64_t ldy) {
+  if (W.quantized) quantize_rows(xf, M, W.K, ldx, x);  // serial inside the region
+  const auto [n0, n1] = team_share(W.N());
+  if (n0 < n1) matmul_columns(W, xf, M, ldx, x, y, ldy, n0, n1);
+#pragma omp barrier
 }
 
 QMatrix make_matrix(std::vector<torch::Tensor> data, std::vector<int64_t> formats, int64_t K, bool interleave) {

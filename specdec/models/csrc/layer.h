@@ -1,7 +1,7 @@
 // The transformer built from gemm.h's products and attention.h's attention: RMSNorm, SiLU-gated MLP, rotary
 // embedding and q/k norms, the fused decoder layer for a step's tokens (writing their keys and values into the
-// paged pools, StepLayout saying where), and Stack, the whole model's layers in one call. Kept apart from the
-// GEMM so the model's structure reads on its own.
+// paged pools, StepLayout saying where), alone or by every member of a thread team, and Stack, the whole model's
+// layers (and the LM head) in one call. Kept apart from the GEMM so the model's structure reads on its own.
 #pragma once
 #include "gemm.h"
 #include "attention.h"
@@ -91,54 +91,6 @@ StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& c
                         query_starts.data_ptr<int64_t>(), B)};
 }
 
-// qkv_in: when given, what the QKV projection reads [T, L.qkv.K] instead of the input norm of x (an EAGLE-3
-// head's [norm(embedding), norm(hidden)], 2H wide); x stays the residual stream.
-void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
-                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
-                   const float* qkv_in = nullptr) {
-  const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
-  const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
-  // per calling thread, grown as needed and never cleared (every element is written before it is read): no
-  // allocation or zero fill per layer
-  static thread_local std::vector<float> h_buf, qkv_buf, attn_buf, out_buf;
-  static thread_local QAct qx;
-  float* h = grow(h_buf, T * std::max(H, inter));
-  float* qkv = grow(qkv_buf, T * W);
-  float* attn = grow(attn_buf, T * Hq * D);
-  float* out = grow(out_buf, T * std::max(H, 2 * inter));
-
-  if (qkv_in != nullptr) {
-    matmul(L.qkv, qkv_in, T, L.qkv.K, qx, qkv, W);
-  } else {
-    if (L.ln1.numel() > 0) rms_norm_rows(xp, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
-    else std::memcpy(h, xp, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
-    matmul(L.qkv, h, T, H, qx, qkv, W);
-  }
-  if (L.qkv_b.numel() > 0) {
-    const float* bias = L.qkv_b.data_ptr<float>();
-    for (int64_t t = 0; t < T; t++)
-      for (int64_t i = 0; i < W; i++) qkv[t * W + i] += bias[i];
-  }
-  rope_and_qk_norm(qkv, T, L, cos, ssin);
-  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
-    for (int64_t t = 0; t < T; t++) {  // the new keys and values go in first: queries see themselves
-      narrow(qkv + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
-      narrow(qkv + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
-    }
-    attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn);
-    return 0;
-  });
-
-  matmul(L.o, attn, T, Hq * D, qx, out, H);
-  for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
-
-  rms_norm_rows(xp, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
-  matmul(L.gate_up, h, T, H, qx, out, 2 * inter);
-  for (int64_t t = 0; t < T; t++) silu_mul(out + t * 2 * inter, inter, h + t * inter);
-  matmul(L.down, h, T, inter, qx, out, H);
-  for (int64_t i = 0; i < T * H; i++) xp[i] += out[i];
-}
-
 void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t D) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, H]");
   TORCH_CHECK(cos.dtype() == torch::kFloat32 && ssin.dtype() == torch::kFloat32 && cos.is_contiguous() &&
@@ -166,6 +118,108 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, 
   return out;
 }
 
+
+// ---------------------------------------------------------------------------------------------------------
+// The whole stack for a few rows in one OpenMP team: the threads stay together from the first layer to the last
+// instead of forking and joining per product and per attention (about 200 parallel regions a step on a 30-layer
+// model, each costing microseconds, where a 576-wide product takes tens). Every member keeps its own copy of the
+// residual stream and computes the row-wise work on it (norms, quantizing the product's input, SiLU): the same
+// functions on the same values, so every copy has the same bits, and no barrier is needed around them. The
+// products split their columns across the team (matmul_team) and the attention its units (attention_team), each
+// ending in a barrier; each layer waits 7 times, at a fraction of a microsecond each when the threads are in step.
+// Same operations per output element as the layer-at-a-time path, so the two give the same bits.
+// ---------------------------------------------------------------------------------------------------------
+
+// Steps of at most this many rows run as one team (above, in a prefill, the row-wise work each member repeats would
+// cost more than the forks it saves); 0 runs every step layer by layer. Settable (team_max_rows) to compare the two.
+std::atomic<int64_t> team_max_rows{16};
+
+// The team's shared buffers (the calling thread's: one team per forward).
+struct TeamBuffers {
+  std::vector<float> qkv, attn, o, gu;
+  AttentionPlan plan;
+};
+
+// One decoder layer on x [T, H] in place: alone (TEAM false: each product and the attention a parallel region of
+// its own) or by every member of a thread team (TEAM true: x is the member's own residual stream, each product
+// computes the member's share of its columns and ends in a barrier). The buffers: h [T, max(H, inter)] and qx the
+// caller's own; qkv, attn, o, gu shared within a team. qkv_in: when given, what the QKV projection reads [T,
+// L.qkv.K] instead of the input norm of x (an EAGLE-3 head's [norm(embedding), norm(hidden)], 2H wide).
+template <bool TEAM>
+void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos, const float* ssin,
+                torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale, float* h, QAct& qx,
+                float* qkv, float* attn, float* o, float* gu, const AttentionPlan* plan, const float* qkv_in) {
+  const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
+  const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
+  auto product = [&](const QMatrix& M, const float* in, int64_t K, float* y, int64_t N) {
+    if constexpr (TEAM) matmul_team(M, in, T, K, qx, y, N);
+    else matmul(M, in, T, K, qx, y, N);
+  };
+  if (qkv_in != nullptr) {
+    product(L.qkv, qkv_in, L.qkv.K, qkv, W);
+  } else {
+    if (L.ln1.numel() > 0) rms_norm_rows(x, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+    else std::memcpy(h, x, T * H * sizeof(float));  // no input norm (an EAGLE head's first layer)
+    product(L.qkv, h, H, qkv, W);
+  }
+  auto place = [&] {  // bias, rotary embedding, and the new keys and values in first: queries see themselves
+    if (L.qkv_b.numel() > 0) {
+      const float* bias = L.qkv_b.data_ptr<float>();
+      for (int64_t t = 0; t < T; t++)
+        for (int64_t i = 0; i < W; i++) qkv[t * W + i] += bias[i];
+    }
+    rope_and_qk_norm(qkv, T, L, cos, ssin);
+    with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+      for (int64_t t = 0; t < T; t++) {
+        narrow(qkv + t * W + Hq * D, kp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+        narrow(qkv + t * W + (Hq + Hkv) * D, vp + step.slot_mapping[t] * Hkv * D, Hkv * D);
+      }
+      return 0;
+    });
+  };
+  if constexpr (TEAM) {
+#pragma omp single
+    place();  // one member; the others wait at the single's end
+  } else {
+    place();
+  }
+  with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    if constexpr (TEAM) attention_team(*plan, qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis,
+                                       (float)scale, attn);
+    else attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn);
+    return 0;
+  });
+  product(L.o, attn, Hq * D, o, H);
+  for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+  rms_norm_rows(x, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
+  product(L.gate_up, h, H, gu, 2 * inter);
+  for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * inter, inter, h + t * inter);
+  product(L.down, h, inter, o, H);
+  for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+}
+
+// A layer alone, its own parallel regions: buffers per calling thread, grown as needed and never cleared (every
+// element is written before it is read).
+void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
+                   torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
+                   const float* qkv_in = nullptr) {
+  const int64_t W = (L.n_heads + 2 * L.n_kv) * L.head_dim, inter = L.gate_up.N() / 2;
+  static thread_local std::vector<float> h_buf, qkv_buf, attn_buf, o_buf, gu_buf;
+  static thread_local QAct qx;
+  layer_body<false>(L, xp, T, H, cos, ssin, k_pool, v_pool, step, scale, grow(h_buf, T * std::max(H, inter)), qx,
+                    grow(qkv_buf, T * W), grow(attn_buf, T * L.n_heads * L.head_dim), grow(o_buf, T * H),
+                    grow(gu_buf, T * 2 * inter), nullptr, qkv_in);
+}
+
+// A layer by every member of a team (see layer_body), the shared buffers in sh.
+void decoder_layer_team(const Layer& L, float* x, int64_t T, int64_t H, const float* cos, const float* ssin,
+                        torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
+                        TeamBuffers& sh, float* h, QAct& qx, const float* qkv_in = nullptr) {
+  layer_body<true>(L, x, T, H, cos, ssin, k_pool, v_pool, step, scale, h, qx, sh.qkv.data(), sh.attn.data(),
+                   sh.o.data(), sh.gu.data(), &sh.plan, qkv_in);
+}
+
+
 // One layer in place on x [T, H] (a draft head's layer).
 void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
                    torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
@@ -185,8 +239,9 @@ void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
                 v_pool, step, scale, own_input ? qkv_input.data_ptr<float>() : nullptr);
 }
 
-// The first num_layers layers in order, in place on x; returns the final norm of the result, then x after each layer
-// listed in `capture`.
+// The first num_layers layers in order, in place on x; returns the final norm of the result, the logits of the rows
+// `logit_rows` of it (float32 [N, V] by lm_head, when given; else an empty tensor), then x after each layer listed in
+// `capture`. The logits in the same call: no return to Python between the last layer and the LM head.
 struct Stack {
   std::vector<Layer> layers;
   torch::Tensor norm;  // the final RMSNorm's weight [H]
@@ -195,13 +250,24 @@ struct Stack {
                                      const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
                                      const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
                                      const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
-                                     int64_t num_layers, const std::vector<int64_t>& capture) const {
+                                     int64_t num_layers, const std::vector<int64_t>& capture, const QMatrix* lm_head,
+                                     const torch::Tensor& logit_rows) const {
     TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers &&
                 (int64_t)v_pools.size() >= num_layers, "too few layers or pools");
     check_rows(x, cos, ssin, layers.empty() ? 0 : layers[0].head_dim);
-    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
     const int64_t T = x.size(0), H = x.size(1);
-    std::vector<torch::Tensor> out(1);
+    std::vector<int64_t> rows;
+    if (lm_head != nullptr) {
+      TORCH_CHECK(lm_head->K == H, "the LM head takes ", lm_head->K, " inputs, the rows have ", H);
+      TORCH_CHECK(logit_rows.dtype() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows must be int64 [N]");
+      auto r = logit_rows.contiguous();
+      rows.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+      for (int64_t row : rows) TORCH_CHECK(row >= 0 && row < T, "logit row ", row, " out of range [0, ", T, ")");
+    }
+    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+    if (T <= team_max_rows.load() && num_layers > 0)
+      return forward_team(x, cos, ssin, k_pools, v_pools, step, scale, num_layers, capture, lm_head, rows);
+    std::vector<torch::Tensor> out(2);
     for (int64_t i = 0; i < num_layers; i++) {
       decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
                     const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), step, scale);
@@ -209,6 +275,67 @@ struct Stack {
     }
     out[0] = torch::empty_like(x);
     rms_norm_rows(x.data_ptr<float>(), norm.data_ptr<float>(), (float)eps, T, H, out[0].data_ptr<float>());
+    out[1] = lm_head == nullptr ? torch::empty({0}, x.options()) : linear(out[0].index_select(0, logit_rows), *lm_head);
+    return out;
+  }
+
+  // forward for T <= team_max_rows rows, the whole stack in one OpenMP team (see decoder_layer_team).
+  std::vector<torch::Tensor> forward_team(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+                                          const std::vector<torch::Tensor>& k_pools,
+                                          const std::vector<torch::Tensor>& v_pools, const StepLayout& step,
+                                          double scale, int64_t num_layers, const std::vector<int64_t>& capture,
+                                          const QMatrix* lm_head, const std::vector<int64_t>& rows) const {
+    const int64_t T = x.size(0), H = x.size(1), N = (int64_t)rows.size(), nthreads = at::get_num_threads();
+    int64_t qkv_w = 0, attn_w = 0, inter = 0;
+    for (int64_t i = 0; i < num_layers; i++) {  // everything that could throw is checked before the team starts
+      const Layer& L = layers[i];
+      TORCH_CHECK(L.qkv.K == H && L.ln2.numel() == H, "layer ", i, " does not take ", H, "-wide rows");
+      TORCH_CHECK(k_pools[i].dtype() == v_pools[i].dtype() && k_pools[i].is_contiguous() && v_pools[i].is_contiguous() &&
+                  (k_pools[i].dtype() == torch::kFloat16 || k_pools[i].dtype() == torch::kFloat32),
+                  "K/V pools must be contiguous float32 or float16 of one dtype");
+      qkv_w = std::max(qkv_w, L.qkv.N());
+      attn_w = std::max(attn_w, L.n_heads * L.head_dim);
+      inter = std::max(inter, L.gate_up.N() / 2);
+    }
+    static thread_local TeamBuffers own;
+    TeamBuffers& sh = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
+    grow(sh.qkv, T * qkv_w); grow(sh.attn, T * attn_w); grow(sh.o, T * H); grow(sh.gu, T * 2 * inter);
+    plan_attention(step.vis, layers[0].n_heads, layers[0].head_dim, nthreads, sh.plan);
+    std::vector<torch::Tensor> out{torch::empty_like(x),
+                                   lm_head == nullptr ? torch::empty({0}, x.options()) : torch::empty({N, lm_head->N()}, x.options())};
+    std::vector<float*> captured(num_layers, nullptr);
+    for (int64_t i = 0; i < num_layers; i++)
+      if (std::find(capture.begin(), capture.end(), i) != capture.end()) {
+        out.push_back(torch::empty_like(x));
+        captured[i] = out.back().data_ptr<float>();
+      }
+    float* xs = x.data_ptr<float>();
+    float *normed = out[0].data_ptr<float>(), *logits = lm_head == nullptr ? nullptr : out[1].data_ptr<float>();
+    const float *c = cos.data_ptr<float>(), *sn = ssin.data_ptr<float>();
+#pragma omp parallel num_threads(nthreads)
+    {
+      static thread_local std::vector<float> own_x, own_h;
+      static thread_local QAct qx;
+      float* xm = grow(own_x, T * H);
+      float* hm = grow(own_h, std::max(T, N) * std::max(H, inter));
+      std::memcpy(xm, xs, T * H * sizeof(float));
+      for (int64_t i = 0; i < num_layers; i++) {
+        decoder_layer_team(layers[i], xm, T, H, c, sn, const_cast<torch::Tensor&>(k_pools[i]),
+                           const_cast<torch::Tensor&>(v_pools[i]), step, scale, sh, hm, qx);
+#pragma omp master
+        if (captured[i] != nullptr) std::memcpy(captured[i], xm, T * H * sizeof(float));
+      }
+#pragma omp master
+      {
+        rms_norm_rows(xm, norm.data_ptr<float>(), (float)eps, T, H, normed);
+        std::memcpy(xs, xm, T * H * sizeof(float));
+      }
+      if (lm_head != nullptr && N > 0) {  // each member norms the rows that need logits, then the team's product
+        for (int64_t n = 0; n < N; n++)
+          rms_norm_rows(xm + rows[n] * H, norm.data_ptr<float>(), (float)eps, 1, H, hm + n * H);
+        matmul_team(*lm_head, hm, N, H, qx, logits, lm_head->N());
+      }
+    }
     return out;
   }
 };

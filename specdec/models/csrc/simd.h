@@ -4,6 +4,7 @@
 #pragma once
 #include <torch/extension.h>
 #include <ATen/Parallel.h>
+#include <omp.h>
 
 #include <algorithm>
 #include <atomic>
@@ -41,6 +42,13 @@
 #endif
 
 namespace {
+
+// v's storage, grown to at least n elements (kept across calls; contents unspecified).
+template <class T>
+inline T* grow(std::vector<T>& v, size_t n) {
+  if (v.size() < n) v.resize(n);
+  return v.data();
+}
 
 // IEEE half <-> float, rounding to nearest even (F16C where the CPU has it; c10's portable conversion otherwise:
 // the same values).

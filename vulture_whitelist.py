@@ -1,0 +1,28 @@
+"""What `make lint`'s unused-code check (vulture, configured in pyproject.toml) must not call dead: names that a
+framework, a file format or a caller outside the package reaches by name. Never run, only read by vulture; each
+name says who uses it. Anything else it reports is deleted, not added here (tests do not count as users)."""
+# ruff: noqa
+_ = object()
+
+# FastAPI / pydantic: response bodies' fields are serialized by name; model_config is pydantic's own
+model_config, completion_tokens, total_tokens, acceptance_length, function, text_offset, owned_by
+
+# Ray Serve: the router's and the deployment's hooks, and the application builder `serve run` names
+_.initialize_state, _.choose_replicas, _.on_request_routed, _.record_routing_stats, _.check_health
+build_app
+
+# prometheus_client: custom collectors are asked for `collect()`
+_.collect
+
+# uvicorn: a server stops when `should_exit` is set; llama.cpp's quantize parameters (tools/synth_gguf.py)
+_.should_exit, _.ftype
+
+# `specdec soak`: each request kind is the method named in its MIX table (getattr)
+_.cancelled, _.no_auth
+
+# Result and config fields, filled for callers: the GGUF/HF config's bos id, verification's recovered/bonus tokens
+bos_token_id, extra_tokens
+
+# Public helpers: the path to the head shipped for the built-in model (for users and the tests), the distinct
+# instruction sets the native kernels build for (their tests run each; models/native.py)
+shipped_head, distinct_isas
