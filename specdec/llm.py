@@ -55,16 +55,14 @@ def start_ranks(size: int | None, model: str, dtype: torch.dtype | str, device: 
     """The other tensor-parallel ranks: spawned here, or (under torchrun) joined; None for one process. A rank
     other than 0 under torchrun serves rank 0 here and exits when it is done."""
     if launched_by_torchrun() and size in (None, int(os.environ["WORLD_SIZE"])):
-        import torch.distributed as dist
-
-        from specdec.engine.parallel import DEFAULT_TIMEOUT_S, init_group, serve_rank
+        from specdec.engine.parallel import DEFAULT_TIMEOUT_S, destroy_process_groups, init_group, serve_rank
 
         tp = init_group(int(os.environ["RANK"]), int(os.environ["WORLD_SIZE"]), device, DEFAULT_TIMEOUT_S, "env://")
         if tp.rank != 0:
             net, _ = load_model(model, dtype, device, quantization)
             shard_model(net, tp)
             serve_rank(net, tp)
-            dist.destroy_process_group()
+            destroy_process_groups()
             raise SystemExit(0)
         return Workers(tp, [])
     if size is None or size == 1:

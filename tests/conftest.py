@@ -142,6 +142,29 @@ def accelerator_checks():
         yield
 
 
+# ---- process groups that end with their teardown -------------------------------------------------------------
+
+def gloo_threads_at_exit(folder: Path) -> str:
+    """Script code for a process the test starts: `gloo_threads()` names the threads of torch.distributed's gloo
+    backend and TCP store running in it (torch names them; Linux lists them in /proc), and at its exit it writes
+    them to folder/threads-<RANK>.json (read back by `gloo_threads_left`). A process group still alive at exit
+    keeps them, and one still releasing a collective's tensors then needs the GIL during interpreter shutdown:
+    Python ends that thread, and the process aborts (SIGABRT, "terminate called without an active exception")."""
+    return ("import atexit as _atexit, json as _json, os as _os\n"
+            "def gloo_threads():\n"
+            "    names = (open(f'/proc/self/task/{t}/comm').read().strip() for t in _os.listdir('/proc/self/task'))\n"
+            "    return sorted(n for n in names if n.startswith(('gloo', 'pt_gloo', 'pt_tcpstore')))\n"
+            f"_atexit.register(lambda: open(_os.path.join({str(folder)!r}, "
+            "f\"threads-{_os.environ.get('RANK', '0')}.json\"), 'w').write(_json.dumps(gloo_threads())))\n")
+
+
+def gloo_threads_left(folder: Path) -> dict[str, list[str]]:
+    """What each process running `gloo_threads_at_exit(folder)` still ran at its exit, by rank."""
+    import json
+
+    return {p.stem.removeprefix("threads-"): json.loads(p.read_text()) for p in sorted(folder.glob("threads-*.json"))}
+
+
 # ---- greedy identity across numerical paths ----------------------------------------------------------------
 
 def top2_gap(llm, token_ids: list[int]) -> float:

@@ -5,7 +5,7 @@ import time
 
 import pytest
 import torch
-from conftest import NEAR_TIE, assert_greedy_equal, needs_default_model
+from conftest import NEAR_TIE, assert_greedy_equal, gloo_threads_at_exit, gloo_threads_left, needs_default_model
 
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
@@ -105,6 +105,36 @@ def test_shutdown_gives_the_process_back_its_threads(tiny_llama_dir):
         assert torch.get_num_threads() == 4
 
 
+def test_shutdown_ends_the_process_groups(tiny_llama_dir, tmp_path):
+    """The flaky `pytest tests/test_parallel.py tests/test_train.py` (a rank exiting with SIGABRT, "terminate
+    called without an active exception"): a gloo process group that outlives destroy_process_group keeps its
+    threads until interpreter exit, where one still releasing a collective's tensors needs the GIL, Python ends
+    that thread, and the unwinding aborts the process. Two references kept the groups: the commands group's
+    module global, and torch.distributed.nn.functional, whose functions bind the default group as a default
+    argument when the module is first imported (loading a tokenizer imports it, after the ranks joined). After
+    shutdown() no gloo thread is left. A fresh interpreter, so that the module's first import comes where it
+    comes in a user's script (in this process an earlier test has imported it)."""
+    import json
+    import subprocess
+    import sys
+
+    script = tmp_path / "tp.py"
+    script.write_text(
+        gloo_threads_at_exit(tmp_path) +
+        "import json\n"
+        "from specdec import LLM, SamplingParams\n"
+        f"llm = LLM({str(tiny_llama_dir)!r}, speculative_config='off', tensor_parallel_size=2)\n"
+        f"llm.generate([{{'prompt_token_ids': {PROMPTS[0]!r}}}], SamplingParams(temperature=0, max_tokens=4))\n"
+        "running = gloo_threads()\n"
+        "llm.shutdown()\n"
+        "print(json.dumps([running, gloo_threads()]))\n")
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=240)
+    assert done.returncode == 0, done.stderr[-3000:]
+    running, after_shutdown = json.loads(done.stdout.splitlines()[-1])
+    assert "pt_gloo_runloop" in running  # what the check looks for is there while the ranks run
+    assert after_shutdown == [] and gloo_threads_left(tmp_path) == {"0": []}
+
+
 # -- two ranks --------------------------------------------------------------------------------------------
 @pytest.fixture(scope="module")
 def tiny(tiny_llama_dir):
@@ -183,13 +213,15 @@ def test_impossible_sizes_are_refused(tiny_llama_dir, size, message):
 
 
 def test_torchrun_launches_the_ranks(tiny, tmp_path):
-    """Every rank runs the same script; rank 0's LLM drives, the others serve it and exit with it."""
+    """Every rank runs the same script; rank 0's LLM drives, the others serve it and exit with it, neither with a
+    process group still running (see test_shutdown_ends_the_process_groups)."""
     import subprocess
     import sys
     from pathlib import Path
 
     script = tmp_path / "tp.py"
     script.write_text(
+        gloo_threads_at_exit(tmp_path) +
         "import json, sys\n"
         "from specdec import LLM, SamplingParams\n"
         f"llm = LLM({tiny[0].model_name!r}, speculative_config={{'method': 'ngram', 'num_speculative_tokens': 4}})\n"
@@ -207,6 +239,7 @@ def test_torchrun_launches_the_ranks(tiny, tmp_path):
     import json
 
     assert json.loads((tmp_path / "out.json").read_text()) == [e.token_ids for e in expected]
+    assert gloo_threads_left(tmp_path) == {"0": [], "1": []}
 
 
 def test_a_rank_that_dies_fails_the_engine_with_a_clear_error(tiny):

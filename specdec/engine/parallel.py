@@ -46,14 +46,35 @@ STOP_TIMEOUT = datetime.timedelta(seconds=30)  # at stop, how long the ranks wai
 _commands = None  # the process group commands travel on (gloo, the long timeout)
 
 
+def init_process_group(backend: str, **kwargs: Any) -> None:
+    """torch.distributed.init_process_group, with torch.distributed.nn imported first. That module binds the
+    default group as a default argument of its functions (`group=group.WORLD`) when it is first imported:
+    imported after the group exists (loading a tokenizer with transformers imports it), it would hold the group
+    past destroy_process_group, and the group's gloo threads would run on into interpreter exit, where one still
+    releasing a collective's tensors needs the GIL; Python ends that thread instead, and the unwinding aborts
+    the process (SIGABRT, "terminate called without an active exception"). Imported first, it binds None."""
+    import torch.distributed.nn  # noqa: F401
+
+    dist.init_process_group(backend, **kwargs)
+
+
+def destroy_process_groups() -> None:
+    """Destroy every process group of this process, the commands group's reference here included, so that the
+    groups go now, and their gloo threads with them, not at interpreter exit (see init_process_group)."""
+    global _commands
+    _commands = None
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
 def init_group(rank: int, world: int, device: torch.device, timeout_s: float, init_method: str | None = None
                ) -> TPGroup:
     """Join the ranks: the default group (the model's collectives, `timeout_s` each) and a gloo group for rank
     0's commands, whose timeout only bounds how long a rank may sit idle."""
     global _commands
     backend = "nccl" if device.type == "cuda" else "gloo"
-    dist.init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
-                            timeout=datetime.timedelta(seconds=timeout_s))
+    init_process_group(backend, init_method=init_method, rank=rank, world_size=world,
+                       timeout=datetime.timedelta(seconds=timeout_s))
     _commands = dist.new_group(backend="gloo", timeout=COMMAND_TIMEOUT)
     return TPGroup(rank, world, shared=_shared_exchange(rank, world, device, timeout_s))
 
@@ -137,7 +158,7 @@ def main(argv: list[str] | None = None) -> None:
     finally:
         if tp.shared is not None:
             tp.shared.close(unlink=False)
-        dist.destroy_process_group()
+        destroy_process_groups()
 
 
 def share_threads(threads: int) -> None:
@@ -256,8 +277,7 @@ class Workers:
         Workers._stop(self.processes)
         if self.tp.shared is not None:
             self.tp.shared.close(unlink=self.tp.rank == 0)
-        if dist.is_initialized():
-            dist.destroy_process_group()
+        destroy_process_groups()
         if self._finalizer is not None:
             self._finalizer()  # the thread count back (it runs once: not again at exit)
 

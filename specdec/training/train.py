@@ -248,8 +248,10 @@ def run_train(args: argparse.Namespace) -> dict:
     try:
         return _train(args, cls, rank, world)
     finally:  # a gloo group left to the interpreter's exit can abort the process there ("terminate called ...")
-        if world > 1 and torch.distributed.is_initialized():
-            torch.distributed.destroy_process_group()
+        if world > 1:
+            from specdec.engine.parallel import destroy_process_groups
+
+            destroy_process_groups()
 
 
 def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
@@ -369,11 +371,13 @@ def data_parallel() -> tuple[int, int]:
 
     import torch.distributed as dist
 
+    from specdec.engine.parallel import init_process_group  # torch's, made safe to destroy (see there)
+
     world = int(os.environ.get("WORLD_SIZE", "1"))
     if world == 1:
         return 0, 1
     if not dist.is_initialized():
-        dist.init_process_group("nccl" if torch.cuda.is_available() else "gloo")
+        init_process_group("nccl" if torch.cuda.is_available() else "gloo")
     return dist.get_rank(), dist.get_world_size()
 
 
