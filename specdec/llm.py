@@ -155,6 +155,20 @@ class LLM:
         raise SpecdecError(f"a prompt is a string or {{'prompt_token_ids': [...]}}, got {type(prompt).__name__}")
 
     @property
+    def max_model_len(self) -> int:
+        """The context a request's prompt and output share, in tokens."""
+        return self.engine.max_model_len
+
+    @property
+    def vocab_size(self) -> int:
+        return self.engine.model.config.vocab_size
+
+    def check_structured_output(self, params: SamplingParams) -> None:
+        """Compile params' structured output (cached by its text, so the engine reuses it): a bad schema, regex or
+        grammar raises a SpecdecError naming the field, before the request is queued."""
+        self.engine.grammar_state(params)
+
+    @property
     def renders_tools(self) -> bool:
         """Whether the chat template renders tools itself (then it is given `tools`, assistant `tool_calls` and
         `tool` messages as they are; else specdec.serving.tool_calls writes them as plain messages)."""

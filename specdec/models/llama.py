@@ -349,9 +349,7 @@ class LlamaModel(nn.Module):
         hidden = self.norm(x)
         if logit_rows is None:
             return hidden, captured, None
-        rows = hidden if len(logit_rows) == hidden.shape[0] and logit_rows == list(range(hidden.shape[0])) else \
-            hidden[torch.tensor(logit_rows, device=hidden.device)]
-        return hidden, captured, self.compute_logits(rows)
+        return hidden, captured, self.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
 
     @property
     def kv_dtype(self) -> torch.dtype:

@@ -243,7 +243,7 @@ class OpenAIProtocol:
         biases."""
         if not bias:
             return None
-        vocab = self.llm.engine.model.config.vocab_size
+        vocab = self.llm.vocab_size
         for key in bias:
             if not key.strip().isdigit() or int(key) >= vocab:
                 raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id of this model's vocabulary "
@@ -255,11 +255,11 @@ class OpenAIProtocol:
         def prepare() -> tuple[list[int], SamplingParams]:
             if constraint_field is not None:
                 try:  # compiled once here (cached by its text) to name the field; the engine reuses it
-                    self.llm.engine.grammar_state(params)
+                    self.llm.check_structured_output(params)
                 except SpecdecError as e:
                     raise APIError(400, f"{constraint_field}: {e}", param=constraint_field) from None
             ids = tokenize()
-            n, limit = len(ids), self.llm.engine.max_model_len
+            n, limit = len(ids), self.llm.max_model_len
             if n >= limit:
                 raise APIError(400, f"the prompt has {n} tokens but the model's context is {limit} tokens; "
                                f"shorten it to at most {limit - 1}", param=prompt_field, code="context_length_exceeded")
@@ -320,7 +320,7 @@ class OpenAIProtocol:
 
     def check_chars(self, chars: int, field: str) -> None:
         """A prompt too long for the context whatever its tokens, refused before tokenizing it."""
-        limit = self.llm.engine.max_model_len
+        limit = self.llm.max_model_len
         if chars > (limit - 1) * self.max_token_chars:
             raise APIError(400, f"{field}: {chars} characters of text, more than the model's context of {limit} "
                            f"tokens can hold (a token covers at most {self.max_token_chars}); shorten it", param=field,

@@ -133,7 +133,7 @@ class OpenAIServer:
 
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
-                "max_model_len": self.llm.engine.max_model_len}
+                "max_model_len": self.llm.max_model_len}
 
     async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
         plan, req = await self.start(body)
