@@ -27,6 +27,7 @@ import numpy as np
 import torch
 
 from specdec.config import ModelConfig
+from specdec.models import native
 from specdec.models.attention import AttentionMetadata
 
 NULL_BLOCK = 0
@@ -41,6 +42,14 @@ def debug_fill() -> float | None:
     return None if value is None else float(value)
 
 
+def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device | str) -> torch.Tensor:
+    """An uninitialized pool: on the CPU on 2 MB pages where the native kernels load (every step reads the
+    pools' recent blocks: 4 KB pages cost TLB misses and stop the prefetchers at each page), else torch.empty."""
+    if torch.device(device).type == "cpu" and native.available():
+        return native.ops().huge_empty(list(shape), dtype)
+    return torch.empty(shape, dtype=dtype, device=device)
+
+
 class KVPool:
     """The K and V tensors of one model for every block."""
 
@@ -50,8 +59,8 @@ class KVPool:
         # empty, not zeros: on CPU untouched pages cost no memory. Only the null block is ever read
         # before being written (by padding queries), so only it must hold finite values.
         self.block_size = block_size
-        self.k = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [torch.empty(shape, dtype=dtype, device=device) for _ in range(cfg.num_hidden_layers)]
+        self.k = [pool_tensor(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [pool_tensor(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
         for t in self.k + self.v:
             t[NULL_BLOCK * block_size:(NULL_BLOCK + 1) * block_size].zero_()
 

@@ -1,6 +1,6 @@
 """Float weights on the C++ kernels (`kernels`): float32, bfloat16 and float16 matrices against torch's float64
 math, bit-for-bit batch invariance for every row count on every instruction-set path, the layers' RMSNorm, and
-torch where the kernels do not apply (gradients)."""
+torch where the kernels do not apply (gradients), and tensors on 2 MB pages (huge_empty)."""
 from __future__ import annotations
 
 import pytest
@@ -91,3 +91,22 @@ def test_rms_norm_matches_torch_and_is_row_invariant():
     out = kernels.rms_norm(x, w, 1e-5)
     assert torch.allclose(out, F.rms_norm(x, (576,), w, 1e-5), atol=1e-5)
     assert torch.equal(torch.cat([kernels.rms_norm(x[i:i + 1], w, 1e-5) for i in range(40)]), out)
+
+
+def test_huge_empty_gives_separate_lasting_tensors_on_2mb_pages():
+    """What every step streams (the interleaved weights, the K/V pools) sits on 2 MB pages (csrc/memory.h): a large
+    tensor starts on a 2 MB boundary; small ones share a chunk without overlapping and keep their values when the
+    others sharing it are gone."""
+    ops = native.ops()
+    big = ops.huge_empty([20 << 20], torch.uint8)
+    assert big.shape == (20 << 20,) and big.dtype == torch.uint8 and big.data_ptr() % (2 << 20) == 0
+    big.fill_(7)
+    shapes = ((1000, torch.float32), (17, torch.int64), (5, torch.float16))
+    small = [ops.huge_empty([n, 3], dtype) for n, dtype in shapes]
+    spans = sorted((t.data_ptr(), t.data_ptr() + t.numel() * t.element_size()) for t in [big, *small])
+    assert all(end <= nxt for (_, end), (nxt, _) in zip(spans, spans[1:]))
+    for i, t in enumerate(small):
+        t.fill_(i + 1)
+    del small[0], big
+    assert all(bool((t == i + 2).all()) for i, t in enumerate(small))
+

@@ -3,12 +3,12 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import sequence_inputs
+from conftest import needs_native, sequence_inputs
 
 from specdec import LLM, SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
-from specdec.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, KVPool, OutOfBlocks
+from specdec.kv_cache import NULL_BLOCK, BlockAllocator, BlockTable, KVPool, OutOfBlocks, pool_tensor
 from specdec.models.loader import load_model
 
 
@@ -166,3 +166,12 @@ def test_blocks_are_filled_when_handed_out_under_the_debug_fill(monkeypatch):
     assert alloc.admit(second, [5, 6, 8, 9], 4) == 2
     new = second.blocks[1] * 2
     assert second.blocks[0] == 1 and all((t[2:4] == 3).all() and t[new:new + 2].isnan().all() for t in pools[0].k)
+
+
+@needs_native
+def test_kv_pools_on_the_cpu_come_from_huge_pages():
+    """Every step reads the pools' recent blocks: on the CPU they sit on 2 MB pages (native huge_empty)."""
+    pool = pool_tensor((4096, 8, 64), torch.float16, "cpu")  # 4 MB: from a shared chunk
+    big = pool_tensor((65536, 8, 64), torch.float16, "cpu")  # 64 MB: a chunk of its own
+    assert pool.shape == (4096, 8, 64) and pool.dtype == torch.float16 and pool.is_contiguous()
+    assert big.data_ptr() % (2 << 20) == 0

@@ -32,18 +32,19 @@ def layout(starts: list[int], feeds: list[int], trees: list[TreeFeed | None] | N
 
 def attend(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta, isa: str | None = None) -> torch.Tensor:
     return native.ops(isa).attention(q, *pools, meta.context_slots, meta.mask,
-                                     torch.from_numpy(kernels.query_starts(meta.query_lens)), D ** -0.5)
+                                     torch.from_numpy(kernels.query_starts(meta.query_lens)), q.shape[-1] ** -0.5)
 
 
 def reference(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:
     """float64 softmax attention over each query's visible slots (the pools' stored values, widened)."""
     k_pool, v_pool = (p.double() for p in pools)
+    group, d = q.shape[1] // k_pool.shape[1], q.shape[2]
     out, row = torch.empty(q.shape, dtype=torch.float64), 0
     for b, n in enumerate(meta.query_lens):
         for s in range(n):
             slots = meta.context_slots[b][meta.mask[b, s]]
-            keys, values = k_pool[slots].repeat_interleave(HQ // HKV, 1), v_pool[slots].repeat_interleave(HQ // HKV, 1)
-            scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * D ** -0.5
+            keys, values = k_pool[slots].repeat_interleave(group, 1), v_pool[slots].repeat_interleave(group, 1)
+            scores = torch.einsum("hd,khd->hk", q[row].double(), keys) * d ** -0.5
             out[row] = torch.einsum("hk,khd->hd", scores.softmax(-1), values)
             row += 1
     return out
@@ -118,6 +119,27 @@ def test_a_query_has_the_same_bits_whatever_it_is_computed_with(dtype, cached, i
     if cached >= 20:
         prefill = torch.cat([torch.randn(20, HQ, D, generator=g), q[:1], torch.randn(19, HQ, D, generator=g)])
         assert torch.equal(attend(prefill, pools, layout([cached - 20], [40]), isa)[20], alone)
+
+
+@pytest.mark.parametrize("hq, hkv, d", [(16, 2, 128), (8, 8, 32), (12, 4, 80), (6, 1, 48), (10, 5, 24), (4, 2, 20)])
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float16])
+def test_every_head_shape_matches_float64_with_the_same_bits_everywhere(hq, hkv, d, dtype):
+    """The kernel's tiles follow the head size (a multiple of 64, 32, 16 or 8; 20 takes the buffered path) and the
+    query heads per KV head (1 to 8 here): each shape matches float64, a query has the same bits alone and before
+    7 draft rows, and every vector build gives the same bits."""
+    g = torch.Generator().manual_seed(hq * d)
+    pools = tuple((torch.randn(256 * BS, hkv, d, generator=g) * 2).to(dtype) for _ in range(2))
+    q = torch.randn(8, hq, d, generator=g)
+    meta = layout([75], [8])
+    ref = reference(q, pools, meta)
+    outs = {}
+    for isa in TESTED_ISAS:
+        outs[isa] = out = attend(q, pools, meta, isa)
+        assert (out.double() - ref).abs().max().item() < 2e-5, isa
+        assert torch.equal(attend(q[:1], pools, layout([75], [1]), isa)[0], out[0]), isa
+    vector = [isa for isa in TESTED_ISAS if native.ops(isa).isa() != "portable"]
+    for isa in vector[1:]:
+        assert torch.equal(outs[isa], outs[vector[0]]), (isa, vector[0])
 
 
 @pytest.mark.parametrize("isa", TESTED_ISAS)

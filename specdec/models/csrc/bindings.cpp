@@ -14,6 +14,7 @@
 // dependency order, so the compiler still sees (and inlines across) all of them at once, and binds them to Python.
 // The name is the concept's, not a format's: float weights (F32, F16, BF16) run through the same GEMM and layer.
 //   simd.h         instruction set, f16 conversions, shared vector helpers
+//   memory.h       tensors on 2 MB pages (huge_empty)
 //   formats.h      the GGUF block formats
 //   attention.h    paged attention in fixed chunks
 //   activations.h  int8 activation quantization
@@ -21,6 +22,7 @@
 //   layer.h        the fused decoder layer and the whole-model Stack
 //   rows.h         argmax_rows, logprob_rows, mask_rows
 //   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
+#include "memory.h"
 #include "formats.h"
 #include "attention.h"
 #include "activations.h"
@@ -86,6 +88,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
   m.def("isa", &isa);
+  m.def("huge_empty", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return huge_empty(sizes, dtype); },
+        py::arg("sizes"), py::arg("dtype"), "an uninitialized CPU tensor on 2 MB pages where Linux gives them");
   m.def("team_max_rows", [](int64_t rows) {
     const int64_t before = team_max_rows.load();
     if (rows >= 0) team_max_rows.store(rows);

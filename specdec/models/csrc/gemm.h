@@ -5,6 +5,7 @@
 // operations in the same order, so no tiling, batch or thread split changes a bit.
 #pragma once
 #include "formats.h"
+#include "memory.h"
 #include "activations.h"
 
 namespace {
@@ -108,7 +109,7 @@ void dot_tile(const uint8_t* w, int64_t row_bytes, const QAct& x, int64_t m0, fl
 template <class F>
 torch::Tensor x8_pack(const torch::Tensor& data, int64_t K) {
   const int64_t groups = data.size(0) / 8, nrec = K / F::BLOCK, row_bytes = data.size(1);
-  torch::Tensor out = torch::empty({groups, nrec * F::REC}, torch::kUInt8);
+  torch::Tensor out = huge_empty({groups, nrec * F::REC}, torch::kUInt8);  // streamed every step: 2 MB pages
   const uint8_t* src = data.data_ptr<uint8_t>();
   uint8_t* dst = out.data_ptr<uint8_t>();
   at::parallel_for(0, groups, 1, [&](int64_t g0, int64_t g1) {
@@ -222,10 +223,20 @@ void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t l
   for (int r = 0; r < NR; r++) _mm256_storeu_ps(y + (m0 + r) * ldy + n0, acc[r]);
 }
 
+// Every activation row against one group: tiles of as many rows as the registers hold (8 with AVX-512's 32, else
+// 4), so a verification step of up to 8 rows unpacks each weight sub-block once.
 template <class F>
 void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, int64_t g, int64_t n0) {
   const uint8_t* recs = packed.data_ptr<uint8_t>() + g * packed.size(1);
   int64_t m = 0;
+#ifdef SPECDEC_AVX512
+  for (; m + 8 <= x.M; m += 8) x8_tile<F, 8>(recs, x, m, y, ldy, n0);
+  switch (x.M - m) {
+    case 7: x8_tile<F, 7>(recs, x, m, y, ldy, n0); return;
+    case 6: x8_tile<F, 6>(recs, x, m, y, ldy, n0); return;
+    case 5: x8_tile<F, 5>(recs, x, m, y, ldy, n0); return;
+  }
+#endif
   for (; m + 4 <= x.M; m += 4) x8_tile<F, 4>(recs, x, m, y, ldy, n0);
   switch (x.M - m) {
     case 3: x8_tile<F, 3>(recs, x, m, y, ldy, n0); break;
@@ -242,11 +253,14 @@ void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, 
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-// Below this many activation rows the 256-bit tiles are faster. At SmolLM2-1.7B's shape on Zen 4 (whole steps,
-// thresholds alternated in one process): a decode step 34 ms on them, 40 ms on 512-bit tiles (a step streams the
-// weights from memory: one group's records after another is one sequential stream, a pair of groups two); at 4
-// rows 256-bit still ahead, from 5 rows 512-bit (5 rows 58 ms against 70, 8 rows 79-82 against 98-118).
-constexpr int64_t X16_MIN_ROWS = 5;
+// Below this many activation rows the 256-bit tiles are faster: with AVX-512's 32 registers they take 8 rows at
+// once (x8_rows), one sequential stream of records where a pair of groups is two. Whole verification steps at
+// context 300 on the default Q4_1 file (Zen 4, thresholds alternated in one process): 5 rows 7.0 ms on 256-bit
+// tiles against 8.9 on 512-bit ones, 8 rows 11.0 against 11.8, 12 rows 16.1 against 16.4; from 16 rows 512-bit
+// ahead (16 rows 19.8 against 20.7 ms, 64 rows 68 against 80). At 8B width (4096 x 14336 products, Q4_K_M) 5 and 8
+// rows cost the same either way (43.5 / 54.5 ms). One matrix that fits the L3 cache (tools/kernel_bench.py) favours
+// the 512-bit tiles at 8 rows, half the broadcasts per product; in a forward the weights come from memory.
+constexpr int64_t X16_MIN_ROWS = 16;
 
 template <int E0, int E1>
 inline __m512i dot_words16(const __m512i* u, const int32_t* xw, __m512i s0) {

@@ -134,6 +134,9 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, 
 // cost more than the forks it saves); 0 runs every step layer by layer. Settable (team_max_rows) to compare the two.
 std::atomic<int64_t> team_max_rows{16};
 
+// Bytes of keys and values each member reads ahead at the start of a layer (touch_share; half a Zen 4 L2).
+constexpr int64_t KV_TOUCH_BYTES = 512 << 10;
+
 // The team's shared buffers (the calling thread's: one team per forward).
 struct TeamBuffers {
   std::vector<float> qkv, attn, o, gu;
@@ -155,6 +158,12 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
     if constexpr (TEAM) matmul_team(M, in, T, K, qx, y, N);
     else matmul(M, in, T, K, qx, y, N);
   };
+  if constexpr (TEAM) {
+    static thread_local volatile int touched;  // keeps the loads
+    touched = with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+      return touch_share(*plan, step.vis, kp, vp, Hkv * D, KV_TOUCH_BYTES);
+    });
+  }
   if (qkv_in != nullptr) {
     product(L.qkv, qkv_in, L.qkv.K, qkv, W);
   } else {
