@@ -68,57 +68,12 @@ Visible visible_lists(const int64_t* context_slots, int64_t Lk, const bool* mask
 }
 
 // The partial of one query head over m (1..32) keys: rows of kc, vc (D floats each, `ld` apart; rows >= m are
-// never used). Writes o[D] (unnormalized) and returns {max score, sum of exps}.
+// never used). Writes o[D] (unnormalized) and returns {max score, sum of exps}. The portable build's path, and a
+// vector build's for head sizes that are no multiple of 8 (the others run chunk_group).
 inline std::pair<float, float> chunk_partial(const float* q, const float* kc, const float* vc, int64_t m, int64_t D,
                                              int64_t ld, float scale, float* o) {
   alignas(32) float p[KCHUNK];
   float top = -INFINITY, total = 0.f;
-#ifdef SPECDEC_AVX2
-  if (D % 8 == 0) {
-    const int64_t groups = (m + 7) / 8;
-    const __m256 sc = _mm256_set1_ps(scale), ninf = _mm256_set1_ps(-INFINITY);
-    const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7);
-    __m256 s[KCHUNK / 8], mx = ninf;
-    for (int64_t g = 0; g < groups; g++) {
-      __m256 a[8];
-      for (int i = 0; i < 8; i++) a[i] = _mm256_setzero_ps();
-      for (int64_t d = 0; d < D; d += 8) {
-        const __m256 qv = _mm256_loadu_ps(q + d);
-        for (int i = 0; i < 8; i++) a[i] = _mm256_fmadd_ps(qv, _mm256_loadu_ps(kc + (8 * g + i) * ld + d), a[i]);
-      }
-      // transpose-and-add: lane i = key 8g + i
-      __m256 s0123 = _mm256_hadd_ps(_mm256_hadd_ps(a[0], a[1]), _mm256_hadd_ps(a[2], a[3]));
-      __m256 s4567 = _mm256_hadd_ps(_mm256_hadd_ps(a[4], a[5]), _mm256_hadd_ps(a[6], a[7]));
-      __m256 v = _mm256_add_ps(_mm256_permute2f128_ps(s0123, s4567, 0x20), _mm256_permute2f128_ps(s0123, s4567, 0x31));
-      const __m256 valid = _mm256_cmp_ps(lane, _mm256_set1_ps((float)(m - 8 * g)), _CMP_LT_OQ);
-      s[g] = _mm256_blendv_ps(ninf, _mm256_mul_ps(v, sc), valid);
-      mx = _mm256_max_ps(mx, s[g]);
-    }
-    __m128 m4 = _mm_max_ps(_mm256_castps256_ps128(mx), _mm256_extractf128_ps(mx, 1));
-    m4 = _mm_max_ps(m4, _mm_movehl_ps(m4, m4));
-    top = _mm_cvtss_f32(_mm_max_ss(m4, _mm_movehdup_ps(m4)));
-    const __m256 tv = _mm256_set1_ps(top);
-    __m256 sum = _mm256_setzero_ps();
-    for (int64_t g = 0; g < groups; g++) {
-      const __m256 valid = _mm256_cmp_ps(s[g], ninf, _CMP_NEQ_OQ);
-      const __m256 e = _mm256_and_ps(exp_ps(_mm256_sub_ps(s[g], tv)), valid);  // masked lanes: exactly 0
-      _mm256_store_ps(p + 8 * g, e);
-      sum = _mm256_add_ps(sum, e);
-    }
-    total = hsum(sum);
-    for (int64_t d0 = 0; d0 < D; d0 += 32) {  // up to 4 accumulators in registers across the keys
-      const int64_t w = std::min<int64_t>(32, D - d0) / 8;
-      __m256 acc[4] = {_mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps(), _mm256_setzero_ps()};
-      for (int64_t k = 0; k < m; k++) {
-        const __m256 pk = _mm256_set1_ps(p[k]);
-        const float* vr = vc + k * ld + d0;
-        for (int i = 0; i < w; i++) acc[i] = _mm256_fmadd_ps(pk, _mm256_loadu_ps(vr + 8 * i), acc[i]);
-      }
-      for (int i = 0; i < w; i++) _mm256_storeu_ps(o + d0 + 8 * i, acc[i]);
-    }
-    return {top, total};
-  }
-#endif
   for (int64_t k = 0; k < m; k++) { p[k] = dot_f32(q, kc + k * ld, D) * scale; top = std::max(top, p[k]); }
   for (int64_t k = 0; k < m; k++) { p[k] = std::exp(p[k] - top); total += p[k]; }
   for (int64_t d = 0; d < D; d++) {
