@@ -240,8 +240,17 @@ def paged_inputs(tables: list[list[int]], starts: list[int], feeds: list[list[in
         tokens, positions: [T]      every sequence's new tokens, flattened (no padding)
         context:           [B, L]   every slot sequence i attends: its cached prefix + this step's tokens
 
-    Built with numpy (a step's layout is a few small arrays; torch's per-op cost would dominate it).
+    A step without trees is built in one native call where the kernels load (`causal_inputs`: the same arrays),
+    else with numpy (a step's layout is a few small arrays; torch's per-op cost would dominate it).
     """
+    on_cpu = device == "cpu" or torch.device(device).type == "cpu"
+    if feeds and on_cpu and (trees is None or all(t is None for t in trees)) and native.available():
+        tokens, positions, slot_mapping, context_slots, mask, query_starts = native.ops().causal_inputs(
+            tables, starts, feeds, block_size, NULL_BLOCK)
+        num_new = [len(f) for f in feeds]
+        return tokens, positions, AttentionMetadata(slot_mapping, context_slots, mask, num_new,
+                                                    [start + n for start, n in zip(starts, num_new)],
+                                                    query_starts=query_starts)
     trees = trees or [None] * len(feeds)
     num_new = [len(f) for f in feeds]
     B, S = len(feeds), max(num_new)

@@ -37,13 +37,19 @@ from specdec.tree import PAD, ROOT
 
 @dataclass
 class VerifyResult:
-    """What one verification step keeps, per sequence; lists for the scheduler, tensors for the runner."""
+    """What one verification step keeps, per sequence, as host lists (what the scheduler applies); the tensor views
+    are made on demand."""
 
     accepted_nodes: list[list[int]]  # accepted node indices, root to leaf
     emitted_tokens: list[list[int]]  # draft_tokens at accepted_nodes, then the extra token
-    num_accepted: torch.Tensor  # [B] long
-    last_node: torch.Tensor  # [B] long, deepest accepted node; -1 = root (nothing accepted)
-    extra_tokens: torch.Tensor  # [B] long, the recovered or bonus token
+
+    @property
+    def num_accepted(self) -> torch.Tensor:  # [B] long
+        return torch.tensor([len(n) for n in self.accepted_nodes], dtype=torch.long)
+
+    @property
+    def extra_tokens(self) -> torch.Tensor:  # [B] long, the recovered or bonus token
+        return torch.tensor([e[-1] for e in self.emitted_tokens], dtype=torch.long)
 
 
 def verify(draft_tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
@@ -79,7 +85,7 @@ def verify_greedy(draft_tokens: torch.Tensor, parents: torch.Tensor, target_ids:
         up = up.gather(1, up)
     last_slot = torch.where(ok, torch.arange(N + 1, device=ok.device), 0).amax(1)  # [B] deepest = largest index
     extra = target_ids.gather(1, last_slot[:, None]).squeeze(1)
-    return _result(draft_tokens, ok[:, 1:], last_slot - 1, extra)
+    return _result(draft_tokens, ok[:, 1:], extra)
 
 
 def verify_sampling(draft_tokens: torch.Tensor, parents: torch.Tensor, target_probs: torch.Tensor,
@@ -112,7 +118,7 @@ def verify_sampling(draft_tokens: torch.Tensor, parents: torch.Tensor, target_pr
         cur[rows] = torch.where(accept, j, cur[rows])
         accepted[rows, j] = accept
     extra = sample_from_probs(p, generators)
-    return _result(draft_tokens, accepted, cur, extra)
+    return _result(draft_tokens, accepted, extra)
 
 
 def residual_probs(p: torch.Tensor, q: torch.Tensor, fallback: torch.Tensor) -> torch.Tensor:
@@ -157,15 +163,13 @@ def verify_greedy_chains(drafts: list[list[int]], target_ids: list[int]) -> Veri
         emitted.append(chain[:a] + [target[a]])
     if row != len(target_ids):
         raise ValueError(f"{len(target_ids)} target rows for chains feeding {row}")
-    accepted = torch.tensor([len(n) for n in nodes], dtype=torch.long)
-    return VerifyResult(nodes, emitted, accepted, accepted - 1, torch.tensor([e[-1] for e in emitted]))
+    return VerifyResult(nodes, emitted)
 
 
-def _result(draft_tokens: torch.Tensor, accepted: torch.Tensor, last_node: torch.Tensor,
-            extra: torch.Tensor) -> VerifyResult:
+def _result(draft_tokens: torch.Tensor, accepted: torch.Tensor, extra: torch.Tensor) -> VerifyResult:
     """Host lists from one device-to-host copy."""
     host = torch.cat([accepted.long(), draft_tokens, extra[:, None]], 1).tolist()  # [B, 2N + 1]
     N = draft_tokens.shape[1]
     nodes = [[j for j in range(N) if row[j]] for row in host]
     emitted = [[row[N + j] for j in path] + [row[-1]] for row, path in zip(host, nodes)]
-    return VerifyResult(nodes, emitted, accepted.sum(1), last_node, extra)
+    return VerifyResult(nodes, emitted)

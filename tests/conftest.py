@@ -94,6 +94,15 @@ def default_model_available() -> bool:
     return spec is not None and bool(spec.submodule_search_locations)
 
 
+def every_step(config):
+    """`config` drafting at every decode step whatever it costs (a dispatch table of its own shape from batch 1 on):
+    for tests that count what a drafter drafted or was shown in batches, which a config with no table stops doing
+    where its plain steps measure faster (`specdec/engine/dispatch.py`)."""
+    if not isinstance(config, dict) or "dispatch" in config:  # "off", a config object, or a table of its own
+        return config
+    return {**config, "dispatch": {"1": config.get("tree", "chain")}}
+
+
 def native_available() -> bool:
     from specdec.models import native
 

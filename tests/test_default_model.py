@@ -8,7 +8,7 @@ from pathlib import Path
 import pytest
 import torch
 import transformers
-from conftest import assert_logprobs_equal, needs_default_model, sequence_inputs
+from conftest import assert_logprobs_equal, every_step, needs_default_model, sequence_inputs
 
 from specdec import LLM, SamplingParams
 from specdec.models.loader import HEADS_DIR, resolve
@@ -123,7 +123,7 @@ def plain_reference(llm):
 @pytest.mark.parametrize("method", list(SPEC_CONFIGS))
 def test_speculative_greedy_is_token_identical(llm, plain_reference, method):
     """Batch 1 and a ragged batch of 4, 128 tokens each, against plain greedy decoding of the same engine."""
-    spec = llm.with_speculative_config(SPEC_CONFIGS[method])
+    spec = llm.with_speculative_config(every_step(SPEC_CONFIGS[method]))
     params = SamplingParams(temperature=0, max_tokens=128)
     batched = spec.chat(SPEC_PROMPTS, params)
     assert [o.token_ids for o in batched] == plain_reference
@@ -149,7 +149,7 @@ def test_logprobs_under_speculation_equal_plain_decodings(llm, method):
     row plain decoding computes there: equal to 1e-5 (the same kernels, batch-invariant), for chains and trees."""
     params = SamplingParams(temperature=0, max_tokens=32, logprobs=3)
     want = llm.chat(SPEC_PROMPTS[-1:], params)
-    spec = llm.with_speculative_config(LOGPROB_CONFIGS[method])
+    spec = llm.with_speculative_config(every_step(LOGPROB_CONFIGS[method]))
     assert_logprobs_equal(spec.chat(SPEC_PROMPTS[-1:], params), want, 1e-5)
 
 
@@ -176,7 +176,7 @@ def test_greedy_speculation_on_a_requantized_file_is_token_identical(requantized
                                            else {})
     params = SamplingParams(temperature=0, max_tokens=96)
     plain = [o.token_ids for o in requantized.chat(SPEC_PROMPTS, params)]
-    spec = requantized.with_speculative_config(config)
+    spec = requantized.with_speculative_config(every_step(config))
     outs = spec.chat(SPEC_PROMPTS, params)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0 and spec.engine.allocator.num_used == 0
@@ -230,8 +230,9 @@ def test_head_greedy_is_token_identical(llm, plain_reference, random_heads, meth
     from specdec.models.loader import shipped_head
 
     model = str(shipped_head("smollm2-135m")) if method == "eagle3" else random_heads[method]
-    spec = llm.with_speculative_config({"method": method, "model": model, "num_speculative_tokens": 3, "tree": tree,
-                                        "quantization": quantization})
+    spec = llm.with_speculative_config(every_step({"method": method, "model": model, "num_speculative_tokens": 3,
+                                                   "tree": tree,
+                                                   "quantization": quantization}))
     if quantization:
         assert isinstance(spec.engine.speculator.drafter.head.lm_head, QuantWeight)
     params = SamplingParams(temperature=0, max_tokens=128)
@@ -274,7 +275,7 @@ def test_acceptance_length_does_not_regress(llm, name):
     config, floor = ACCEPTANCE_FLOORS[name]
     if name == "eagle3":
         config = {**config, "model": str(shipped_head("smollm2-135m"))}
-    spec = llm.with_speculative_config(config)
+    spec = llm.with_speculative_config(every_step(config))
     params = SamplingParams(temperature=0, max_tokens=96)
     outs = [spec.chat([{"role": "user", "content": p}], params)[0] for p in FLOOR_PROMPTS]
     length = sum(o.metrics["num_generated_tokens"] for o in outs) / sum(o.metrics["num_steps"] for o in outs)
@@ -282,7 +283,7 @@ def test_acceptance_length_does_not_regress(llm, name):
 
 
 def test_seeded_speculative_sampling_repeats(llm):
-    spec = llm.with_speculative_config(SPEC_CONFIGS["ngram"])
+    spec = llm.with_speculative_config(every_step(SPEC_CONFIGS["ngram"]))
     params = SamplingParams(temperature=0.7, top_p=0.9, seed=11, max_tokens=48)
     first, again = spec.chat(SPEC_PROMPTS[3], params)[0], spec.chat(SPEC_PROMPTS[3], params)[0]
     assert first.token_ids == again.token_ids

@@ -3,7 +3,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import assert_greedy_equal, save_tiny_model
+from conftest import assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft
@@ -167,33 +167,33 @@ def test_ngram_branches_are_distinct_continuations_of_the_best_matches():
 
 @pytest.mark.parametrize("branches", [2, 3])
 def test_ngram_branches_are_lossless(target_dir, reference, branches):
-    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 6,
-                                                   "ngram_branches": branches})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 6,
+                                                              "ngram_branches": branches}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
 
 
 def test_latest_ngram_match_is_lossless(target_dir, reference):  # the default, "frequent", is tested everywhere
-    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 5,
-                                                   "ngram_match": "latest"})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 5,
+                                                              "ngram_match": "latest"}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
 
 
 def test_shared_ngram_pool_is_lossless(target_dir, reference):
-    llm = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                   "ngram_pool": "shared", "ngram_match": "oldest"})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 3,
+                                                              "ngram_pool": "shared", "ngram_match": "oldest"}))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
 def test_draft_model_is_lossless_and_a_self_draft_is_always_accepted(target_dir, other_draft_dir, reference):
-    other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
-                                                     "num_speculative_tokens": 3})
+    other = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(other_draft_dir),
+                                                                "num_speculative_tokens": 3}))
     assert [o.token_ids for o in other.generate(PROMPTS, GREEDY)] == reference
-    self_draft = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
-                                                          "num_speculative_tokens": 4})
+    self_draft = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(target_dir),
+                                                                     "num_speculative_tokens": 4}))
     outs = self_draft.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     for o in outs:  # proves the draft cache stays aligned with the target's through every rewind
@@ -208,11 +208,11 @@ DYNAMIC = {"topk": 3, "num_steps": 3, "num_draft_tokens": 7}
 @pytest.mark.parametrize("tree", TREES + [DYNAMIC])
 def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(target_dir, other_draft_dir,
                                                                              reference, tree):
-    other = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
-                                                     "tree": tree})
+    other = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(other_draft_dir),
+                                                                "tree": tree}))
     assert_greedy_equal(other, other.generate(PROMPTS, GREEDY), reference)  # trees: steps over 16 rows
-    self_draft = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
-                                                          "tree": tree})
+    self_draft = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(target_dir),
+                                                                     "tree": tree}))
     outs = self_draft.generate(PROMPTS, GREEDY)
     assert_greedy_equal(self_draft, outs, reference)
     depth = 2 if tree == "D2-BF2" else 3  # the dynamic tree's best path is 3 deep: its scores are highest
@@ -225,7 +225,7 @@ def test_draft_model_trees_are_lossless_and_a_self_draft_keeps_its_best_path(tar
 
 @pytest.mark.parametrize("tree", TREES + [DYNAMIC])
 def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
-    llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2, "tree": tree})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "layer_skip", "num_layers": 2, "tree": tree}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert_greedy_equal(llm, outs, reference)
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
@@ -234,9 +234,9 @@ def test_layer_skip_trees_are_lossless(target_dir, reference, tree):
 def test_dispatcher_switches_between_trees_and_chains_losslessly(target_dir, reference):
     """Requests of different lengths: the batch shrinks from 3 to 1, so the same drafter (and draft cache)
     serves a chain, then a tree, step after step (a self-draft, so no request backs off to one token)."""
-    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
-                                                   "num_speculative_tokens": 2, "tree": "D2-BF2",
-                                                   "dispatch": {"2": "chain-2"}})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(target_dir),
+                                                              "num_speculative_tokens": 2, "tree": "D2-BF2",
+                                                              "dispatch": {"2": "chain-2"}}))
     params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in (20, 8, 12)]
     outs = llm.generate(PROMPTS, params)
     assert [o.token_ids for o in outs] == [ref[:n] for ref, n in zip(reference, (20, 8, 12))]
@@ -248,23 +248,24 @@ def test_dispatcher_switches_between_trees_and_chains_losslessly(target_dir, ref
 def test_sampled_tree_drafts_keep_seeded_output(target_dir, other_draft_dir):
     """Top-k tree children are deterministic proposals; seeded sampling repeats exactly with them."""
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=20, seed=7, ignore_eos=True)
-    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
-                                                   "tree": "D2-BF2"})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(other_draft_dir),
+                                                              "tree": "D2-BF2"}))
     first = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first
 
 
 def test_draft_model_survives_preemption(target_dir, reference):
     llm = LLM(str(target_dir), block_size=4, num_kv_blocks=14,
-              speculative_config={"method": "draft_model", "model": str(target_dir), "num_speculative_tokens": 3})
+              speculative_config=every_step({"method": "draft_model", "model": str(target_dir),
+                                             "num_speculative_tokens": 3}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert llm.engine.scheduler.num_preemptions > 0
     assert [o.token_ids for o in outs] == reference
 
 
 def test_layer_skip_is_lossless(target_dir, reference):
-    llm = LLM(str(target_dir), speculative_config={"method": "layer_skip", "num_layers": 2,
-                                                   "num_speculative_tokens": 3})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "layer_skip", "num_layers": 2,
+                                                              "num_speculative_tokens": 3}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
@@ -280,7 +281,8 @@ def test_layer_skip_with_all_but_one_layer_matches_itself(tmp_path):
         if name.startswith("model.layers.1.") and (name.endswith("o_proj.weight") or name.endswith("down_proj.weight")):
             weights[name].zero_()
     save_file(weights, path / "model.safetensors", metadata={"format": "pt"})
-    llm = LLM(str(path), speculative_config={"method": "layer_skip", "num_layers": 1, "num_speculative_tokens": 4})
+    llm = LLM(str(path), speculative_config=every_step({"method": "layer_skip", "num_layers": 1,
+                                                        "num_speculative_tokens": 4}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert all(o.metrics["acceptance_rate"] == 1.0 for o in outs)
 
@@ -292,8 +294,8 @@ def test_sampled_draft_model_output_follows_the_target(target_dir, other_draft_d
     n, prompt = 2000, {"prompt_token_ids": [5, 6, 7]}
     params = [SamplingParams(temperature=1.0, top_k=8, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
     plain = LLM(str(target_dir), max_num_seqs=256)
-    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
-        "method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 2})
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config=every_step({
+        "method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 2}))
     a = torch.tensor([o.token_ids[1:3] for o in plain.generate([prompt] * n, params)])
     outs = spec.generate([prompt] * n, params)
     b = torch.tensor([o.token_ids[1:3] for o in outs])
@@ -311,7 +313,7 @@ def test_sampled_draft_model_output_follows_the_target(target_dir, other_draft_d
 def test_draft_with_another_vocabulary_is_refused(tmp_path, target_dir):
     draft = save_tiny_model(tmp_path / "d", "llama", vocab_size=300)
     with pytest.raises(SpecdecError, match="vocab size 300 but the target has 320"):
-        LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(draft)})
+        LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(draft)}))
 
 
 @pytest.mark.parametrize("config, message", [
@@ -322,7 +324,7 @@ def test_draft_with_another_vocabulary_is_refused(tmp_path, target_dir):
 ])
 def test_bad_drafter_configs(target_dir, config, message):
     with pytest.raises(SpecdecError, match=message):
-        LLM(str(target_dir), speculative_config=config)
+        LLM(str(target_dir), speculative_config=every_step(config))
 
 
 def test_quantized_self_drafts_with_a_low_bit_copy_of_the_target(tmp_path_factory):
@@ -333,8 +335,8 @@ def test_quantized_self_drafts_with_a_low_bit_copy_of_the_target(tmp_path_factor
     path = save_tiny_model(tmp_path_factory.mktemp("tiny128"), "llama", intermediate_size=128)
     plain = LLM(str(path), speculative_config="off")
     ref = [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
-    spec = plain.with_speculative_config({"method": "quantized_self", "quantization": "q4_0",
-                                          "num_speculative_tokens": 3})
+    spec = plain.with_speculative_config(every_step({"method": "quantized_self", "quantization": "q4_0",
+                                                     "num_speculative_tokens": 3}))
     outs = spec.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == ref
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0.25 * sum(o.metrics["num_draft_tokens"] for o in outs)
@@ -343,10 +345,10 @@ def test_quantized_self_drafts_with_a_low_bit_copy_of_the_target(tmp_path_factor
 
 def test_quantized_self_refuses_what_the_target_cannot_take(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="112 inputs, not a multiple of q4_0's block of 32"):
-        LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self"})
+        LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "quantized_self"}))
     with pytest.raises(SpecdecError, match=r"unknown quantization 'q2'; choose one of "
                                            r"\['iq4_nl', 'iq4_xs', 'q4_0', 'q4_1', 'q4_k'"):
-        LLM(str(tiny_llama_dir), speculative_config={"method": "quantized_self", "quantization": "q2"})
+        LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "quantized_self", "quantization": "q2"}))
 
 
 @pytest.mark.parametrize("tokens, parents, message", [
@@ -373,8 +375,8 @@ def test_a_draft_model_step_where_nobody_drafts_claims_no_draft_cache(target_dir
     sequence's K/V (a later catch-up would otherwise read slots that were never written)."""
     from specdec.drafting import DraftRequest
 
-    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(target_dir),
-                                                   "num_speculative_tokens": 2})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(target_dir),
+                                                              "num_speculative_tokens": 2}))
     drafter = llm.engine.speculator.drafter
     request = DraftRequest(7, [5, 6, 7, 8, 9], 5, 0, params=GREEDY, block_table=[1, 2])
     assert drafter.propose([request]).num_nodes() == [0]
@@ -392,8 +394,8 @@ def test_trees_of_20_nodes_are_lossless_at_1_4_and_16_sequences(target_dir, othe
     prompts = [f"{i} {PROMPTS[i % 3]} {i * 7}" for i in range(16)]
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(prompts, params)]
-    llm = LLM(str(target_dir), speculative_config={"method": "draft_model", "model": str(other_draft_dir),
-                                                   "tree": tree})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "draft_model", "model": str(other_draft_dir),
+                                                              "tree": tree}))
     outs = [o for i in range(0, 16, batch) for o in llm.generate(prompts[i:i + batch], params)]
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_drafts"] for o in outs) > 0 and llm.engine.allocator.num_used == 0

@@ -7,7 +7,7 @@ import json
 
 import pytest
 import torch
-from conftest import assert_greedy_equal, save_tiny_model
+from conftest import assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.models.eagle import EagleHead
@@ -147,17 +147,17 @@ def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
     config = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     with pytest.raises(SpecdecError, match="hidden size 128"):
-        LLM(str(target_dir), speculative_config={"method": layout, "model": str(tmp_path)})
+        LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(tmp_path)}))
     with pytest.raises(SpecdecError, match="no config.json"):
-        LLM(str(target_dir), speculative_config={"method": layout, "model": str(tmp_path / "nowhere")})
+        LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(tmp_path / "nowhere")}))
 
 
 @pytest.mark.parametrize("tree", ["chain", [[0], [1], [0, 0], [0, 0, 0], [1, 0]]])
 def test_greedy_equals_plain(target_dir, head_dir, tree):
     layout, path = head_dir
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
-    llm = LLM(str(target_dir), speculative_config={"method": layout, "model": str(path),
-                                                   "num_speculative_tokens": 3, "tree": tree})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(path),
+                                                              "num_speculative_tokens": 3, "tree": tree}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert_greedy_equal(llm, outs, reference)
     assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
@@ -167,7 +167,8 @@ def test_greedy_equals_plain(target_dir, head_dir, tree):
 
 def test_seeded_sampling_repeats(target_dir, head_dir):
     layout, path = head_dir
-    llm = LLM(str(target_dir), speculative_config={"method": layout, "model": str(path), "num_speculative_tokens": 3})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(path),
+                                                              "num_speculative_tokens": 3}))
     params = SamplingParams(temperature=0.8, top_p=0.9, max_tokens=24, seed=7, ignore_eos=True)
     first = [o.token_ids for o in llm.generate(PROMPTS, params)]
     assert [o.token_ids for o in llm.generate(PROMPTS, params)] == first

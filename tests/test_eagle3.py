@@ -6,7 +6,7 @@ import json
 
 import pytest
 import torch
-from conftest import NEAR_TIE, assert_greedy_equal, save_tiny_model
+from conftest import NEAR_TIE, assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.eagle import EagleDrafter
@@ -62,9 +62,9 @@ def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
     config = json.loads((head_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
     with pytest.raises(SpecdecError, match="hidden size 128"):
-        LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path)})
+        LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(tmp_path)}))
     with pytest.raises(SpecdecError, match="no config.json"):
-        LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(tmp_path / "nowhere")})
+        LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(tmp_path / "nowhere")}))
 
 
 DYNAMIC = {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}
@@ -73,8 +73,8 @@ DYNAMIC = {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}
 @pytest.mark.parametrize("tree", ["chain", "D2-BF2", [[0], [1], [0, 0], [0, 0, 0], [1, 0]], DYNAMIC])
 def test_eagle3_greedy_equals_plain(target_dir, head_dir, tree):
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
-    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                   "num_speculative_tokens": 3, "tree": tree})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(head_dir),
+                                                              "num_speculative_tokens": 3, "tree": tree}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert_greedy_equal(llm, outs, reference)
     assert llm.generate(PROMPTS[1], GREEDY)[0].token_ids == reference[1]
@@ -87,8 +87,8 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
     history computes: each step's head output at the last committed token equals a from-scratch recomputation
     (to float32 rounding: the fresh head is fed many more rows, so its matmuls take another path), and so does
     the first draft token wherever the head's two best logits are not a near tie."""
-    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                   "num_speculative_tokens": 3})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(head_dir),
+                                                              "num_speculative_tokens": 3}))
     drafter = llm.engine.speculator.drafter
     history: dict[int, list[torch.Tensor]] = {}
     compared, first_tokens = [], []
@@ -115,8 +115,8 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
 
 def test_eagle3_tree_nodes_follow_the_heads_own_chain(target_dir, head_dir):
     """The rank-0 path of a tree is the chain the head drafts: each node is fed its parent's output."""
-    llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                   "num_speculative_tokens": 3, "tree": "D3-BF2"})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(head_dir),
+                                                              "num_speculative_tokens": 3, "tree": "D3-BF2"}))
     drafter = llm.engine.speculator.drafter
     seen = []
 
@@ -147,9 +147,9 @@ def test_a_dynamic_tree_keeps_only_nodes_the_head_rates_at_least_min_prob(target
     reference = [o.token_ids for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
     drafted = {}
     for min_prob in (0.0, 0.05, 1.0):
-        llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                       "num_speculative_tokens": 5, "tree": DYNAMIC,
-                                                       "min_prob": min_prob})
+        llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(head_dir),
+                                                                  "num_speculative_tokens": 5, "tree": DYNAMIC,
+                                                                  "min_prob": min_prob}))
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == reference
         drafted[min_prob] = sum(o.metrics["num_draft_tokens"] for o in outs)
@@ -159,8 +159,8 @@ def test_a_dynamic_tree_keeps_only_nodes_the_head_rates_at_least_min_prob(target
 def test_dynamic_tree_paths_are_the_heads_most_probable(target_dir, head_dir):
     """With topk 1 a dynamic tree is the head's greedy chain: each node fed its parent's output."""
     def drafts(tree):
-        llm = LLM(str(target_dir), speculative_config={"method": "eagle3", "model": str(head_dir),
-                                                       "num_speculative_tokens": 3, "tree": tree})
+        llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(head_dir),
+                                                                  "num_speculative_tokens": 3, "tree": tree}))
         seen = []
         propose = llm.engine.speculator.drafter.propose
 
@@ -189,7 +189,8 @@ def test_a_head_computes_on_blocks_when_the_target_does(tmp_path_factory, quanti
     head_dir = tmp_path_factory.mktemp("blocks-head")
     random_head(plain.engine.model.config).save(head_dir)
     spec = {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}
-    llm = plain.with_speculative_config(spec if quantization is None else {**spec, "quantization": quantization})
+    llm = plain.with_speculative_config(every_step(spec if quantization is None else {**spec,
+                                                   "quantization": quantization}))
     head = llm.engine.speculator.drafter.head
     formats = {f for w in (head.fc.weight, head.lm_head) if isinstance(w, QuantWeight) for f in w.formats}
     assert formats == ({expected} if expected else set())
@@ -209,8 +210,9 @@ def test_the_native_draft_step_gives_the_op_by_op_steps_bits(tmp_path_factory, q
     plain = LLM(str(target), quantization="q8_0", speculative_config="off")
     head_dir = tmp_path_factory.mktemp("step-head")
     random_head(plain.engine.model.config).save(head_dir)
-    llm = plain.with_speculative_config({"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 2,
-                                         "quantization": quantization})
+    llm = plain.with_speculative_config(every_step({"method": "eagle3", "model": str(head_dir),
+                                                    "num_speculative_tokens": 2,
+                                                    "quantization": quantization}))
     drafter = llm.engine.speculator.drafter
     head, env = drafter.head, drafter.env
     assert head.native_step() is not None

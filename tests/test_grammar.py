@@ -11,7 +11,7 @@ import sys
 
 import pytest
 import torch
-from conftest import MISSING, needs_default_model
+from conftest import MISSING, every_step, needs_default_model
 from jsonschema import validate
 from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
@@ -443,7 +443,7 @@ def test_greedy_constrained_speculation_equals_constrained_plain(target_dir, oth
     cfg = dict(SPECS[name])
     if cfg["method"] == "draft_model":
         cfg["model"] = str(other_draft_dir)
-    spec = LLM(str(target_dir), speculative_config=cfg, max_num_seqs=64)
+    spec = LLM(str(target_dir), speculative_config=every_step(cfg), max_num_seqs=64)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS for _ in CONSTRAINTS]
     params = [constrained(c, 64) for _ in PROMPTS for c in CONSTRAINTS]
     expected = plain.generate(prompts, params)
@@ -462,7 +462,8 @@ def test_forced_text_is_drafted_where_the_dispatcher_drafts_nothing(target_dir, 
     holding a structured request still draft the grammar's forced text (jump-forward), and the target (random
     weights, its own segmentation) keeps part of it; an unconstrained request beside it decodes as plain."""
     text = "the quick brown fox jumps over the lazy dog"
-    spec = LLM(str(target_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4, "tree": "off"})
+    spec = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 4,
+                                                               "tree": "off"}))
     prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}]
     params = [constrained({"choice": [text]}), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
     with spec.engine.trace_speculation() as trace:
@@ -471,7 +472,7 @@ def test_forced_text_is_drafted_where_the_dispatcher_drafts_nothing(target_dir, 
     assert outs[0].text == text and [o.token_ids for o in outs] == [e.token_ids for e in expected]
     assert outs[0].metrics["num_accepted_tokens"] >= 4 and outs[0].metrics["num_steps"] < len(outs[0].token_ids) - 3
     assert outs[1].metrics["num_draft_tokens"] == 0 and trace
-    off = LLM(str(target_dir), speculative_config={"method": "ngram", "tree": "off", "jump_forward": 0})
+    off = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "tree": "off", "jump_forward": 0}))
     with off.engine.trace_speculation() as trace:
         assert off.generate(prompts, params)[0].token_ids == expected[0].token_ids
     assert not trace  # nothing to draft: every decode step took the plain path
@@ -493,7 +494,7 @@ def test_sampled_constrained_speculation_keeps_the_constrained_distribution(targ
     cfg = dict(SPECS[name])
     if cfg["method"] == "draft_model":
         cfg["model"] = str(other_draft_dir)
-    spec = LLM(str(target_dir), speculative_config=cfg, max_num_seqs=256)
+    spec = LLM(str(target_dir), speculative_config=every_step(cfg), max_num_seqs=256)
     n, last = 2000, 3
     regex = r"[a-z ]{1,40}"
     prompts = [{"prompt_token_ids": PROMPTS[1]}] * n
@@ -571,7 +572,7 @@ def test_greedy_constrained_speculation_on_the_default_model_equals_plain(smol, 
     prompts = [{"prompt_token_ids": ids} for ids, _, _ in requests]
     params = [p for _, p, _ in requests]
     expected = smol.generate(prompts, params)
-    spec = smol.with_speculative_config(config)
+    spec = smol.with_speculative_config(every_step(config))
     outs = spec.generate(prompts[:6], params[:6]) + [spec.generate(p, q)[0] for p, q in zip(prompts[6:], params[6:])]
     assert [o.token_ids for o in outs] == [e.token_ids for e in expected]
     accepted = sum(o.metrics["num_accepted_tokens"] for o in outs)

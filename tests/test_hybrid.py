@@ -3,6 +3,7 @@ never depends on it (greedy identity, sampled distribution with mixed sources)."
 from __future__ import annotations
 
 import pytest
+from conftest import every_step
 from test_drafters import GREEDY, PROMPTS, other_draft_dir, reference, target_dir  # noqa: F401 (module fixtures)
 from test_retrieval import assert_first_step_follows_plain, likely_corpus, private_cache  # noqa: F401
 
@@ -112,7 +113,7 @@ def test_hybrid_is_lossless(target_dir, other_draft_dir, reference, min_score):
     config = {**HYBRID, "min_score": min_score,
               "sources": HYBRID["sources"] + [{"method": "draft_model", "model": str(other_draft_dir),
                                                 "num_speculative_tokens": 3}]}
-    llm = LLM(str(target_dir), speculative_config=config)
+    llm = LLM(str(target_dir), speculative_config=every_step(config))
     for _ in range(2):
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == reference
@@ -124,11 +125,11 @@ def test_sampled_output_with_a_mixed_tree_follows_the_target(target_dir, other_d
     """A tree merging a random draft model's sampled chain with retrieval's branches over the target's likely
     tokens keeps the first speculative step's distribution."""
     plain = LLM(str(target_dir), max_num_seqs=256)
-    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config=every_step({
         "method": "hybrid", "num_speculative_tokens": 6, "min_score": 0.0, "sources": [
             {"method": "draft_model", "model": str(other_draft_dir), "num_speculative_tokens": 2},
             {"method": "retrieval", "corpus": likely_corpus(tmp_path / "c.npz", plain.engine.model),
-             "num_speculative_tokens": 4, "min_token_prob": 0.0}]})
+             "num_speculative_tokens": 4, "min_token_prob": 0.0}]}))
     assert_first_step_follows_plain(plain, spec)
 
 
@@ -144,4 +145,4 @@ def test_sampled_output_with_a_mixed_tree_follows_the_target(target_dir, other_d
 ])
 def test_bad_hybrid_configs_are_refused(target_dir, config, message):
     with pytest.raises(SpecdecError, match=message):
-        LLM(str(target_dir), speculative_config={"method": "hybrid", "num_speculative_tokens": 8, **config})
+        LLM(str(target_dir), speculative_config=every_step({"method": "hybrid", "num_speculative_tokens": 8, **config}))

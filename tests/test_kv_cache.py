@@ -175,3 +175,35 @@ def test_kv_pools_on_the_cpu_come_from_huge_pages():
     big = pool_tensor((65536, 8, 64), torch.float16, "cpu")  # 64 MB: a chunk of its own
     assert pool.shape == (4096, 8, 64) and pool.dtype == torch.float16 and pool.is_contiguous()
     assert big.data_ptr() % (2 << 20) == 0
+
+
+@needs_native
+def test_the_native_causal_layout_equals_the_numpy_one(monkeypatch):
+    """Steps without trees take their layout from one native call; it must be the numpy path's, array for array:
+    ragged feeds (decode rows, chains, prefill chunks, a sequence feeding nothing), tables longer and shorter than
+    the context."""
+    import random
+
+    from specdec.kv_cache import paged_inputs
+    from specdec.models import native
+    rng = random.Random(0)
+    cases = [([[3, 1]], [5], [[7]], 4), ([[2], [4, 6]], [0, 17], [[1, 2, 3], []], 16)]
+    for _ in range(40):
+        B, bs = rng.randint(1, 5), rng.choice([1, 4, 16])
+        starts = [rng.randint(0, 40) for _ in range(B)]
+        feeds = [[rng.randrange(1000) for _ in range(rng.choice([0, 1, 2, 5, 9]))] for _ in range(B)]
+        tables = [rng.sample(range(1, 99), max(0, -(-(s + len(f)) // bs) + rng.randint(-1, 2)))
+                  for s, f in zip(starts, feeds)]
+        cases.append((tables, starts, feeds, bs))
+    for tables, starts, feeds, bs in cases:
+        fast = paged_inputs(tables, starts, feeds, block_size=bs)
+        monkeypatch.setattr(native, "available", lambda *a: False)
+        slow = paged_inputs(tables, starts, feeds, block_size=bs)
+        monkeypatch.undo()
+        for a, b in ((fast[0], slow[0]), (fast[1], slow[1])):
+            assert a.dtype == b.dtype and torch.equal(a, b)
+        for name in ("slot_mapping", "context_slots", "mask"):
+            a, b = getattr(fast[2], name), getattr(slow[2], name)
+            assert a.dtype == b.dtype and torch.equal(a, b), name
+        assert fast[2].query_lens == slow[2].query_lens and fast[2].context_lens == slow[2].context_lens
+        assert fast[2].tree_starts is None and slow[2].tree_starts is None

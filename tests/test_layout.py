@@ -14,6 +14,10 @@ def test_the_docstring_step():
     assert layout.logits_rows == [4, 5, 6, 7, 8, 9]  # the ready sequences' last token and draft rows
     assert layout.kept_rows(1, [0, 2]) == [4, 5, 7]  # its fed token, then accepted nodes 0 and 2
     assert layout.kept_rows(2, []) == [8]
+    # as an index: a slice where the rows are consecutive (a chain's accepted prefix), else the list
+    assert layout.kept_index(1, [0, 1]) == slice(4, 7) and layout.kept_index(2, []) == slice(8, 9)
+    assert layout.kept_index(1, [0, 2]) == [4, 5, 7] and layout.kept_index(1, [1]) == [4, 6]
+    assert layout.kept_index(0, []) == slice(0, 4)
     logits = layout.logits  # ready sequence k is sequence k there
     assert logits.starts == [0, 4, 6] and logits.ready == [0, 1]
     assert logits.kept_rows(0, [0, 2]) == [0, 1, 3] and logits.kept_rows(1, [0]) == [4, 5]

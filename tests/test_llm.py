@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import every_step
 
 from specdec import LLM, SamplingParams, SpecdecError
 
@@ -134,7 +135,7 @@ def test_quantization_on_load(tmp_path_factory):
     for name in ("q8_0", "q4_1"):
         plain = LLM(str(path), quantization=name, speculative_config="off")
         assert plain.engine.model.quantization == name
-        spec = plain.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+        spec = plain.with_speculative_config(every_step({"method": "ngram", "num_speculative_tokens": 3}))
         assert [o.token_ids for o in spec.generate(prompts, params)] == \
             [o.token_ids for o in plain.generate(prompts, params)]
 
@@ -163,7 +164,7 @@ def fail_on_marked(seqs):
 
 @pytest.mark.parametrize("config", ["off", {"method": "ngram", "num_speculative_tokens": 3}])
 def test_a_step_that_raises_fails_only_the_request_at_fault(tiny_llama_dir, config):
-    llm = LLM(str(tiny_llama_dir), speculative_config=config)
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step(config))
     prompts = [{"prompt_token_ids": llm.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2", "def add(a, b):")]
     alone = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
     llm.engine.inject_fault = fail_on_marked
@@ -189,7 +190,8 @@ def test_a_drafter_that_raises_turns_speculation_off_for_its_request_only(tiny_l
             return Draft.chains([[r.token_ids[-1]] * r.max_tokens for r in requests])
 
     plain = LLM(str(tiny_llama_dir), speculative_config="off")
-    llm = plain.with_speculative_config({"method": "custom", "drafter": Fragile(), "num_speculative_tokens": 2})
+    llm = plain.with_speculative_config(every_step({"method": "custom", "drafter": Fragile(),
+                                                    "num_speculative_tokens": 2}))
     prompts = [{"prompt_token_ids": plain.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2")]
     faulty = {"prompt_token_ids": [5, 6, 7, FAULTY]}
     want = [o.token_ids for o in plain.generate([prompts[0], faulty, prompts[1]], GREEDY)]

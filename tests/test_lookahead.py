@@ -2,6 +2,7 @@
 from __future__ import annotations
 
 import pytest
+from conftest import every_step
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 from test_retrieval import assert_first_step_follows_plain
 
@@ -97,8 +98,8 @@ def test_jacobi_trajectories_fill_the_pool_and_get_accepted():
 
 
 def test_lookahead_is_lossless(target_dir, reference):  # noqa: F811
-    llm = LLM(str(target_dir), speculative_config={"method": "lookahead", "num_speculative_tokens": 10,
-                                                   "lookahead_window": 5, "lookahead_ngram": 3})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "lookahead", "num_speculative_tokens": 10,
+                                                              "lookahead_window": 5, "lookahead_ngram": 3}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
@@ -108,8 +109,8 @@ def test_lookahead_is_lossless(target_dir, reference):  # noqa: F811
 def test_sampled_output_with_lookahead_follows_the_target(target_dir):  # noqa: F811
     """Tokens 1 .. 5: lookahead drafts little in its first steps, so later ones are compared too."""
     plain = LLM(str(target_dir), max_num_seqs=256)
-    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
-        "method": "lookahead", "num_speculative_tokens": 6, "lookahead_window": 3, "lookahead_guesses": 1})
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config=every_step({
+        "method": "lookahead", "num_speculative_tokens": 6, "lookahead_window": 3, "lookahead_guesses": 1}))
     assert_first_step_follows_plain(plain, spec, n=1500, prompt=[5, 6, 7, 5, 6, 7], last=5)
 
 
@@ -117,10 +118,11 @@ def test_sampled_output_with_lookahead_follows_the_target(target_dir):  # noqa: 
                                         ("lookahead_max_pool", 0), ("lookahead_window", True)])
 def test_bad_lookahead_options_are_refused(target_dir, key, value):  # noqa: F811
     with pytest.raises(SpecdecError, match=key):
-        LLM(str(target_dir), speculative_config={"method": "lookahead", key: value})
+        LLM(str(target_dir), speculative_config=every_step({"method": "lookahead", key: value}))
 
 
 def test_a_hybrid_does_not_merge_lookahead(target_dir):  # noqa: F811
     with pytest.raises(SpecdecError, match="does not merge 'lookahead'"):
-        LLM(str(target_dir), speculative_config={"method": "hybrid", "num_speculative_tokens": 6, "sources": [
-            {"method": "ngram", "num_speculative_tokens": 3}, {"method": "lookahead", "num_speculative_tokens": 6}]})
+        LLM(str(target_dir), speculative_config=every_step({"method": "hybrid", "num_speculative_tokens": 6,
+                                                            "sources": [
+            {"method": "ngram", "num_speculative_tokens": 3}, {"method": "lookahead", "num_speculative_tokens": 6}]}))

@@ -6,7 +6,7 @@ import json
 import pytest
 import torch
 import torch.nn.functional as F
-from conftest import assert_greedy_equal, save_tiny_model
+from conftest import assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import DraftRequest
@@ -50,8 +50,8 @@ def reference(target_dir):
 
 
 def medusa(target_dir, head_dir, **kw) -> LLM:
-    return LLM(str(target_dir), speculative_config={"method": "medusa", "model": str(head_dir),
-                                                   "num_speculative_tokens": 2, **kw})
+    return LLM(str(target_dir), speculative_config=every_step({"method": "medusa", "model": str(head_dir),
+                                                   "num_speculative_tokens": 2, **kw}))
 
 
 def test_shapes_and_forward(target):

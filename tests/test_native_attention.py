@@ -10,7 +10,7 @@ import torch
 from conftest import needs_native
 
 from specdec.kv_cache import paged_inputs
-from specdec.models import kernels, native
+from specdec.models import native
 from specdec.tree import TreeFeed
 
 pytestmark = needs_native
@@ -32,7 +32,7 @@ def layout(starts: list[int], feeds: list[int], trees: list[TreeFeed | None] | N
 
 def attend(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta, isa: str | None = None) -> torch.Tensor:
     return native.ops(isa).attention(q, *pools, meta.context_slots, meta.mask,
-                                     torch.from_numpy(kernels.query_starts(meta.query_lens)), q.shape[-1] ** -0.5)
+                                     meta.row_starts(), q.shape[-1] ** -0.5)
 
 
 def reference(q: torch.Tensor, pools: tuple[torch.Tensor, torch.Tensor], meta) -> torch.Tensor:

@@ -5,7 +5,14 @@ import time
 
 import pytest
 import torch
-from conftest import NEAR_TIE, assert_greedy_equal, gloo_threads_at_exit, gloo_threads_left, needs_default_model
+from conftest import (
+    NEAR_TIE,
+    assert_greedy_equal,
+    every_step,
+    gloo_threads_at_exit,
+    gloo_threads_left,
+    needs_default_model,
+)
 
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
@@ -81,7 +88,7 @@ def test_two_ranks_on_the_default_model():
         expected = [o.token_ids for o in two.generate(feeds, params)]
         for config in ({"method": "ngram", "num_speculative_tokens": 4},
                        {"method": "eagle3", "num_speculative_tokens": 3, "model": str(shipped_head("smollm2-135m"))}):
-            spec = two.with_speculative_config(config)
+            spec = two.with_speculative_config(every_step(config))
             assert [o.token_ids for o in spec.generate(feeds, params)] == expected, config
             assert [spec.generate(f, params)[0].token_ids for f in feeds] == expected, config  # alone
     finally:
@@ -167,7 +174,7 @@ def test_greedy_speculation_on_two_ranks_equals_plain_decoding(tiny, config):
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     prompts = [{"prompt_token_ids": p} for p in PROMPTS]
     expected = two.generate(prompts, params)
-    spec = two.with_speculative_config(config)
+    spec = two.with_speculative_config(every_step(config))
     for batch in (1, len(prompts)):
         outs = [o for i in range(0, len(prompts), batch) for o in spec.generate(prompts[i:i + batch], params)]
         assert_greedy_equal(two, outs, [e.token_ids for e in expected])
@@ -181,7 +188,8 @@ def test_a_seed_gives_the_same_tokens_on_two_ranks_with_speculation_on_or_off(ti
     params = [SamplingParams(temperature=0.9, top_k=20, max_tokens=24, ignore_eos=True, seed=s) for s in range(4)]
     prompts = [{"prompt_token_ids": PROMPTS[i % len(PROMPTS)]} for i in range(4)]
     expected = [o.token_ids for o in two.generate(prompts, params)]
-    spec = two.with_speculative_config({"method": "ngram", "num_speculative_tokens": 4, "prompt_lookup_min": 1})
+    spec = two.with_speculative_config(every_step({"method": "ngram", "num_speculative_tokens": 4,
+                                                   "prompt_lookup_min": 1}))
     outs = spec.generate(prompts, params)
     assert [o.token_ids for o in outs] == expected
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
@@ -191,7 +199,7 @@ def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):
     import gc
 
     two = tiny[1]
-    extra = two.with_speculative_config({"method": "ngram", "num_speculative_tokens": 2})
+    extra = two.with_speculative_config(every_step({"method": "ngram", "num_speculative_tokens": 2}))
     engine_id = extra.engine.runner.engine_id
     del extra
     gc.collect()
@@ -202,7 +210,7 @@ def test_an_engine_that_goes_frees_its_pools_on_every_rank(tiny):
 
 def test_methods_that_run_the_target_layers_are_refused(tiny):
     with pytest.raises(SpecdecError, match="layer_skip.*tensor_parallel_size=1"):
-        tiny[1].with_speculative_config({"method": "layer_skip", "num_layers": 1})
+        tiny[1].with_speculative_config(every_step({"method": "layer_skip", "num_layers": 1}))
 
 
 @pytest.mark.parametrize("size, message", [(0, "positive integer"), (True, "positive integer"),

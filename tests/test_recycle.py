@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from conftest import every_step
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 from specdec import LLM, SamplingParams, SpecdecError
@@ -47,8 +48,8 @@ def test_the_engine_hands_over_the_targets_top_k_of_every_kept_token(target_dir)
         def observe(self, seq_id, tokens, candidates):
             seen.append((list(tokens), candidates))
 
-    llm = LLM(str(target_dir), speculative_config={"method": "custom", "num_speculative_tokens": 3,
-                                                   "drafter": Recorder()})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 3,
+                                                              "drafter": Recorder()}))
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
     full = [5, 6, 7] + out.token_ids
     plain = LLM(str(target_dir)).engine.model
@@ -62,8 +63,8 @@ def test_the_engine_hands_over_the_targets_top_k_of_every_kept_token(target_dir)
 
 @pytest.mark.parametrize("widths", [[1], [2, 1], [3]])
 def test_token_recycling_is_lossless_and_gets_accepted(target_dir, reference, widths):
-    llm = LLM(str(target_dir), speculative_config={"method": "recycle", "num_speculative_tokens": 5,
-                                                   "recycle_widths": widths})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "recycle", "num_speculative_tokens": 5,
+                                                              "recycle_widths": widths}))
     for _ in range(2):
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == reference
@@ -79,8 +80,8 @@ def test_sampled_token_recycling_keeps_the_targets_distribution(tiny_llama_dir):
     n, prompt = 2000, [5, 6, 7]
     params = [SamplingParams(temperature=1.0, top_k=6, max_tokens=4, ignore_eos=True, seed=i) for i in range(n)]
     plain = LLM(str(tiny_llama_dir), max_num_seqs=256)
-    spec = LLM(str(tiny_llama_dir), max_num_seqs=256, speculative_config={
-        "method": "recycle", "num_speculative_tokens": 4, "recycle_widths": [2, 1]})
+    spec = LLM(str(tiny_llama_dir), max_num_seqs=256, speculative_config=every_step({
+        "method": "recycle", "num_speculative_tokens": 4, "recycle_widths": [2, 1]}))
     spec.generate([{"prompt_token_ids": prompt}] * 8, params[:8])  # the table learns the target's candidates
     a = torch.tensor([o.token_ids[1:3] for o in plain.generate([{"prompt_token_ids": prompt}] * n, params)])
     outs = spec.generate([{"prompt_token_ids": prompt}] * n, params)
@@ -98,4 +99,5 @@ def test_sampled_token_recycling_keeps_the_targets_distribution(tiny_llama_dir):
                                               ({"recycle_topk": 2, "recycle_widths": [3]}, "recycle_widths")])
 def test_bad_recycle_options_are_refused(target_dir, options, message):
     with pytest.raises(SpecdecError, match=message):
-        LLM(str(target_dir), speculative_config={"method": "recycle", "num_speculative_tokens": 3, **options})
+        LLM(str(target_dir), speculative_config=every_step({"method": "recycle", "num_speculative_tokens": 3,
+                                                            **options}))

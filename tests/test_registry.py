@@ -10,6 +10,7 @@ from types import SimpleNamespace
 
 import pytest
 import torch
+from conftest import every_step
 
 import specdec
 from specdec import LLM, SamplingParams, SpecdecError
@@ -61,7 +62,8 @@ class EchoDrafter(Drafter):
 def test_a_method_defined_in_a_test_module_works_end_to_end(tiny_llama_dir):
     assert "echo_test" in registered_methods() and "echo_test" not in registered_methods(head=True)
     plain = LLM(str(tiny_llama_dir), speculative_config="off").generate(PROMPTS, GREEDY)
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "echo_test", "num_speculative_tokens": 3, "lag": 1})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "echo_test", "num_speculative_tokens": 3,
+                                                                  "lag": 1}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == [o.token_ids for o in plain]
     assert sum(o.metrics["num_drafts"] for o in outs) > 0
@@ -91,7 +93,7 @@ def test_an_unknown_method_lists_the_registered_ones():
 
 
 def test_drafters_get_plain_values_never_engine_objects(tiny_llama_dir):
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "echo_test", "num_speculative_tokens": 2})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "echo_test", "num_speculative_tokens": 2}))
     llm.generate(PROMPTS, [GREEDY, SamplingParams(temperature=0.8, seed=3, max_tokens=12, ignore_eos=True)])
     drafter = llm.engine.speculator.drafter
     engine_types = (LLMEngine, Scheduler, Sequence, ModelRunner)
@@ -118,7 +120,7 @@ def test_a_custom_drafter_must_be_a_drafter(tiny_llama_dir):
             return Draft.chains([[] for _ in requests])
 
     with pytest.raises(SpecdecError, match="must be a specdec.drafting.Drafter .* got Almost"):
-        LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "drafter": Almost()})
+        LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "drafter": Almost()}))
 
 
 # ---- a closed registry: what a method can do is declared with it, and the engine never names one -------------
@@ -247,13 +249,13 @@ def test_drafts_are_checked_where_the_method_declares_it(tiny_llama_dir, monkeyp
     """A method registered with `validate_drafts` has a malformed draft refused by name (its request goes on
     without drafts, output unchanged); one registered without it is trusted and never checked."""
     plain = LLM(str(tiny_llama_dir), speculative_config="off")
-    checked = plain.with_speculative_config({"method": "checked_test", "num_speculative_tokens": 1})
+    checked = plain.with_speculative_config(every_step({"method": "checked_test", "num_speculative_tokens": 1}))
     out = checked.generate(PROMPTS[:1], GREEDY)[0]
     assert out.token_ids == plain.generate(PROMPTS[:1], GREEDY)[0].token_ids
     assert out.metrics["num_drafts"] == 0 and checked.engine.stats()["spec_draft_failures"] == 1
     checks = []
     monkeypatch.setattr(Draft, "validate", lambda self, *args: checks.append(args))
-    trusted = plain.with_speculative_config({"method": "echo_test", "num_speculative_tokens": 2})
+    trusted = plain.with_speculative_config(every_step({"method": "echo_test", "num_speculative_tokens": 2}))
     assert trusted.generate(PROMPTS[:1], GREEDY)[0].metrics["num_drafts"] > 0 and not checks
 
 

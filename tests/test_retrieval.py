@@ -8,6 +8,7 @@ import random
 import numpy as np
 import pytest
 import torch
+from conftest import every_step
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
@@ -74,8 +75,8 @@ def test_the_drafter_takes_the_longest_match_and_respects_the_budget():
 def test_retrieval_is_lossless_and_drafts_from_the_corpus(target_dir, reference, tmp_path):
     """A corpus holding the target's own answers: drafts are accepted, and the output is plain greedy's."""
     corpus = token_file(tmp_path / "answers.npz", [list(r) for r in reference])
-    llm = LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus),
-                                                   "num_speculative_tokens": 6})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "retrieval", "corpus": str(corpus),
+                                                              "num_speculative_tokens": 6}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["acceptance_length"] for o in outs) / len(outs) >= 3
@@ -89,8 +90,8 @@ def test_the_answers_of_the_training_pipeline_are_a_corpus(target_dir, reference
                         offsets=np.array([0, *np.cumsum(lengths)], np.int64),
                         prompt_index=np.arange(len(reference), dtype=np.int32),
                         sampled=np.zeros(len(reference), bool))
-    llm = LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus),
-                                                   "num_speculative_tokens": 6})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "retrieval", "corpus": str(corpus),
+                                                              "num_speculative_tokens": 6}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["acceptance_length"] for o in outs) / len(outs) >= 3
@@ -105,10 +106,10 @@ def test_text_corpora_are_tokenized_once_and_cached(target_dir, reference, tmp_p
         json.dumps({"messages": [{"role": "user", "content": "q"}, {"role": "assistant", "content": t}]})
         for t in texts))
     config = {"method": "retrieval", "corpus": str(path), "num_speculative_tokens": 4}
-    outs = LLM(str(target_dir), speculative_config=config).generate(PROMPTS, GREEDY)
+    outs = LLM(str(target_dir), speculative_config=every_step(config)).generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert len(list(private_cache.glob("*.npz"))) == 1
-    again = LLM(str(target_dir), speculative_config=config)  # reads the cached datastore
+    again = LLM(str(target_dir), speculative_config=every_step(config))  # reads the cached datastore
     assert [o.token_ids for o in again.generate(PROMPTS, GREEDY)] == reference
 
 
@@ -118,7 +119,8 @@ def test_the_datastore_is_cached_under_specdec_cache(target_dir, reference, tmp_
     monkeypatch.setattr(retrieval, "CACHE_DIR", None)
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "specdec"))
     corpus = token_file(tmp_path / "answers.npz", [list(r) for r in reference])
-    LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(corpus), "num_speculative_tokens": 4})
+    LLM(str(target_dir), speculative_config=every_step({"method": "retrieval", "corpus": str(corpus),
+                                                        "num_speculative_tokens": 4}))
     assert len(list((tmp_path / "specdec" / "retrieval").glob("*.npz"))) == 1
 
 
@@ -155,16 +157,16 @@ def assert_first_step_follows_plain(plain: LLM, spec: LLM, n: int = 2000, prompt
 
 def test_sampled_output_with_retrieval_follows_the_target(target_dir, tmp_path):
     plain = LLM(str(target_dir), max_num_seqs=256)
-    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config={
+    spec = LLM(str(target_dir), max_num_seqs=256, speculative_config=every_step({
         "method": "retrieval", "corpus": likely_corpus(tmp_path / "c.npz", plain.engine.model),
-        "num_speculative_tokens": 4, "min_token_prob": 0.0})
+        "num_speculative_tokens": 4, "min_token_prob": 0.0}))
     assert_first_step_follows_plain(plain, spec)
 
 
 def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, private_cache):
     def refused(path, message, **extra):
         with pytest.raises(SpecdecError, match=message):
-            LLM(str(target_dir), speculative_config={"method": "retrieval", "corpus": str(path), **extra})
+            LLM(str(target_dir), speculative_config=every_step({"method": "retrieval", "corpus": str(path), **extra}))
 
     refused(tmp_path / "missing.txt", "does not exist")
     (tmp_path / "blob.bin").write_bytes(bytes(range(256)) * 4)

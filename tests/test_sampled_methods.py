@@ -30,7 +30,7 @@ from __future__ import annotations
 
 import pytest
 import torch
-from conftest import save_tiny_model
+from conftest import every_step, save_tiny_model
 from safetensors.torch import load_file, save_file
 from test_eagle import random_head as eagle_head
 from test_eagle3 import random_head as eagle3_head
@@ -230,7 +230,7 @@ def test_sampled_output_follows_the_target(models, plain_tokens, method, options
         config["model"] = heads[method]
     if method == "layer_skip":
         config["num_layers"] = 2
-    spec = plain.with_speculative_config(config, max_num_seqs=256)
+    spec = plain.with_speculative_config(every_step(config), max_num_seqs=256)
     trees = count_tree_drafts(spec)
     outs = spec.generate([{"prompt_token_ids": PROMPT}] * N, params(sampling, max_tokens))
     drafted = sum(o.metrics["num_draft_tokens"] for o in outs)

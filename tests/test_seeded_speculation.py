@@ -10,6 +10,7 @@ held only because nothing was drafted, or nothing rejected, is ruled out by the 
 from __future__ import annotations
 
 import pytest
+from conftest import every_step
 from test_retrieval import token_file
 from test_sampled_methods import CHOICES, LIKELY, PROMPT, models, prior_target  # noqa: F401  (models: a fixture)
 
@@ -95,7 +96,7 @@ def run(llm: LLM, params: list[SamplingParams]) -> list[list[int]]:
 @pytest.mark.parametrize("name", list(METHODS))
 def test_seeded_output_equals_plain_output(models, extras, name, sampling):
     plain, heads = models
-    spec = plain.with_speculative_config(config(name, heads, extras), max_num_seqs=64)
+    spec = plain.with_speculative_config(every_step(config(name, heads, extras)), max_num_seqs=64)
     sampling_ = SAMPLINGS[sampling]
     for params in (seeded(sampling_), mixed(sampling_)):
         outs = spec.generate([PROMPTS[i % 2] for i in range(len(params))], params)
@@ -110,7 +111,7 @@ def test_seeded_output_equals_plain_output(models, extras, name, sampling):
 def test_seeded_structured_output_equals_plain_output(models, extras, name):
     """With a grammar too: every row is masked after its own path, then sampled with its position's key."""
     plain, heads = models
-    spec = plain.with_speculative_config(config(name, heads, extras), max_num_seqs=64)
+    spec = plain.with_speculative_config(every_step(config(name, heads, extras)), max_num_seqs=64)
     so = StructuredOutput(regex="[a-z ]{3,40}")
     params = [SamplingParams(max_tokens=MAX_TOKENS, seed=i, temperature=0.9, structured_output=so) for i in range(N)]
     assert run(spec, params) == run(plain, params)
@@ -121,7 +122,7 @@ def test_keying_by_step_instead_of_position_breaks_the_equality(models, extras, 
     generator would) and speculative output leaves plain output, since a step that emits several tokens moves
     the key once."""
     plain, heads = models
-    spec = plain.with_speculative_config(config("ngram-chain", heads, extras), max_num_seqs=64)
+    spec = plain.with_speculative_config(every_step(config("ngram-chain", heads, extras)), max_num_seqs=64)
     steps = {"n": 0}
     keyed = token_choice.sampling_key
 

@@ -19,6 +19,7 @@ import httpx
 import openai
 import pytest
 import uvicorn
+from conftest import every_step
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
@@ -101,7 +102,7 @@ def plain(tiny_llama_dir) -> Iterator[Served]:
 
 @pytest.fixture(scope="module")
 def spec(tiny_llama_dir) -> Iterator[Served]:
-    with serving(LLM(str(tiny_llama_dir), speculative_config=SPEC), served_model_name=MODEL) as s:
+    with serving(LLM(str(tiny_llama_dir), speculative_config=every_step(SPEC)), served_model_name=MODEL) as s:
         yield s
 
 

@@ -5,7 +5,7 @@ from pathlib import Path
 
 import pytest
 import torch
-from conftest import accelerator_checks, assert_logprobs_equal
+from conftest import accelerator_checks, assert_logprobs_equal, every_step
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest
@@ -54,7 +54,7 @@ class ScriptedDrafter(Drafter):
 
 @pytest.mark.parametrize("k", [1, 3, 5])
 def test_ngram_greedy_equals_plain(tiny_llama_dir, reference, k):
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": k})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": k}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_drafts"] for o in outs) > 0  # speculation actually happened
@@ -63,8 +63,8 @@ def test_ngram_greedy_equals_plain(tiny_llama_dir, reference, k):
 
 def test_oracle_drafter_is_fully_accepted(tiny_llama_dir, plain, reference):
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
-                                                       "drafter": ScriptedDrafter(truth, 4)})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                                  "drafter": ScriptedDrafter(truth, 4)}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     for o in outs:
@@ -77,8 +77,8 @@ def test_oracle_drafter_is_fully_accepted(tiny_llama_dir, plain, reference):
 def test_wrong_drafts_never_change_the_output(tiny_llama_dir, plain, reference):
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     drafter = ScriptedDrafter(truth, 5, corrupt_every=2)
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 5,
-                                                       "drafter": drafter})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 5,
+                                                                  "drafter": drafter}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     assert any(o.metrics["acceptance_rate"] < 1 for o in outs)  # rejections happened, sequences ragged
@@ -90,8 +90,8 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     bad = ScriptedDrafter(truth, 4, corrupt_every=1)  # every draft wrong from its middle token on ...
     bad.propose = lambda requests, orig=bad.propose: wrong_first(orig(requests))  # ... and at its first
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
-                                                       "drafter": bad})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                                  "drafter": bad}))
     params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
     out = llm.generate(PROMPTS[0], params)[0]
     assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
@@ -99,8 +99,8 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
     assert m["num_accepted_tokens"] == 0 and m["num_drafts"] <= 12  # 40 steps, most of them without drafts
     assert m["num_draft_tokens"] < 4 * m["num_drafts"]  # low acceptance: one-token probes
 
-    good = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
-                                                        "drafter": ScriptedDrafter(truth, 4)})
+    good = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                                   "drafter": ScriptedDrafter(truth, 4)}))
     m = good.generate(PROMPTS[0], GREEDY)[0].metrics
     assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never paused
 
@@ -123,8 +123,9 @@ def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_und
                                  for i, n in enumerate(d.num_nodes())])
 
         drafter.propose = right_then_wrong
-        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
-                                                           "min_acceptance": min_acceptance, "drafter": drafter})
+        llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                                      "min_acceptance": min_acceptance,
+                                                                      "drafter": drafter}))
         out = llm.generate(PROMPTS[0], params)[0]
         assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
         return out.metrics
@@ -140,8 +141,8 @@ def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_und
 def test_a_config_for_greedy_requests_only_leaves_sampled_ones_plain(tiny_llama_dir, plain):
     """"sampled": false: a sampled request never drafts and, alone, takes the plain path (the same tokens as
     plain decoding with the same seed); a greedy request beside it still drafts."""
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                       "prompt_lookup_min": 1, "sampled": False})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 4,
+                                                                  "prompt_lookup_min": 1, "sampled": False}))
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
     with llm.engine.trace_speculation() as trace:
         out = llm.generate(PROMPTS[0], sampled)[0]
@@ -166,8 +167,8 @@ def test_a_well_predicted_tree_is_not_throttled_by_its_siblings(tiny_llama_dir, 
                             else ([right], [-1]))
             return Draft.from_rows(rows)
 
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
-                                                       "drafter": Siblings()})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                                  "drafter": Siblings()}))
     out = llm.generate(PROMPTS[0], GREEDY)[0]
     assert out.token_ids == reference[0]
     m = out.metrics
@@ -184,8 +185,8 @@ def test_stop_conditions_inside_an_accepted_draft(tiny_llama_dir, plain, referen
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     stop_token = reference[0][6]
     params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[stop_token])
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 5,
-                                                       "drafter": ScriptedDrafter(truth, 5)})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 5,
+                                                                  "drafter": ScriptedDrafter(truth, 5)}))
     spec, ref = llm.generate(PROMPTS[0], params)[0], plain.generate(PROMPTS[0], params)[0]
     assert spec.token_ids == ref.token_ids and spec.finish_reason == "stop"
     short = SamplingParams(temperature=0, max_tokens=7, ignore_eos=True)
@@ -267,8 +268,9 @@ def test_sampled_output_follows_the_target_distribution(tiny_llama_dir, sampling
     params = [SamplingParams(max_tokens=5, ignore_eos=True, seed=i, **sampling) for i in range(n)]
     plain = LLM(str(tiny_llama_dir), max_num_seqs=256)
     spec = LLM(str(tiny_llama_dir), max_num_seqs=256,
-               speculative_config={"method": "custom", "num_speculative_tokens": 3, "drafter": SkewedDrafter(),
-                                   "sampled_verification": "rejection"})  # keyed: the plain output itself
+               speculative_config=every_step({"method": "custom", "num_speculative_tokens": 3,
+                                              "drafter": SkewedDrafter(),
+                                              "sampled_verification": "rejection"}))  # keyed: the plain output
     # Token 0 comes from the prefill; tokens 1 and 2 from the first speculative step (root, then node 0).
     a = torch.tensor([o.token_ids[1:3] for o in plain.generate(prompts, params)])
     spec_outs = spec.generate(prompts, params)
@@ -326,8 +328,8 @@ def test_dispatcher_picks_the_shape_by_batch_size():
 
 
 def test_dispatcher_turns_speculation_off_for_large_batches(tiny_llama_dir, reference):
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3,
-                                                       "dispatch": {"3": "off"}})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 3,
+                                                                  "dispatch": {"3": "off"}}))
     outs = llm.generate(PROMPTS, GREEDY)  # four requests of equal length: every step has batch 4
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_drafts"] for o in outs) == 0
@@ -366,8 +368,8 @@ class TreeOracle(Drafter):
 def test_tree_drafts_greedy_equals_plain(tiny_llama_dir, plain, reference, depth, width):
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     k = depth * width
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": k,
-                                                       "drafter": TreeOracle(truth, depth, width)})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": k,
+                                                                  "drafter": TreeOracle(truth, depth, width)}))
     outs = llm.generate(PROMPTS, GREEDY)
     assert [o.token_ids for o in outs] == reference
     for o in outs:  # every tree's true path was accepted, always off the first branch
@@ -389,8 +391,8 @@ def test_random_trees_never_change_the_output(tiny_llama_dir, reference):
                                    for j in range(N)], 1)
             return Draft(tokens, parents)
 
-    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 6,
-                                                       "drafter": RandomTrees()})
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 6,
+                                                                  "drafter": RandomTrees()}))
     assert [o.token_ids for o in llm.generate(PROMPTS, GREEDY)] == reference
 
 
@@ -412,7 +414,8 @@ def test_malformed_drafts_are_refused(tiny_llama_dir, make, message, caplog):
             return make(len(requests))
 
     plain = LLM(str(tiny_llama_dir), speculative_config="off")
-    llm = plain.with_speculative_config({"method": "custom", "num_speculative_tokens": 2, "drafter": Broken()})
+    llm = plain.with_speculative_config(every_step({"method": "custom", "num_speculative_tokens": 2,
+                                                    "drafter": Broken()}))
     with caplog.at_level("WARNING", logger="specdec.engine"):
         out = llm.generate("Hello world", GREEDY)[0]
     assert out.token_ids == plain.generate("Hello world", GREEDY)[0].token_ids and out.metrics["num_drafts"] == 0
@@ -424,7 +427,7 @@ def test_bfloat16_speculative_greedy_equals_plain(tiny_llama_dir):
     """On CPU bf16 weights are widened in float32 kernels, so verifying k + 1 tokens computes each row
     as decoding one does, and greedy speculation stays token-identical in bf16 too."""
     plain = LLM(str(tiny_llama_dir), dtype="bfloat16")
-    spec = plain.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3})
+    spec = plain.with_speculative_config(every_step({"method": "ngram", "num_speculative_tokens": 3}))
     assert [o.token_ids for o in spec.generate(PROMPTS, GREEDY)] == \
         [o.token_ids for o in plain.generate(PROMPTS, GREEDY)]
 
@@ -457,7 +460,8 @@ def test_drafters_receive_the_targets_features_of_every_committed_token(tmp_path
             return super().propose(requests)
 
     drafter = FeatureReader()
-    spec = LLM(str(path), speculative_config={"method": "custom", "num_speculative_tokens": 4, "drafter": drafter})
+    spec = LLM(str(path), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
+                                                         "drafter": drafter}))
     outs = spec.generate(prompts, GREEDY)
     assert [o.token_ids for o in outs] == reference
     hf = transformers.AutoModelForCausalLM.from_pretrained(path).eval()
@@ -483,7 +487,7 @@ def test_a_sequence_part_way_through_a_chunked_prefill_never_verifies_drafts(tin
     reference = [o.token_ids for o in plain.generate(prompts, params)]
     for config in ({"method": "ngram", "num_speculative_tokens": 3},
                    {"method": "ngram", "num_speculative_tokens": 6, "ngram_branches": 2}):
-        spec = plain.with_speculative_config(config, max_num_batched_tokens=48)
+        spec = plain.with_speculative_config(every_step(config), max_num_batched_tokens=48)
         assert [o.token_ids for o in spec.generate(prompts, params)] == reference
         assert spec.engine.allocator.num_used == 0
 
@@ -499,7 +503,8 @@ def test_a_tree_step_runs_on_the_engine_device(tiny_llama_dir, temperature):
             return Draft.from_rows([([5, 6, 7, 8, 9], [-1, -1, 0, 0, 2]) for _ in requests])
 
     engine = LLM(str(tiny_llama_dir), device="meta",
-                 speculative_config={"method": "custom", "num_speculative_tokens": 5, "drafter": Tree()}).engine
+                 speculative_config=every_step({"method": "custom", "num_speculative_tokens": 5,
+                                                "drafter": Tree()})).engine
     seqs = [engine.sequence(engine.add_request([1, 2, 3, 4, 5, 6][: 4 + i],
                                                SamplingParams(temperature=temperature, max_tokens=10)))
             for i in range(2)]
@@ -533,7 +538,7 @@ def test_penalties_and_bias_keep_greedy_speculation_identical(tiny_llama_dir, pl
         truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, want)}
         drafter = ScriptedDrafter(truth, 4) if spec == "oracle-chain" else TreeOracle(truth, 2, 2)
         spec = {"method": "custom", "num_speculative_tokens": 4, "drafter": drafter}
-    llm = LLM(str(tiny_llama_dir), speculative_config=spec)
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step(spec))
     outs = llm.generate(PROMPTS, PENALIZED)
     assert [o.token_ids for o in outs] == want
     if spec["method"] == "custom":
@@ -561,7 +566,8 @@ def test_logprobs_under_speculation_equal_plain_decodings(tiny_llama_dir, plain,
     if spec == "oracle-tree":
         truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
         spec = {"method": "custom", "num_speculative_tokens": 4, "drafter": TreeOracle(truth, 2, 2)}
-    assert_logprobs_equal(LLM(str(tiny_llama_dir), speculative_config=spec).generate(PROMPTS, LOGPROBS), want, 1e-6)
+    assert_logprobs_equal(LLM(str(tiny_llama_dir), speculative_config=every_step(spec)).generate(PROMPTS, LOGPROBS),
+                                                                                 want, 1e-6)
 
 
 def test_logprobs_are_the_models_own_before_bias_and_penalties(plain):

@@ -5,6 +5,7 @@ from __future__ import annotations
 import random
 
 import pytest
+from conftest import every_step
 from test_drafters import GREEDY, PROMPTS, reference, target_dir  # noqa: F401 (module fixtures)
 
 from specdec import LLM, SpecdecError
@@ -150,7 +151,8 @@ def test_global_trie_learns_finished_outputs_and_forgets_the_oldest():
                                      {"suffix_decoding_max_spec_factor": 4.0, "suffix_decoding_min_token_prob": 0.0},
                                      {"suffix_decoding_max_tree_depth": 2, "suffix_decoding_max_cached_requests": 0}])
 def test_suffix_decoding_is_lossless(target_dir, reference, options):
-    llm = LLM(str(target_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 6, **options})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "suffix", "num_speculative_tokens": 6,
+                                                              **options}))
     for _ in range(2):  # the second round also drafts from the first round's outputs (global trie)
         outs = llm.generate(PROMPTS, GREEDY)
         assert [o.token_ids for o in outs] == reference
@@ -159,7 +161,7 @@ def test_suffix_decoding_is_lossless(target_dir, reference, options):
 
 def test_suffix_decoding_one_request_at_a_time_repeats_itself(target_dir, reference):
     """Batch 1, a request after another: the global trie holds the earlier answer, which is drafted whole."""
-    llm = LLM(str(target_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 8})
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "suffix", "num_speculative_tokens": 8}))
     first = llm.generate(PROMPTS[:1], GREEDY)[0]
     again = llm.generate(PROMPTS[:1], GREEDY)[0]
     assert first.token_ids == again.token_ids == reference[0]
@@ -178,4 +180,5 @@ def test_suffix_decoding_one_request_at_a_time_repeats_itself(target_dir, refere
 ])
 def test_bad_suffix_options_are_refused(target_dir, key, value, message):
     with pytest.raises(SpecdecError, match=message):
-        LLM(str(target_dir), speculative_config={"method": "suffix", "num_speculative_tokens": 4, key: value})
+        LLM(str(target_dir), speculative_config=every_step({"method": "suffix", "num_speculative_tokens": 4,
+                                                            key: value}))

@@ -169,15 +169,11 @@ class Draft:
         """Deterministic trees given as (tokens, parents) or (tokens, parents, scores) per sequence, padded to
         the largest (scores are kept when every row has them)."""
         B, N = len(rows), max((len(r[0]) for r in rows), default=0)
-        draft = cls(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
+        draft = cls(torch.tensor([[*r[0], *[0] * (N - len(r[0]))] for r in rows], dtype=torch.long).view(B, N),
+                    torch.tensor([[*r[1], *[PAD] * (N - len(r[1]))] for r in rows], dtype=torch.long).view(B, N))
         if rows and all(len(r) == 3 for r in rows):
-            draft.scores = torch.zeros(B, N)
-        for i, row in enumerate(rows):
-            tokens, parents = row[0], row[1]
-            draft.tokens[i, : len(tokens)] = torch.tensor(tokens, dtype=torch.long)
-            draft.parents[i, : len(parents)] = torch.tensor(parents, dtype=torch.long)
-            if draft.scores is not None:
-                draft.scores[i, : len(tokens)] = torch.tensor(row[2], dtype=torch.float32)
+            draft.scores = torch.tensor([[*r[2], *[0.0] * (N - len(r[2]))] for r in rows],
+                                        dtype=torch.float32).view(B, N)
         return draft
 
     def spread(self, rows: list[int], batch_size: int) -> Draft:

@@ -119,8 +119,8 @@ class EagleDrafter(Drafter):
         last = list(itertools.accumulate(len(f) for f in feeds))
         last = [n - 1 for n in last]
         out, first = self._step([r.block_table for r in reqs], starts, feeds, last if greedy else [],
-                                features=torch.cat([r.features for r in reqs]))
-        return out[last], first
+                                features=reqs[0].features if len(reqs) == 1 else torch.cat([r.features for r in reqs]))
+        return (out[last] if len(last) > 1 else out[last[0]:last[0] + 1]), first
 
     def _chain(self, requests: list[DraftRequest], active: list[int], hidden: torch.Tensor, first: torch.Tensor
                ) -> Draft:

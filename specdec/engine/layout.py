@@ -49,6 +49,13 @@ class StepLayout:
         first, after = self.starts[i], self.starts[i] + self.num_fed[i]
         return [*range(first, after), *(after + node for node in accepted_nodes)]
 
+    def kept_index(self, i: int, accepted_nodes: list[int]) -> slice | list[int]:
+        """`kept_rows` as an index: a slice where they are consecutive (a chain's accepted prefix), so taking
+        them is a view."""
+        if accepted_nodes == list(range(len(accepted_nodes))):
+            return slice(self.starts[i], self.starts[i] + self.num_fed[i] + len(accepted_nodes))
+        return self.kept_rows(i, accepted_nodes)
+
     @cached_property
     def logits_rows(self) -> list[int]:
         """The hidden row of every logits row: each ready sequence's last fed token, then its draft nodes."""

@@ -69,6 +69,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, bs, graphs) if workers is None else \
             TPRunner(model, self.kv, bs, workers)
         self.speculator = None
+        self._speculated = False  # whether the last step drafted (the measured dispatcher's record)
         clock = ForwardClock()  # the drafter's model forwards
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs, self.allocator.pools,
@@ -187,6 +188,7 @@ class LLMEngine:
         """Advance every scheduled sequence: schedule -> draft -> run the model -> choose tokens -> commit.
         Returns an update per request that gained tokens or finished. `step_times` accounts for each phase."""
         self.step_times.begin()
+        start = time.perf_counter()
         batch = self.scheduler.schedule()
         if batch is None:
             return []
@@ -203,7 +205,10 @@ class LLMEngine:
             self.step_times.end(batch.is_prefill, 0)
             return updates
         updates = self._commit_step(batch, outputs)
-        self.step_times.end(batch.is_prefill, sum(len(u.new_token_ids) for u in updates))
+        emitted = sum(len(u.new_token_ids) for u in updates)
+        self.step_times.end(batch.is_prefill, emitted)
+        if self.speculator is not None and not batch.is_prefill:
+            self.speculator.record_step(len(batch.seqs), self._speculated, emitted, time.perf_counter() - start)
         return updates
 
     def _commit_step(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> list[RequestUpdate]:
@@ -238,6 +243,7 @@ class LLMEngine:
         still gathers the target features a feature drafter will need."""
         seqs, counts, times = batch.seqs, batch.num_new_tokens, self.step_times
         speculating = self.speculator is not None and not batch.is_prefill and self.speculator.drafts(seqs)
+        self._speculated = speculating
         drafts = self.speculator.draft(seqs) if speculating else StepDrafts.none(len(seqs))
         times.mark_draft()
         feeds = [s.token_ids[s.num_cached:s.num_cached + n] + d for s, n, d in zip(seqs, counts, drafts.tokens)]
@@ -281,7 +287,7 @@ class LLMEngine:
                 outputs.append(StepOutput(n, None, None if features is None else features[layout.fed_rows(i)]))
                 continue
             nodes = choice.result.accepted_nodes[k]
-            rows = layout.kept_rows(i, nodes) if nodes else layout.fed_rows(i)
+            rows = layout.kept_index(i, nodes)
             outputs.append(StepOutput(n + len(nodes), choice.result.emitted_tokens[k],
                                       None if features is None else features[rows], choice.logprobs[k]))
         return outputs

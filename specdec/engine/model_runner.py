@@ -47,8 +47,7 @@ class ModelRunner:
             hidden, features = self.run(tables, starts, feeds, trees, feature_layers)
             return hidden, features, self.logits(hidden, rows)
         tokens, positions, meta = self.inputs(tables, starts, feeds, trees)
-        hidden, captured, logits = self.model.forward_logits(tokens, positions, meta, self.kv, rows, feature_layers)
-        return hidden, torch.cat([captured[i] for i in feature_layers], -1) if feature_layers else None, logits
+        return self.model.forward_logits(tokens, positions, meta, self.kv, rows, feature_layers)
 
     def logits(self, hidden: torch.Tensor, rows: list[int] | None = None) -> torch.Tensor:
         """float32 logits [N, V] of the rows `rows` of the last forward's hidden states (None: all of them)."""

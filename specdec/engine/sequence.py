@@ -102,7 +102,7 @@ class Sequence:
         """The pending target features and the token index of their first row; they are handed over once."""
         start, pending = self.features_start, self.pending_features
         self.features_start, self.pending_features = self.num_cached, []
-        return start, (torch.cat(pending) if pending else None)
+        return start, (pending[0] if len(pending) == 1 else torch.cat(pending) if pending else None)
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -18,6 +18,7 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
+from specdec.engine.dispatch import MeasuredDispatch
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence, SpecStats
@@ -30,6 +31,8 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specdec.engine")
 
+
+OFF = SpecShape(0)  # no drafting
 
 # Per-request back-off, from the moving acceptance rate of the request's drafts (SpecStats.recent_acceptance):
 LOW_ACCEPTANCE = 0.3  # below: one draft token per step
@@ -56,6 +59,8 @@ class Speculator:
         self.drafter, self.runner, self.cfg, self.tokenizer = drafter, runner, cfg, tokenizer
         self.feature_layers = tuple(drafter.feature_layers)
         self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
+        # a config with no dispatch table speculates at the batch sizes where its own steps measure faster
+        self.measured = MeasuredDispatch() if cfg.dispatch is None else None
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
 
@@ -97,8 +102,18 @@ class Speculator:
             spec.recent_acceptance = 1.2 * PAUSE_ACCEPTANCE  # a failed probe pauses again, a hit resumes
 
     def shape_for(self, batch_size: int) -> SpecShape:
-        """This step's draft shape: the pinned one (tune), else the dispatcher's for the batch size."""
-        return self.pinned if self.pinned is not None else self.cfg.shape_for(batch_size)
+        """This step's draft shape: the pinned one (tune), else the dispatch table's for the batch size, or with none,
+        the config's shape where the measured dispatcher says speculation pays at this batch size."""
+        if self.pinned is not None:
+            return self.pinned
+        if self.measured is not None and not self.measured.speculates(batch_size):
+            return OFF
+        return self.cfg.shape_for(batch_size)
+
+    def record_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
+        """A decode step ran (for the measured dispatcher): speculating or not, `tokens` emitted in `seconds`."""
+        if self.measured is not None and self.pinned is None:
+            self.measured.record(batch_size, speculated, tokens, seconds)
 
     def drafts(self, seqs: list[Sequence]) -> bool:
         """Whether a decode step of these sequences drafts anything: the dispatcher's shape for the batch size
@@ -120,14 +135,15 @@ class Speculator:
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
         draft = self.propose(seqs, requests) if shape.k else Draft.chains([[] for _ in seqs])
-        if any(s.grammar is not None for s in seqs):  # within each request's budget after this, maybe extended
+        constrained = any(s.grammar is not None for s in seqs)
+        if constrained:  # within each request's budget after this, maybe extended
             draft = self.constrain(seqs, requests, draft)
-            counts = draft.num_nodes() if draft.tokens.numel() else [0] * len(seqs)
-        else:
-            counts = [min(n, r.max_tokens) for n, r in zip(draft.num_nodes(), requests)] if draft.tokens.numel() \
-                else [0] * len(seqs)
-        drafted = [draft.tokens[i, :n].tolist() for i, n in enumerate(counts)]  # fed after the last token
-        parents = [draft.parents[i, :n].tolist() for i, n in enumerate(counts)]
+        token_rows, parent_rows = draft.tokens.tolist(), draft.parents.tolist()  # two calls, not two per row
+        counts = [len(row) - row.count(PAD) for row in parent_rows]  # padding only follows a row's nodes
+        if not constrained:
+            counts = [min(n, r.max_tokens) for n, r in zip(counts, requests)]
+        drafted = [row[:n] for row, n in zip(token_rows, counts)]  # fed after the last token
+        parents = [row[:n] for row, n in zip(parent_rows, counts)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
         return StepDrafts(drafted, parents, trees, draft)
 

@@ -12,6 +12,7 @@ flattened into T rows (sequence i owns `query_lens[i]` consecutive rows), and ea
 """
 from __future__ import annotations
 
+import itertools
 from dataclasses import dataclass
 from typing import Protocol
 
@@ -37,6 +38,15 @@ class AttentionMetadata:
     # Draft trees: where each sequence's tree region begins in its context. Keys before it (the cached
     # prefix) are visible to every row of the sequence; `mask` matters only from there on.
     tree_starts: list[int] | None = None
+    # [B + 1] int64 on the CPU: the first row of each sequence, and T (the native kernels' ragged batches). Given by
+    # the native layout builder, else made on first use (`row_starts`).
+    query_starts: torch.Tensor | None = None
+
+    def row_starts(self) -> torch.Tensor:
+        """`query_starts`, made once from `query_lens` where the layout builder did not give it."""
+        if self.query_starts is None:
+            self.query_starts = torch.tensor(list(itertools.accumulate(self.query_lens, initial=0)), dtype=torch.int64)
+        return self.query_starts
 
     @property
     def uniform(self) -> bool:
@@ -45,7 +55,7 @@ class AttentionMetadata:
 
     def to(self, device: torch.device) -> AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), self.context_slots.to(device), self.mask.to(device),
-                                 self.query_lens, self.context_lens, self.tree_starts)
+                                 self.query_lens, self.context_lens, self.tree_starts, self.query_starts)
 
     @classmethod
     def causal(cls, positions: torch.Tensor, context_slots: torch.Tensor, context_positions: torch.Tensor,

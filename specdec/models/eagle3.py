@@ -143,11 +143,9 @@ class Eagle3Head(nn.Module):
         C++ call and one thread team for all of it (`native_step`), the same bits as the op-by-op path."""
         x = features if features is not None else hidden
         if kv.k[0].device.type == "cpu" and on_native(x) and (step := self.native_step()) is not None:
-            out, ids = step.forward(embeds.float().contiguous(), x.contiguous(), features is not None,
-                                    self.rope_cos[positions], self.rope_sin[positions], kv.k[0], kv.v[0],
-                                    meta.slot_mapping, meta.context_slots, meta.mask,
-                                    torch.from_numpy(kernels.query_starts(meta.query_lens)), self.midlayer.scale,
-                                    torch.tensor(rows, dtype=torch.int64))
+            out, ids = step.forward(embeds.float().contiguous(), x.contiguous(), features is not None, self.rope_cos,
+                                    self.rope_sin, positions, kv.k[0], kv.v[0], meta.slot_mapping, meta.context_slots,
+                                    meta.mask, meta.row_starts(), self.midlayer.scale, rows)
             return out, ids
         out = self.forward(embeds, positions, meta, kv, features=features, hidden=hidden)
         return out, self.target_ids(self.compute_logits(out[rows]).argmax(-1))

@@ -12,7 +12,6 @@ from __future__ import annotations
 
 from typing import Any
 
-import numpy as np
 import torch
 import torch.nn.functional as F
 
@@ -32,11 +31,6 @@ def on_native(x: torch.Tensor, *tensors: torch.Tensor) -> bool:
     """Whether the C++ kernels compute this: float32 activations on CPU, no gradient, kernels built here."""
     return (x.device.type == "cpu" and x.dtype == torch.float32 and no_grad(x, *tensors)
             and native.available())
-
-
-def query_starts(query_lens: list[int]) -> np.ndarray:
-    """[B + 1] first row of every sequence (and the total), for the kernels' ragged batches."""
-    return np.cumsum([0, *query_lens], dtype=np.int64)
 
 
 def matrix(weight: torch.Tensor | QuantWeight) -> Any:  # a native QMatrix (pybind), or the float tensor

@@ -190,7 +190,7 @@ class DecoderLayer(nn.Module):
             return None
         out = x.contiguous().clone()
         layer.forward(out, cos[:, 0].contiguous(), sin[:, 0].contiguous(), k_pool, v_pool, meta.slot_mapping,
-                      meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
+                      meta.context_slots, meta.mask, meta.row_starts(),
                       self.scale, qkv_input.contiguous() if qkv_input is not None else torch.empty(0))
         return out
 
@@ -203,7 +203,7 @@ class DecoderLayer(nn.Module):
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
         return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask,
-                                      torch.from_numpy(kernels.query_starts(meta.query_lens)), self.scale)
+                                      meta.row_starts(), self.scale)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -314,42 +314,46 @@ class LlamaModel(nn.Module):
         for the layers in `output_layers` (EAGLE-3 reads low/mid/high features from these).
         num_layers: run only the first layers, then the final norm (early exit, for self-speculation).
         """
-        hidden, captured, _ = self._forward(tokens, positions, meta, kv, output_layers, num_layers, None)
-        return hidden, captured
+        n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
+        wanted = tuple(i for i in dict.fromkeys(output_layers) if i < n)
+        hidden, features, _ = self._forward(tokens, positions, meta, kv, wanted, n, None)
+        return hidden, dict(zip(wanted, features.split(hidden.shape[-1], -1))) if wanted else {}
 
     @torch.inference_mode()
     def forward_logits(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
                        logit_rows: list[int], output_layers: tuple[int, ...] = ()
-                       ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor]:
-        """`forward`, then the float32 logits [N, V] of its rows `logit_rows`: in the same native call where the whole
-        stack runs as one (no return to Python between the last layer and the LM head), else `compute_logits`.
-        Either way the same bits as `compute_logits(hidden[logit_rows])`."""
-        return self._forward(tokens, positions, meta, kv, output_layers, None, logit_rows)
+                       ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor]:
+        """The final-normed hidden states [T, H], the outputs of `output_layers` concatenated per row in that order
+        [T, len(output_layers) * H] (None without any: a feature drafter's input as it reads it), and the float32
+        logits [N, V] of the rows `logit_rows`: in the same native call where the whole stack runs as one (no return
+        to Python between the last layer and the LM head), else `compute_logits`. Either way the same bits as
+        `forward`, then `compute_logits(hidden[logit_rows])`."""
+        return self._forward(tokens, positions, meta, kv, tuple(output_layers), len(self.layers), logit_rows)
 
     def _forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
-                 output_layers: tuple[int, ...], num_layers: int | None, logit_rows: list[int] | None
-                 ) -> tuple[torch.Tensor, dict[int, torch.Tensor], torch.Tensor | None]:
+                 output_layers: tuple[int, ...], n: int, logit_rows: list[int] | None
+                 ) -> tuple[torch.Tensor, torch.Tensor | None, torch.Tensor | None]:
+        """The first n layers; the outputs of `output_layers` (each < n) concatenated per row; logits of
+        `logit_rows` (None: none)."""
         x = self.embed(tokens)
         if on_native(x) and (stack := self.native_stack()) is not None:  # all layers in one C++ call
-            n = len(self.layers) if num_layers is None else min(num_layers, len(self.layers))
-            wanted = sorted({i for i in output_layers if i < n})
             head = kernels.matrix(self.lm_head) if logit_rows is not None else None
-            rows = torch.tensor(logit_rows if logit_rows is not None else [], dtype=torch.int64)
-            normed, logits, *outs = stack.forward(
-                x.contiguous(), self.rope_cos[positions], self.rope_sin[positions], kv.k, kv.v, meta.slot_mapping,
-                meta.context_slots, meta.mask, torch.from_numpy(kernels.query_starts(meta.query_lens)),
-                self.layers[0].scale, n, wanted, head, rows)
-            return normed, dict(zip(wanted, outs)), logits if head is not None else None
+            normed, logits, features = stack.forward(
+                x.contiguous(), self.rope_cos, self.rope_sin, positions, kv.k, kv.v, meta.slot_mapping,
+                meta.context_slots, meta.mask, meta.row_starts(), self.layers[0].scale, n, list(output_layers), head,
+                logit_rows or [])
+            return normed, features if output_layers else None, logits if head is not None else None
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
-        for i, layer in enumerate(self.layers[:num_layers]):
+        for i, layer in enumerate(self.layers[:n]):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
             if i in output_layers:
                 captured[i] = x
         hidden = self.norm(x)
+        features = torch.cat([captured[i] for i in output_layers], -1) if output_layers else None
         if logit_rows is None:
-            return hidden, captured, None
-        return hidden, captured, self.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
+            return hidden, features, None
+        return hidden, features, self.compute_logits(hidden[torch.tensor(logit_rows, device=hidden.device)])
 
     @property
     def kv_dtype(self) -> torch.dtype:

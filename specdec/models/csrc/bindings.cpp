@@ -22,6 +22,7 @@
 //   layer.h        the fused decoder layer and the whole-model Stack
 //   rows.h         argmax_rows, logprob_rows, mask_rows
 //   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
+//   inputs.h       a step's causal layout over the paged cache (causal_inputs)
 #include "memory.h"
 #include "formats.h"
 #include "attention.h"
@@ -30,6 +31,7 @@
 #include "layer.h"
 #include "rows.h"
 #include "head.h"
+#include "inputs.h"
 
 namespace {
 
@@ -57,10 +59,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
         TORCH_CHECK(norm.dtype() == torch::kFloat32 && norm.is_contiguous(), "norm weight must be contiguous float32");
         return Stack{std::move(layers), norm, eps};
       }))
-      .def("forward", &Stack::forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pools"),
-           py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
+      .def("forward", &Stack::forward, py::arg("x"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("positions"),
+           py::arg("k_pools"), py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("num_layers"), py::arg("capture"),
-           py::arg("lm_head") = nullptr, py::arg("logit_rows") = torch::Tensor());
+           py::arg("lm_head") = nullptr, py::arg("logit_rows") = std::vector<int64_t>());
   py::class_<Eagle3Step>(m, "Eagle3Step")
       .def(py::init([](QMatrix fc, Layer layer, torch::Tensor hidden_norm, torch::Tensor norm, QMatrix lm_head,
                        torch::Tensor d2t) {
@@ -70,9 +72,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "d2t must be contiguous int64 [draft vocab]");
         return Eagle3Step{fc, layer, hidden_norm, norm, lm_head, d2t};
       }))
-      .def("forward", &Eagle3Step::forward, py::arg("embeds"), py::arg("input"), py::arg("features"), py::arg("cos"),
-           py::arg("sin"), py::arg("k_pool"), py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"),
-           py::arg("mask"), py::arg("query_starts"), py::arg("scale"), py::arg("rows"));
+      .def("forward", &Eagle3Step::forward, py::arg("embeds"), py::arg("input"), py::arg("features"),
+           py::arg("rope_cos"), py::arg("rope_sin"), py::arg("positions"), py::arg("k_pool"), py::arg("v_pool"),
+           py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"), py::arg("query_starts"),
+           py::arg("scale"), py::arg("rows"));
   m.def("linear", &linear, "y = x @ W.T for x float32 [M, K] (quantized per row to int8 blocks for block formats)");
   m.def("rms_norm", [](const torch::Tensor& x, const torch::Tensor& w, double eps) {
     TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && w.dtype() == torch::kFloat32 && w.dim() == 1 &&
@@ -87,6 +90,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
+  m.def("causal_inputs", &causal_inputs, py::arg("tables"), py::arg("starts"), py::arg("feeds"), py::arg("block_size"),
+        py::arg("null_block"), "a step's causal layout over the paged cache: tokens, positions, slot_mapping, "
+        "context_slots, mask, query_starts (kv_cache.paged_inputs without trees)");
   m.def("isa", &isa);
   m.def("huge_empty", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return huge_empty(sizes, dtype); },
         py::arg("sizes"), py::arg("dtype"), "an uninitialized CPU tensor on 2 MB pages where Linux gives them");

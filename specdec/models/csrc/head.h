@@ -21,10 +21,11 @@ struct Eagle3Step {
   // previous outputs [T, H] (`features` says which). Returns out [T, H] and the target ids [N] of the head's argmax
   // at rows `rows`. Rows with more than team_max_rows go through the one-call-per-op path.
   std::vector<torch::Tensor> forward(const torch::Tensor& embeds, const torch::Tensor& input, bool features,
-                                     const torch::Tensor& cos, const torch::Tensor& ssin, torch::Tensor k_pool,
-                                     torch::Tensor v_pool, const torch::Tensor& slot_mapping,
-                                     const torch::Tensor& context_slots, const torch::Tensor& mask,
-                                     const torch::Tensor& query_starts, double scale, const torch::Tensor& rows) const {
+                                     const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
+                                     const torch::Tensor& positions, torch::Tensor k_pool, torch::Tensor v_pool,
+                                     const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
+                                     const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
+                                     const std::vector<int64_t>& rows) const {
     const int64_t T = embeds.size(0), H = layer.ln2.numel(), V = lm_head.N();
     TORCH_CHECK(embeds.dtype() == torch::kFloat32 && embeds.is_contiguous() && embeds.dim() == 2 && embeds.size(1) == H,
                 "embeds must be contiguous float32 [T, ", H, "]");
@@ -32,14 +33,13 @@ struct Eagle3Step {
     TORCH_CHECK(input.dtype() == torch::kFloat32 && input.is_contiguous() && input.dim() == 2 && input.size(0) == T &&
                 input.size(1) == K, "input must be contiguous float32 [", T, ", ", K, "]");
     TORCH_CHECK(layer.qkv.K == 2 * H && lm_head.K == H && fc.N() == H, "not an EAGLE-3 head's shapes");
-    TORCH_CHECK(rows.dtype() == torch::kInt64 && rows.dim() == 1, "rows must be int64 [N]");
     TORCH_CHECK(k_pool.dtype() == v_pool.dtype() && k_pool.is_contiguous() && v_pool.is_contiguous() &&
                 (k_pool.dtype() == torch::kFloat16 || k_pool.dtype() == torch::kFloat32),
                 "K/V pools must be contiguous float32 or float16 of one dtype");
+    const auto [cos, ssin] = rope_rows(rope_cos, rope_sin, positions);
     check_rows(embeds, cos, ssin, layer.head_dim);
-    auto rc = rows.contiguous();
-    const int64_t N = rc.numel();
-    const int64_t* rp = rc.data_ptr<int64_t>();
+    const int64_t N = (int64_t)rows.size();
+    const int64_t* rp = rows.data();
     for (int64_t n = 0; n < N; n++) TORCH_CHECK(rp[n] >= 0 && rp[n] < T, "row ", rp[n], " out of range [0, ", T, ")");
     StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
     auto out = torch::empty({T, H}, embeds.options());

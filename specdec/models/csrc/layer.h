@@ -98,6 +98,15 @@ void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::T
               "rotary tables must be contiguous float32 [T, head_dim]");
 }
 
+// The rotary rows of a step's positions [T] from the model's tables [P, head_dim] (gathered here rather than by the
+// caller: one call fewer from Python a forward).
+std::pair<torch::Tensor, torch::Tensor> rope_rows(const torch::Tensor& cos_table, const torch::Tensor& sin_table,
+                                                  const torch::Tensor& positions) {
+  TORCH_CHECK(positions.dtype() == torch::kInt64 && positions.dim() == 1, "positions must be int64 [T]");
+  TORCH_CHECK(cos_table.dim() == 2 && sin_table.sizes() == cos_table.sizes(), "rotary tables must be [P, head_dim]");
+  return {cos_table.index_select(0, positions), sin_table.index_select(0, positions)};
+}
+
 // The attention alone (queries q [T, Hq, D] over pools already holding every visible key): what the layers run
 // between their QKV and O projections, for the tests.
 torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
@@ -249,42 +258,54 @@ void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
 }
 
 // The first num_layers layers in order, in place on x; returns the final norm of the result, the logits of the rows
-// `logit_rows` of it (float32 [N, V] by lm_head, when given; else an empty tensor), then x after each layer listed in
-// `capture`. The logits in the same call: no return to Python between the last layer and the LM head.
+// `logit_rows` of it (float32 [N, V] by lm_head, when given; else an empty tensor), then the outputs of the layers
+// listed in `capture` as one tensor, features [T, len(capture) * H]: layer capture[c]'s output in columns c * H ..
+// (c + 1) * H, in the order asked (what a feature drafter reads, with no concatenation after the call). The logits in
+// the same call: no return to Python between the last layer and the LM head.
+inline void capture_into(const std::vector<int64_t>& capture, int64_t layer, const float* x, int64_t T, int64_t H,
+                         float* features) {
+  const int64_t F = (int64_t)capture.size() * H;
+  for (size_t c = 0; c < capture.size(); c++)
+    if (capture[c] == layer)
+      for (int64_t t = 0; t < T; t++) std::memcpy(features + t * F + c * H, x + t * H, H * sizeof(float));
+}
+
 struct Stack {
   std::vector<Layer> layers;
   torch::Tensor norm;  // the final RMSNorm's weight [H]
   double eps;
-  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
-                                     const std::vector<torch::Tensor>& k_pools, const std::vector<torch::Tensor>& v_pools,
-                                     const torch::Tensor& slot_mapping, const torch::Tensor& context_slots,
-                                     const torch::Tensor& mask, const torch::Tensor& query_starts, double scale,
-                                     int64_t num_layers, const std::vector<int64_t>& capture, const QMatrix* lm_head,
-                                     const torch::Tensor& logit_rows) const {
+  std::vector<torch::Tensor> forward(torch::Tensor x, const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
+                                     const torch::Tensor& positions, const std::vector<torch::Tensor>& k_pools,
+                                     const std::vector<torch::Tensor>& v_pools, const torch::Tensor& slot_mapping,
+                                     const torch::Tensor& context_slots, const torch::Tensor& mask,
+                                     const torch::Tensor& query_starts, double scale, int64_t num_layers,
+                                     const std::vector<int64_t>& capture, const QMatrix* lm_head,
+                                     const std::vector<int64_t>& logit_rows) const {
     TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers &&
                 (int64_t)v_pools.size() >= num_layers, "too few layers or pools");
+    const auto [cos, ssin] = rope_rows(rope_cos, rope_sin, positions);
     check_rows(x, cos, ssin, layers.empty() ? 0 : layers[0].head_dim);
     const int64_t T = x.size(0), H = x.size(1);
     std::vector<int64_t> rows;
     if (lm_head != nullptr) {
       TORCH_CHECK(lm_head->K == H, "the LM head takes ", lm_head->K, " inputs, the rows have ", H);
-      TORCH_CHECK(logit_rows.dtype() == torch::kInt64 && logit_rows.dim() == 1, "logit_rows must be int64 [N]");
-      auto r = logit_rows.contiguous();
-      rows.assign(r.data_ptr<int64_t>(), r.data_ptr<int64_t>() + r.numel());
+      rows = logit_rows;
       for (int64_t row : rows) TORCH_CHECK(row >= 0 && row < T, "logit row ", row, " out of range [0, ", T, ")");
     }
     StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
     if (T <= team_max_rows.load() && num_layers > 0)
       return forward_team(x, cos, ssin, k_pools, v_pools, step, scale, num_layers, capture, lm_head, rows);
-    std::vector<torch::Tensor> out(2);
+    std::vector<torch::Tensor> out(3);
+    out[2] = torch::empty({T, (int64_t)capture.size() * H}, x.options());
     for (int64_t i = 0; i < num_layers; i++) {
       decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
                     const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), step, scale);
-      if (std::find(capture.begin(), capture.end(), i) != capture.end()) out.push_back(x.clone());
+      capture_into(capture, i, x.data_ptr<float>(), T, H, out[2].data_ptr<float>());
     }
     out[0] = torch::empty_like(x);
     rms_norm_rows(x.data_ptr<float>(), norm.data_ptr<float>(), (float)eps, T, H, out[0].data_ptr<float>());
-    out[1] = lm_head == nullptr ? torch::empty({0}, x.options()) : linear(out[0].index_select(0, logit_rows), *lm_head);
+    out[1] = lm_head == nullptr ? torch::empty({0}, x.options())
+                                : linear(out[0].index_select(0, torch::tensor(rows, torch::kInt64)), *lm_head);
     return out;
   }
 
@@ -311,13 +332,9 @@ struct Stack {
     grow(sh.qkv, T * qkv_w); grow(sh.attn, T * attn_w); grow(sh.o, T * H); grow(sh.gu, T * 2 * inter);
     plan_attention(step.vis, layers[0].n_heads, layers[0].head_dim, nthreads, sh.plan);
     std::vector<torch::Tensor> out{torch::empty_like(x),
-                                   lm_head == nullptr ? torch::empty({0}, x.options()) : torch::empty({N, lm_head->N()}, x.options())};
-    std::vector<float*> captured(num_layers, nullptr);
-    for (int64_t i = 0; i < num_layers; i++)
-      if (std::find(capture.begin(), capture.end(), i) != capture.end()) {
-        out.push_back(torch::empty_like(x));
-        captured[i] = out.back().data_ptr<float>();
-      }
+                                   lm_head == nullptr ? torch::empty({0}, x.options()) : torch::empty({N, lm_head->N()}, x.options()),
+                                   torch::empty({T, (int64_t)capture.size() * H}, x.options())};
+    float* features = out[2].data_ptr<float>();
     float* xs = x.data_ptr<float>();
     float *normed = out[0].data_ptr<float>(), *logits = lm_head == nullptr ? nullptr : out[1].data_ptr<float>();
     const float *c = cos.data_ptr<float>(), *sn = ssin.data_ptr<float>();
@@ -332,7 +349,7 @@ struct Stack {
         decoder_layer_team(layers[i], xm, T, H, c, sn, const_cast<torch::Tensor&>(k_pools[i]),
                            const_cast<torch::Tensor&>(v_pools[i]), step, scale, sh, hm, qx);
 #pragma omp master
-        if (captured[i] != nullptr) std::memcpy(captured[i], xm, T * H * sizeof(float));
+        capture_into(capture, i, xm, T, H, features);
       }
 #pragma omp master
       {
