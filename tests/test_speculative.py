@@ -595,3 +595,22 @@ def test_prompt_logprobs_are_those_of_decoding_each_prompt_token(tiny_llama_dir,
     again = chunked.generate({"prompt_token_ids": ids}, params)[0]
     assert again.metrics["num_cached_tokens"] == 0  # prompt logprobs need the whole prefill
     assert [e.logprob for e in again.prompt_logprobs] == pytest.approx([e.logprob for e in got], abs=1e-5)
+
+
+def test_a_draft_from_host_lists_gives_the_same_rows_as_its_tensors():
+    """A draft made from lists keeps them (the engine reads them without building tensors); its tensors, built on
+    first use, are the padded table, and from then on they are the draft: a change made to them is what the host
+    rows read."""
+    rows = [([5, 6, 7], [-1, 0, 1]), ([], []), ([8, 9], [-1, -1])]
+    draft = Draft.from_rows(rows)
+    assert draft.host_rows() == ([[5, 6, 7], [], [8, 9]], [[-1, 0, 1], [], [-1, -1]])
+    assert draft.tokens.tolist() == [[5, 6, 7], [0, 0, 0], [8, 9, 0]]
+    assert draft.parents.tolist() == [[-1, 0, 1], [-2, -2, -2], [-1, -1, -2]]
+    assert draft.num_nodes() == [3, 0, 2]
+    draft.tokens[0, 2] = 4  # a drafter editing its tensors in place
+    assert draft.host_rows()[0][0] == [5, 6, 4]
+    spread = Draft.chains([[1, 2]]).spread([1], 3)
+    assert spread.host_rows() == ([[], [1, 2], []], [[], [-1, 0], []])
+    scored = Draft.from_rows([([3], [-1], [0.5]), ([4, 5], [-1, 0], [0.25, 0.75])])
+    assert scored.scores.tolist() == [[0.5, 0.0], [0.25, 0.75]] and scored.host_rows()[0] == [[3], [4, 5]]
+    assert Draft.chains([]).tokens.shape == (0, 0) and Draft.chains([[]]).host_rows() == ([[]], [[]])

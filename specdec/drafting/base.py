@@ -135,14 +135,49 @@ class DraftRequest:
     features_start: int = 0
 
 
-@dataclass
 class Draft:
-    tokens: torch.Tensor  # [B, N] long
-    parents: torch.Tensor  # [B, N] long
-    probs: torch.Tensor | None = None  # [B, N, V]
-    # optional: the drafter's own estimate that each node is accepted [B, N] (suffix and retrieval give the
-    # share of the continuations that went that way); the hybrid tree weighs sources by it
-    scores: torch.Tensor | None = None
+    """A step's proposals: tokens and parents [B, N] (padded), optionally probs [B, N, V] and scores [B, N]. A
+    draft made from host lists (`from_rows`: chains, n-gram and suffix branches) keeps them and builds its tensors
+    only when asked: the engine reads the lists (`host_rows`), and right after a forward every small tensor
+    operation costs tens of microseconds."""
+
+    def __init__(self, tokens: torch.Tensor | None = None, parents: torch.Tensor | None = None,
+                 probs: torch.Tensor | None = None, scores: torch.Tensor | None = None, *,
+                 rows: list[tuple[list[int], list[int]]] | None = None) -> None:
+        self._tokens, self._parents = tokens, parents  # [B, N] long each
+        self.probs = probs  # [B, N, V]
+        # optional: the drafter's own estimate that each node is accepted [B, N] (suffix and retrieval give the
+        # share of the continuations that went that way); the hybrid tree weighs sources by it
+        self.scores = scores
+        self._rows = rows  # per sequence (tokens, parents), unpadded; valid until the tensors are handed out
+
+    @property
+    def tokens(self) -> torch.Tensor:
+        self._materialize()
+        return self._tokens
+
+    @property
+    def parents(self) -> torch.Tensor:
+        self._materialize()
+        return self._parents
+
+    def _materialize(self) -> None:
+        """Build the padded tensors from the host lists; from then on the tensors are the draft (a caller may
+        change them in place), so the lists are dropped."""
+        if self._rows is None:
+            return
+        rows, self._rows = self._rows, None
+        B, N = len(rows), max((len(t) for t, _ in rows), default=0)
+        self._tokens = torch.tensor([[*t, *[0] * (N - len(t))] for t, _ in rows], dtype=torch.long).view(B, N)
+        self._parents = torch.tensor([[*p, *[PAD] * (N - len(p))] for _, p in rows], dtype=torch.long).view(B, N)
+
+    def host_rows(self) -> tuple[list[list[int]], list[list[int]]]:
+        """Each sequence's node tokens and parents as host lists, without padding (read-only)."""
+        if self._rows is not None:
+            return [t for t, _ in self._rows], [p for _, p in self._rows]
+        tokens, parents = self._tokens.tolist(), self._parents.tolist()
+        counts = [len(row) - row.count(PAD) for row in parents]  # padding only follows a row's nodes
+        return [row[:n] for row, n in zip(tokens, counts)], [row[:n] for row, n in zip(parents, counts)]
 
     @classmethod
     def chains(cls, proposals: list[list[int]]) -> Draft:
@@ -168,12 +203,10 @@ class Draft:
                   ) -> Draft:
         """Deterministic trees given as (tokens, parents) or (tokens, parents, scores) per sequence, padded to
         the largest (scores are kept when every row has them)."""
-        B, N = len(rows), max((len(r[0]) for r in rows), default=0)
-        draft = cls(torch.tensor([[*r[0], *[0] * (N - len(r[0]))] for r in rows], dtype=torch.long).view(B, N),
-                    torch.tensor([[*r[1], *[PAD] * (N - len(r[1]))] for r in rows], dtype=torch.long).view(B, N))
+        draft = cls(rows=[(list(r[0]), list(r[1])) for r in rows])
         if rows and all(len(r) == 3 for r in rows):
-            draft.scores = torch.tensor([[*r[2], *[0.0] * (N - len(r[2]))] for r in rows],
-                                        dtype=torch.float32).view(B, N)
+            B, N = len(rows), max(len(r[0]) for r in rows)
+            draft.scores = torch.tensor([[*r[2], *[0.0] * (N - len(r[2]))] for r in rows]).view(B, N)
         return draft
 
     def spread(self, rows: list[int], batch_size: int) -> Draft:

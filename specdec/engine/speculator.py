@@ -138,12 +138,10 @@ class Speculator:
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:  # within each request's budget after this, maybe extended
             draft = self.constrain(seqs, requests, draft)
-        token_rows, parent_rows = draft.tokens.tolist(), draft.parents.tolist()  # two calls, not two per row
-        counts = [len(row) - row.count(PAD) for row in parent_rows]  # padding only follows a row's nodes
+        drafted, parents = draft.host_rows()  # fed after the last token
         if not constrained:
-            counts = [min(n, r.max_tokens) for n, r in zip(counts, requests)]
-        drafted = [row[:n] for row, n in zip(token_rows, counts)]  # fed after the last token
-        parents = [row[:n] for row, n in zip(parent_rows, counts)]
+            drafted = [row[:r.max_tokens] for row, r in zip(drafted, requests)]
+            parents = [row[:r.max_tokens] for row, r in zip(parents, requests)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
         return StepDrafts(drafted, parents, trees, draft)
 
