@@ -233,9 +233,7 @@ def greedy_tokens(logits: torch.Tensor) -> torch.Tensor:
     """argmax over the last dim of logits [..., V] (the first index on ties, as torch.argmax): a vectorized
     kernel for float32 on CPU (torch's is a scalar loop, 50 us over a 49k vocabulary), torch elsewhere."""
     if logits.device.type == "cpu" and logits.dtype == torch.float32 and logits.dim() >= 1 and native.available():
-        if logits.dim() == 2:  # a step's rows (no reshapes: each is a call after a forward left the caches cold)
-            return native.ops().argmax_rows(logits)
-        return native.ops().argmax_rows(logits.reshape(-1, logits.shape[-1])).reshape(logits.shape[:-1])
+        return native.ops().argmax_rows(logits)
     return logits.argmax(dim=-1)
 
 

@@ -151,6 +151,8 @@ def test_argmax_is_the_first_maximum_like_torch(isa):
     logits[3] = 1.0  # all equal
     for rows in (logits, logits[:, :5], logits[:, :8], logits[:, :13]):
         assert torch.equal(native.ops(isa).argmax_rows(rows.contiguous()), rows.argmax(-1))
+    batched = logits[:6].reshape(2, 3, -1)  # any leading shape: [..., V] -> [...]
+    assert torch.equal(native.ops(isa).argmax_rows(batched), batched.argmax(-1))
 
 
 @pytest.mark.parametrize("isa", TESTED_ISAS)

@@ -87,6 +87,8 @@ def test_dequantized_rows_equal_gguf_reference(name, isa):
     rows = torch.tensor([10, 0, 3, 3])
     assert torch.equal(native.ops(isa).dequantize_rows(kernel_matrix(w, isa), rows), w.dequantize()[rows])
     assert torch.equal(w[rows], w.dequantize()[rows])  # the model's lookup (the default build)
+    grid = rows.view(2, 2)  # any shape of ids: [...] -> [..., K]
+    assert torch.equal(native.ops(isa).dequantize_rows(kernel_matrix(w, isa), grid), w.dequantize()[grid])
 
 
 @pytest.mark.parametrize("isa", TESTED_ISAS)

@@ -132,9 +132,7 @@ class QuantWeight:
         """Rows (token ids, for an embedding) as float32 [len(rows), in_features]."""
         rows = torch.as_tensor(rows)
         if rows.device.type == "cpu" and native.available():
-            if rows.dim() == 1:  # a step's tokens
-                return native.ops().dequantize_rows(self.matrix(), rows)
-            return native.ops().dequantize_rows(self.matrix(), rows.reshape(-1)).reshape(*rows.shape, -1)
+            return native.ops().dequantize_rows(self.matrix(), rows)
         return self.dense(rows.device)[rows]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:

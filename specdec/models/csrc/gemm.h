@@ -547,12 +547,14 @@ torch::Tensor linear(const torch::Tensor& x, const QMatrix& W) {
   return y;
 }
 
-// Rows `rows` of W as float32 (the token embedding of a quantized model).
+// Rows `rows` of W as float32 (the token embedding of a quantized model): rows int [...] -> [..., K].
 torch::Tensor dequantize_rows(const QMatrix& W, const torch::Tensor& rows) {
   auto idx = rows.to(torch::kInt64).contiguous();
-  auto out = torch::empty({idx.size(0), W.K}, torch::kFloat32);
+  std::vector<int64_t> shape(idx.sizes().begin(), idx.sizes().end());
+  shape.push_back(W.K);
+  auto out = torch::empty(shape, torch::kFloat32);
   const int64_t* ip = idx.data_ptr<int64_t>();
-  for (int64_t t = 0; t < idx.size(0); t++) {
+  for (int64_t t = 0; t < idx.numel(); t++) {
     int64_t n = ip[t];
     TORCH_CHECK(n >= 0 && n < W.N(), "row ", n, " out of range [0, ", W.N(), ")");
     size_t p = 0;

@@ -6,13 +6,14 @@
 
 namespace {
 
-// The index of each row's largest value, the first one on ties (torch.argmax's rule). logits: float32 [N, V].
+// The index of each row's largest value, the first one on ties (torch.argmax's rule). logits: float32 [..., V] ->
+// int64 [...].
 torch::Tensor argmax_rows(const torch::Tensor& logits) {
-  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 2, "logits must be float32 [N, V]");
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() >= 1, "logits must be float32 [..., V]");
   auto x = logits.contiguous();
-  const int64_t N = x.size(0), V = x.size(1);
+  const int64_t V = x.size(-1), N = V > 0 ? x.numel() / V : 0;
   TORCH_CHECK(V > 0, "argmax of an empty row");
-  auto out = torch::empty({N}, torch::kInt64);
+  auto out = torch::empty(x.sizes().slice(0, x.dim() - 1), torch::kInt64);
   for (int64_t n = 0; n < N; n++) {
     const float* r = x.data_ptr<float>() + n * V;
     int64_t best = 0, i = 0;
