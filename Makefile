@@ -58,10 +58,12 @@ bench: setup
 bench-peers: setup
 	CMAKE_BUILD_PARALLEL_LEVEL=2 $(PY) -m pip install -q llama-cpp-python==0.3.36 diskcache
 
-# Self-distillation data for draft heads: the training prompts answered by the default model itself, packed into
-# specdec/data/distill/ (resumable: finished answers are flushed to ~/.cache/specdec/distill; rerun to continue).
-# TRAIN_DATA: the folder of training JSONL files (the developers' copy sits beside the checkout).
-PER_SOURCE ?= 1000
+# Self-distillation data for draft heads: every training prompt answered by the default model itself, into the
+# answers corpus data/answers/smollm2-135m/ (chunk files; resumable: rerun to continue, on any machine; prompts the
+# package's distilled set answers are not answered again). TRAIN_DATA: the folder of training JSONL files (the
+# developers' copy sits beside the checkout); data/prompts/ adds the public prompt sets kept in the repository.
+PER_SOURCE ?= all
 TRAIN_DATA ?= ../shared/data/train
 distill: setup
-	$(VENV)/bin/specdec distill --data-dir $(TRAIN_DATA) --per-source $(PER_SOURCE)
+	$(VENV)/bin/specdec distill --data-dir $(TRAIN_DATA) data/prompts --per-source $(PER_SOURCE) \
+		--out data/answers/smollm2-135m --also specdec/data/distill/smollm2-135m.npz

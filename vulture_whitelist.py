@@ -26,3 +26,7 @@ bos_token_id, extra_tokens
 # Public helpers: the path to the head shipped for the built-in model (for users and the tests), the distinct
 # instruction sets the native kernels build for (their tests run each; models/native.py)
 shipped_head, distinct_isas
+
+# Public API read by users and tests only: a speculative config as the flat dict `parse` reads back (registry.py);
+# llama.cpp's own attribute that tools/verify_cost.py sets to drop a step's K/V (bench/verify_cost.py)
+to_dict, n_tokens

@@ -12,6 +12,9 @@ from specdec.config import SpecdecError
 from specdec.drafting.registry import registered_methods
 from specdec.models.loader import DEFAULT_MODEL
 
+# prompt sets of the package kept for measuring: never answered for training nor trained on
+RESERVED_PROMPTS = ("chat_code_prompts.jsonl", "tune_prompts.jsonl", "eval/prompts.jsonl")
+
 
 def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--model", default=DEFAULT_MODEL,
@@ -60,7 +63,10 @@ def build_parser() -> argparse.ArgumentParser:
 
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, /metrics)",
                        description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, "
-                       "/v1/completions, /v1/models, /health, /metrics. --speculative-config also takes 'off'.")
+                       "/v1/completions, /v1/models, /health, /metrics. --speculative-config also takes 'off'. "
+                       "GET /admin/draft names the draft head drafting; POST /admin/draft with {\"model\": DIR} "
+                       "swaps it for the head in DIR (same method and shape, for the same target) between two "
+                       "engine steps, without a restart (400 naming why when refused; behind --api-key).")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_model_args(s)
     add_parallel_args(s)
@@ -88,6 +94,11 @@ def build_parser() -> argparse.ArgumentParser:
                    help="largest request body (default 2 MiB); larger ones get 413 before they are read")
     s.add_argument("--shutdown-timeout", type=float, default=30.0, metavar="SECONDS",
                    help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish (default 30)")
+    s.add_argument("--record-traffic", default=None, metavar="DIR",
+                   help="record every finished request in DIR/traffic-<UTC time>-<pid>.jsonl, one JSON line each "
+                   "(the target's fingerprint, prompt and output token ids, finish reason, temperature, time; "
+                   "specdec.serving.traffic), a new file every 10,000; aborted requests are not recorded "
+                   "(default: off)")
     s.add_argument("--replicas", type=int, default=None,
                    help="serve N engine replicas behind this one endpoint on Ray Serve (pip install specdec[ray]); "
                    "requests go to the replica holding their prompt's prefix, else the least loaded. Joins the "
@@ -144,11 +155,28 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--method", default="eagle3",
                     help=f"a draft-head method: {', '.join(registered_methods(head=True))} (default eagle3)")
     tr.add_argument("--target", default=DEFAULT_MODEL, help=f"the frozen target (default {DEFAULT_MODEL})")
-    tr.add_argument("--data", nargs="+", required=True,
+    tr.add_argument("--data", nargs="+", default=None,
                     help="chat JSONL files ({'messages': [...]} per line), or with --distilled their directory")
-    tr.add_argument("--distilled", default=None,
-                    help="train on the target's own answers packed by `specdec distill` (an .npz); --data is then "
-                         "the directory of the prompts it answered")
+    tr.add_argument("--from-traffic", default=None,
+                    help="fine-tune on the requests a server recorded (`specdec serve --record-traffic DIR`): the "
+                         "target's own outputs; --init defaults to the target's shipped head")
+    tr.add_argument("--distilled", nargs="+", default=None,
+                    help="train on the target's own answers made by `specdec distill` (.npz files or answer "
+                         "directories); --data is then the directory of the prompts they answer")
+    tr.add_argument("--objective", choices=("ce", "topk", "acceptance"), default="ce",
+                    help="how the head's distribution is fitted to the target's: cross-entropy (default), "
+                         "cross-entropy on the target's --topk tokens, or the log of the sampled acceptance rate")
+    tr.add_argument("--topk", type=int, default=8, help="tokens of --objective topk (default 8)")
+    tr.add_argument("--held-out", type=int, default=64,
+                    help="with --distilled or --from-traffic: answers never trained on (at most a fifth), on which "
+                         "the curve is measured (default 64)")
+    tr.add_argument("--eval-every", type=int, default=100,
+                    help="optimizer steps between points of the curve (default 100)")
+    tr.add_argument("--train-seconds", type=float, default=0,
+                    help="stop (with a checkpoint; --resume goes on) after this long (default: no limit)")
+    tr.add_argument("--autocast", default="auto",
+                    help="bf16: the head's matmuls in bfloat16; off; auto (default): bf16 on a GPU and on CPUs "
+                         "with AVX512-BF16")
     tr.add_argument("--out", required=True, help="directory for the head, its checkpoints and train_log.json")
     tr.add_argument("--steps", type=int, default=1000, help="conversations to train on (default 1000)")
     tr.add_argument("--epochs", type=float, default=None,
@@ -189,22 +217,38 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--val-prompts", type=int, default=8, help="held-out conversations for validation")
     tr.add_argument("--val-tokens", type=int, default=64, help="greedy tokens per validation prompt")
     tr.add_argument("--seed", type=int, default=0)
+    tr.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
+    tr.add_argument("--dtype", default="auto", help="the target's dtype (default auto: a GGUF's own blocks)")
 
     d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
     d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
-    d.add_argument("--data-dir", required=True, help="the folder of training JSONL files (chat 'messages' rows)")
+    d.add_argument("--data-dir", required=True, nargs="+",
+                   help="the folder(s) of training JSONL files (chat 'messages' rows; file stems must differ)")
     d.add_argument("--out", default=None,
-                   help="the packed answers (default: specdec/data/distill/<model>.npz in the package)")
-    d.add_argument("--per-source", type=int, default=1000, help="prompts per training file (default 1000)")
+                   help="the answers' directory (chunk files; a rerun answers only what it lacks; default "
+                   "$SPECDEC_CACHE/answers/<model>, $SPECDEC_CACHE defaulting to ~/.cache/specdec)")
+    d.add_argument("--also", nargs="*", default=[],
+                   help="earlier answer files or directories: their prompts are not answered again")
+    d.add_argument("--pack", default=None,
+                   help="after answering, write every answer of --out and --also as this one .npz")
+    d.add_argument("--export-prompts", default=None, metavar="DIR",
+                   help="answer nothing: write the training folder's prompts alone to DIR (a smaller copy that "
+                        "names the same rows, e.g. for a device machine)")
+    d.add_argument("--per-source", default="1000",
+                   help="prompts per training file, or 'all' (default 1000)")
     d.add_argument("--sampled-share", type=float, default=0.25,
                    help="share of prompts answered by sampling at temperature 0.7, the rest greedy (default 0.25)")
     d.add_argument("--max-tokens", type=int, default=256, help="tokens per answer (default 256)")
     d.add_argument("--max-prompt-tokens", type=int, default=1536, help="longer prompts are skipped (default 1536)")
+    d.add_argument("--in-flight", type=int, default=32, help="requests answered together (default 32)")
+    d.add_argument("--flush-every", type=int, default=1000, help="answers per chunk file (default 1000)")
+    d.add_argument("--reserve", nargs="*", default=None,
+                   help="prompt sets ({'turns': [...]} lines) never answered (default: the package's held-out "
+                   "chat, code and tune prompts and its evaluation set)")
     d.add_argument("--limit", type=int, default=None, help="stop after this many new answers (resume later)")
-    d.add_argument("--cache-dir", default=None,
-                   help="chunks of finished answers, outside the repo (default $SPECDEC_CACHE/distill/<target>, "
-                   "$SPECDEC_CACHE defaulting to ~/.cache/specdec)")
     d.add_argument("--seed", type=int, default=0)
+    d.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
+    d.add_argument("--dtype", default="auto", help="the target's dtype (default auto: a GGUF's own blocks)")
     return parser
 
 
@@ -266,14 +310,26 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_distill(args: argparse.Namespace) -> None:
+    from specdec.config import cache_root
     from specdec.llm import LLM
     from specdec.training import distill
 
-    out = args.out or Path(__file__).resolve().parent / "data" / "distill" / f"{Path(args.model).stem.lower()}.npz"
-    llm = LLM(args.model, speculative_config="off")
-    summary = distill.regenerate(llm, args.data_dir, out, per_source=args.per_source, sampled_share=args.sampled_share,
-                                 max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens, seed=args.seed,
-                                 cache_dir=args.cache_dir, limit=args.limit)
+    if args.export_prompts:
+        print(json.dumps(distill.export_prompts(args.data_dir, args.export_prompts)))
+        return
+    if args.per_source != "all" and not args.per_source.isdigit():
+        raise SpecdecError(f"invalid --per-source {args.per_source!r}: a count or 'all'")
+    out = args.out or cache_root() / "answers" / Path(args.model).stem.lower()
+    data = Path(__file__).resolve().parent / "data"
+    reserve = args.reserve if args.reserve is not None else [data / p for p in RESERVED_PROMPTS if (data / p).is_file()]
+    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off")
+    summary = distill.regenerate(
+        llm, args.data_dir, out, per_source=None if args.per_source == "all" else int(args.per_source),
+        sampled_share=args.sampled_share, max_tokens=args.max_tokens, max_prompt_tokens=args.max_prompt_tokens,
+        seed=args.seed, also=args.also, reserved=distill.reserved_turns(reserve),
+        flush_every=args.flush_every, in_flight=args.in_flight, limit=args.limit)
+    if args.pack:
+        summary["packed"] = distill.pack([*args.also, out], args.pack)
     print(json.dumps(summary))
 
 
@@ -302,6 +358,8 @@ def cmd_serve(args: argparse.Namespace) -> None:
         if getattr(args, name) is not None:
             engine_kwargs[name] = getattr(args, name)
     if args.replicas is not None:
+        if args.record_traffic is not None:
+            raise SpecdecError("--record-traffic records one engine's requests; it does not work with --replicas yet")
         try:
             from specdec.serving.replicas import ReplicaSpec, serve_replicas
         except ImportError as e:
@@ -314,7 +372,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
               quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-          limits=limits, shutdown_timeout=args.shutdown_timeout)
+          limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=args.record_traffic)
 
 
 def launch_ranks(nproc: int, argv: list[str]) -> int:

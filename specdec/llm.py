@@ -139,6 +139,17 @@ class LLM:
                                  self.workers)
         return other
 
+    @property
+    def draft_head(self) -> str | None:
+        """The directory of the draft head speculation drafts with (None without a head method)."""
+        return self.engine.draft_head
+
+    def reload_draft(self, path: str) -> None:
+        """Swap the draft head for the one in `path` (same method, same target and shape) without reloading the
+        target: between generate() calls here, between engine steps in the server (`POST /admin/draft`). Outputs
+        stay lossless. See `LLMEngine.reload_draft`."""
+        self.engine.reload_draft(path)
+
     # -- prompts -------------------------------------------------------------------------------
     def encode(self, prompt: Prompt) -> tuple[str | None, list[int]]:
         """A string is tokenized as is; {"prompt_token_ids": [...]} is used directly."""

@@ -81,6 +81,20 @@ def test_default_prompts_ship_inside_the_package(tmp_path: Path, monkeypatch) ->
     assert {r["category"] for r in rows} == {"translation", "summarization", "qa", "math_reasoning", "rag"}
 
 
+def test_a_prompt_rows_system_message_comes_before_its_turn(tiny_model: Path) -> None:
+    """A deployment's prompts carry its system prompt ("system"): it is rendered as the chat's system message."""
+    from specdec import LLM
+
+    llm = LLM(str(tiny_model), speculative_config="off")
+    rows = [{"category": "a", "turns": ["How do I reset my password?"], "system": "You are Nimbus Assist."},
+            {"category": "a", "turns": ["How do I reset my password?"]}]
+    with_system, plain = prompt_sets.encode_prompts(llm, rows)
+    assert with_system.token_ids == llm.apply_chat_template([{"role": "system", "content": "You are Nimbus Assist."},
+                                                       {"role": "user", "content": "How do I reset my password?"}])
+    assert plain.token_ids == llm.apply_chat_template([{"role": "user", "content": "How do I reset my password?"}])
+    assert with_system.token_ids != plain.token_ids
+
+
 def test_unknown_dtype(tiny_model: Path, tmp_path: Path, capsys) -> None:
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     assert main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--dtypes", "float32,int3"]) == 2

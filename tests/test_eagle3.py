@@ -94,7 +94,7 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
     compared, first_tokens = [], []
 
     def catch_up(reqs, greedy):
-        roots, first = EagleDrafter._catch_up(drafter, reqs, greedy)
+        roots, first, logp = EagleDrafter._catch_up(drafter, reqs, greedy)
         for r, root in zip(reqs, roots):
             history.setdefault(r.seq_id, []).append(r.features)
             fresh = EagleDrafter(drafter.head, drafter.env, drafter.k)
@@ -105,7 +105,7 @@ def test_incremental_drafts_equal_drafts_from_a_fresh_head_cache(target_dir, hea
             top = logits[1].topk(2).values
             if top[0] - top[1] > NEAR_TIE:
                 first_tokens.append(bool(logits[0].argmax() == logits[1].argmax()))
-        return roots, first
+        return roots, first, logp
 
     drafter._catch_up = catch_up
     llm.generate(PROMPTS, GREEDY)
@@ -234,7 +234,80 @@ def test_the_native_draft_step_gives_the_op_by_op_steps_bits(tmp_path_factory, q
                         out.extend(head.draft_step(embeds, positions, meta, drafter.kv, [n - 1, 0], **kwargs))
                     else:
                         rows = head.forward(embeds, positions, meta, drafter.kv, **kwargs)
-                        out.extend([rows, head.target_ids(head.compute_logits(rows[[n - 1, 0]]).argmax(-1))])
+                        logits = head.compute_logits(rows[[n - 1, 0]])
+                        best = logits.argmax(-1)
+                        out.extend([rows, head.target_ids(best), torch.log_softmax(logits, -1)[[0, 1], best]])
                 assert torch.equal(got[0], want[0]) and torch.equal(got[1], want[1])
+                assert torch.allclose(got[2], want[2], atol=1e-5)  # what a chain's stopping rule reads
     finally:
         ops.team_max_rows(before)
+
+
+def record_logprobs(drafter: EagleDrafter, seen: list) -> None:
+    """Make each head step of `drafter` also append its drafts' log-probabilities to `seen`."""
+    step = drafter._step
+
+    def record_step(*args, **kwargs):
+        out = step(*args, **kwargs)
+        seen.append(out[2].tolist())
+        return out
+
+    drafter._step = record_step
+
+
+def test_a_chain_stops_before_the_draft_whose_path_probability_falls_under_min_prob(target_dir, head_dir):
+    """`min_prob` on a chain: a request's chain keeps its drafts while the product of the head's probabilities
+    along it is at least min_prob (SpecDec++'s rule), none where even the first is under it; outputs unchanged."""
+    def run(min_prob: float):
+        llm = LLM(str(target_dir), speculative_config=every_step({
+            "method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 4, "min_prob": min_prob}))
+        drafter = llm.engine.speculator.drafter
+        logps, drafts = [], []
+        record_logprobs(drafter, logps)
+        propose = drafter.propose
+
+        def record_propose(requests):
+            draft = propose(requests)
+            drafts.append(draft.host_rows()[0])
+            return draft
+
+        drafter.propose = record_propose
+        return llm.generate(PROMPTS[0], GREEDY)[0].token_ids, logps, drafts
+
+    plain = LLM(str(target_dir), speculative_config="off").generate(PROMPTS[0], GREEDY)[0].token_ids
+    free, logps, drafts = run(0.0)
+    assert free == plain and len(drafts[0][0]) == 4
+    path = torch.tensor([lp[0] for lp in logps[:4]]).cumsum(0)  # the first chain's log path probabilities
+    assert (path.diff() < -1e-3).all()  # every draft is less than certain: each cut below is a real one
+    for keep in (1, 2, 3):
+        cut, cut_logps, cut_drafts = run(float(path[keep - 1].exp()) * 0.999)
+        assert cut == plain and cut_drafts[0][0] == drafts[0][0][:keep], keep
+    none, _, nothing = run(1.0)
+    assert none == plain and all(chain == [] for d in nothing for chain in d)
+
+
+def test_a_chain_gives_its_path_probabilities_to_a_hybrid(target_dir, head_dir):
+    """In a hybrid, the head's chain carries each node's path probability under the head (its belief b), what
+    the hybrid's calibrated scores start from; outputs stay plain decoding's."""
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "hybrid", "num_speculative_tokens": 3,
+                                                              "min_score": 0.0, "sources": [
+        {"method": "eagle3", "model": str(head_dir), "num_speculative_tokens": 3}]}))
+    drafter = llm.engine.speculator.drafter.sources[0].drafter
+    assert drafter.path_scores
+    seen, chains = [], []
+    record_logprobs(drafter, seen)
+    chain = drafter._chain
+
+    def record_chain(*args):
+        seen.clear()
+        seen.append(args[-1].tolist())  # the catch-up's log-probabilities
+        draft = chain(*args)
+        path = torch.tensor([lp[0] for lp in seen]).cumsum(0).exp()
+        assert torch.allclose(draft.scores[args[1][0], :len(path)], path, rtol=1e-5)
+        chains.append(len(path))
+        return draft
+
+    drafter._chain = record_chain
+    plain = LLM(str(target_dir), speculative_config="off").generate(PROMPTS[0], GREEDY)[0].token_ids
+    assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == plain
+    assert chains and max(chains) == 3  # the head drafted whole chains, each checked

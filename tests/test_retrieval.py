@@ -83,7 +83,7 @@ def test_retrieval_is_lossless_and_drafts_from_the_corpus(target_dir, reference,
 
 
 def test_the_answers_of_the_training_pipeline_are_a_corpus(target_dir, reference, tmp_path):
-    """tools/train_head_gpu.py's answers-*.npz (answer_ids, offsets, prompt_index, sampled) read as a token file."""
+    """The layout of the package's answers file (answer_ids, offsets, prompt_index, sampled) read as a token file."""
     lengths = [len(r) for r in reference]
     corpus = tmp_path / "answers-0.npz"
     np.savez_compressed(corpus, answer_ids=np.array([t for r in reference for t in r], np.uint16),

@@ -169,6 +169,7 @@ CASES = [  # (method, its keys, sampling, max_tokens)
     ("eagle", {}, TOP_K, 4),
     ("eagle", {"tree": "D2-BF2"}, TOP_K, 4),
     ("eagle3", {}, TOP_K, 4),
+    ("eagle3", {"num_speculative_tokens": 3, "min_prob": 0.3}, TOP_K, 4),  # a chain cut by the head's probability
     ("eagle3", {"tree": CHOICES}, TOP_K, 4),
     ("eagle3", {"tree": {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}}, TOP_K, 4),  # EAGLE-2 dynamic tree
     ("mtp", {}, TOP_K, 4),

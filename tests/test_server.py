@@ -626,7 +626,7 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
     llm, kw = calls[-1]
     assert llm.engine.speculator is None and kw == {"host": "127.0.0.1", "port": 8000, "api_key": None,
                                                     "served_model_name": None, "limits": Limits(),
-                                                    "shutdown_timeout": 30.0}
+                                                    "shutdown_timeout": 30.0, "record_traffic": None}
     assert main(["serve", "--model", str(tiny_llama_dir), "--port", "9001", "--api-key", "k", "--max-num-seqs", "3",
                  "--served-model-name", "m", "--speculative-config", json.dumps(SPEC), "--max-model-len", "256",
                  "--default-max-tokens", "5", "--max-queue", "0", "--request-timeout", "2.5",
@@ -634,7 +634,8 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
     llm, kw = calls[-1]
     assert llm.engine.speculator is not None and llm.engine.cfg.max_num_seqs == 3 and llm.engine.max_model_len == 256
     assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "k", "served_model_name": "m", "shutdown_timeout": 5.0,
-                  "limits": Limits(max_request_bytes=1000, default_max_tokens=5, max_queue=0, request_timeout_s=2.5)}
+                  "limits": Limits(max_request_bytes=1000, default_max_tokens=5, max_queue=0, request_timeout_s=2.5),
+                  "record_traffic": None}
     assert main(["serve", str(tiny_llama_dir), "--model", "/elsewhere"]) == 2
     for bad in (["--max-num-seqs", "0"], ["--max-queue", "-1"], ["--request-timeout", "0"], ["--max-model-len", "0"]):
         assert main(["serve", str(tiny_llama_dir), *bad]) == 2
@@ -829,8 +830,8 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
             tested.append(f"{operation.method.upper()} {operation.path}")
     finally:
         engine.stop()
-    assert sorted(tested) == ["GET /health", "GET /metrics", "GET /v1/models", "POST /v1/chat/completions",
-                              "POST /v1/completions"]
+    assert sorted(tested) == ["GET /admin/draft", "GET /health", "GET /metrics", "GET /v1/models",
+                              "POST /admin/draft", "POST /v1/chat/completions", "POST /v1/completions"]
     assert engine.engine.allocator.num_used == 0
 
 

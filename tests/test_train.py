@@ -9,7 +9,7 @@ import pytest
 import torch
 from conftest import gloo_threads_at_exit, gloo_threads_left, save_tiny_model
 
-from specdec import LLM
+from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
@@ -332,3 +332,124 @@ def test_data_parallel_ranks_end_their_process_group(target_dir, tmp_path):
     assert done.returncode == 0, done.stderr[:3000] + "\n...\n" + done.stderr[-1500:]
     assert json.loads((tmp_path / "head" / "train_log.json").read_text())["world_size"] == 2
     assert gloo_threads_left(tmp_path) == {"0": [], "1": []}
+
+
+def test_the_objectives_on_a_hand_checked_row():
+    """ce: -sum p log q; topk: the same over p's top k renormalized; acceptance: -log sum min(p, q) + ce / 10."""
+    from specdec.training.train import distribution_term
+
+    p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
+    q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
+    target_logits, logits = p.clamp_min(1e-30).log(), q.log()
+    ce = -(p * q.log()).sum().item()
+    assert distribution_term(logits, target_logits, "ce").item() == pytest.approx(ce, rel=1e-5)
+    top2 = -(0.5 / 0.8 * q[0, 0].log() + 0.3 / 0.8 * q[0, 1].log()).item()
+    assert distribution_term(logits, target_logits, "topk", topk=2).item() == pytest.approx(top2, rel=1e-5)
+    accepted = 0.25 + 0.25 + 0.2 + 0.0  # sum min(p, q): the chance a draft sampled from q is accepted
+    assert distribution_term(logits, target_logits, "acceptance").item() == pytest.approx(
+        -torch.tensor(accepted).log().item() + 0.1 * ce, rel=1e-5)
+    assert distribution_term(target_logits, target_logits, "acceptance").item() == pytest.approx(
+        0.1 * -(p[:, :3] * p[:, :3].log()).sum().item(), abs=1e-5)  # q = p: every draft accepted
+    with pytest.raises(Exception, match="unknown objective"):
+        distribution_term(logits, target_logits, "kl")
+
+
+@pytest.mark.parametrize("objective", ["ce", "topk", "acceptance"])
+def test_training_on_answers_draws_the_curve_keeps_the_best_head_and_resumes_after_its_time(
+        target_dir, tmp_path, objective):
+    """`specdec train --distilled DIR`: answers held out by their prompt (never trained on), a point of the curve
+    every --eval-every updates whose step-1 top-1 is the share of held-out rows where the head's greedy draft is
+    the target's own greedy token, the best head kept in out/best (loadable, in the shipped two-shard layout),
+    and --train-seconds stopping with a checkpoint that --resume goes on from."""
+    from test_distill import write_data
+
+    from specdec.training import distill
+
+    llm = LLM(str(target_dir), speculative_config="off")
+    data = write_data(tmp_path / "data", rows_per_file=10)
+    answers = tmp_path / "answers"
+    distill.regenerate(llm, data, answers, per_source=None, sampled_share=0.0, max_tokens=24)
+    out = tmp_path / "head"
+    args = ["train", "--target", str(target_dir), "--data", str(data), "--distilled", str(answers), "--out", str(out),
+            "--held-out", "4", "--batch", "2", "--eval-every", "2", "--steps", "12", "--draft-vocab", "64",
+            "--objective", objective, "--lr", "1e-2", "--autocast", "off", "--save-every", "4"]
+    assert main(args + ["--train-seconds", "1e-9"]) == 0  # out of time before the first update
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 0 and len(log["curve"]) == 1
+    assert main(args + ["--resume"]) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    curve = log["curve"]
+    assert log["steps"] == 12 and [c["step"] for c in curve] == [0, 4, 8, 12]
+    tokens = [c["answer_tokens"] for c in curve]
+    assert tokens == sorted(tokens) and tokens[-1] > 0
+    for point in curve:
+        for step in ("step1", "step2", "step3"):
+            assert 0 <= point[step]["top1"] <= point[step]["top2"] <= point[step]["top4"] <= 1
+        assert point["step1"]["rows"] >= point["step2"]["rows"] > 0
+    assert log["best"]["step1"]["top1"] == max(c["step1"]["top1"] for c in curve)
+    best = Eagle3Head.load(out / "best", llm.engine.model.config)
+    assert sorted(p.name for p in (out / "best").glob("*.safetensors")) == ["model-00001-of-00002.safetensors",
+                                                                          "model-00002-of-00002.safetensors"]
+    assert best.draft_vocab_size == 64
+
+
+def test_the_curves_first_position_is_the_heads_greedy_agreement_with_the_target(target_dir, tmp_path):
+    """With a draft vocabulary of the whole target vocabulary, the curve's step-1 top-1 equals the loss's own
+    count of rows where the head's argmax is the target's argmax (two computations of one figure)."""
+    import argparse
+
+    from specdec.training.train import curve_point, held_out_outputs, sequence_loss
+
+    model = LLM(str(target_dir)).engine.model
+    V = model.config.vocab_size
+    head = Eagle3Head.create("eagle3", model, draft_ids=torch.arange(V))
+    rng = random.Random(1)
+    held = []
+    for _ in range(3):
+        ids = [rng.randrange(V) for _ in range(20)]
+        held.append((ids, [i >= 6 for i in range(20)]))
+    outputs = held_out_outputs(model, head, held)
+    point = curve_point(head, model, held, outputs, 1, torch.autocast("cpu", enabled=False))
+    hits = rows = 0
+    args = argparse.Namespace(ttt_steps=1, ce_weight=1.0, regression_weight=0.1)
+    for ids, mask in held:
+        with torch.no_grad():
+            _, stats = sequence_loss(head, model, ids, mask, args)
+        hits, rows = hits + stats["top1"] * stats["n"], rows + stats["n"]
+    assert point["step1"]["rows"] == rows and point["step1"]["top1"] == pytest.approx(hits / rows, abs=1e-4)
+
+
+def test_a_head_fine_tunes_on_recorded_traffic(target_dir, tmp_path):
+    """`specdec train --from-traffic DIR`: the target's outputs a server recorded are the training data (a fifth
+    of the records, at most --held-out, held out for the curve), starting from --init; traffic of another target
+    is not used, and mixing it with --data is refused."""
+    from specdec.models.loader import model_fingerprint
+    from specdec.serving.traffic import TrafficRecorder
+
+    llm = LLM(str(target_dir), speculative_config="off")
+    rng = random.Random(3)
+    words = "the cat sat on a mat and then the dog ran to the park".split()
+    prompts = [llm.apply_chat_template([{"role": "user", "content": " ".join(rng.choice(words) for _ in range(5))}])
+               for _ in range(20)]
+    outs = llm.generate([{"prompt_token_ids": p} for p in prompts], SamplingParams(temperature=0, max_tokens=16))
+    traffic = tmp_path / "traffic"
+    recorder = TrafficRecorder(traffic, model_fingerprint(llm.engine.model))
+    for p, o in zip(prompts, outs):
+        recorder.record(p, o.token_ids, o.finish_reason, 0.0)
+    TrafficRecorder(traffic, "another-target").record([1, 2, 3], [4, 5, 6], "stop", 0.0)
+    recorder.close()
+    init = tmp_path / "init"
+    head = Eagle3Head.create("eagle3", llm.engine.model, draft_ids=torch.arange(64))
+    head.save(init)
+    out = tmp_path / "tuned"
+    args = ["train", "--target", str(target_dir), "--from-traffic", str(traffic), "--out", str(out), "--init",
+            str(init), "--steps", "16", "--batch", "4", "--eval-every", "2", "--lr", "1e-2", "--autocast", "off"]
+    assert main(args) == 0
+    log = json.loads((out / "train_log.json").read_text())
+    assert log["steps"] == 16 and log["curve"][0]["step1"]["rows"] > 0 and len(log["curve"]) == 3
+    assert Eagle3Head.load(out / "best", llm.engine.model.config).draft_vocab_size == 64  # --init's vocabulary
+    assert main(args + ["--data", str(traffic)]) == 2
+    empty = tmp_path / "empty"
+    TrafficRecorder(empty, "another-target").record([1, 2, 3], [4, 5, 6], "stop", 0.0)
+    assert main(["train", "--target", str(target_dir), "--from-traffic", str(empty), "--out", str(out),
+                 "--init", str(init)]) == 2

@@ -1,40 +1,37 @@
 #!/usr/bin/env bash
 # The whole GPU check in one device command that ends within DEADLINE seconds (default 545):
-#   1. when the training prompts are there (PROMPTS; TRAIN=0 skips it), tools/train_head_gpu.py: the target
-#      answers more training prompts (the earlier answers, ANSWERS, are
-#      kept), the EAGLE-3 head trains on them all, the curve of acceptance against tokens trained on; the head,
-#      its log and all the answers go to $OUT (copy answers-*.npz over specdec/data/answers/ afterwards),
+#   1. when the training prompts are there (DATA, a copy of the training folder; TRAIN=0 skips it): `specdec
+#      distill` answers more training prompts on the GPU (answers already in data/answers/ and the package are
+#      skipped) into $OUT/answers (copy its chunk files into data/answers/<model>/ afterwards), then `specdec
+#      train` fits the EAGLE-3 head on all the answers, warm-started from the shipped head, with the curve of
+#      acceptance against answer tokens trained on (the best head: $OUT/head/best),
 #   2. `specdec bench` of the new head as a dynamic tree and as a chain against plain decoding, alternated in one run,
 #   3. the lossless suite on the device (`make print-gpu-tests`),
 #   4. the plain step with captured graphs against the eager one (tools/verify_cost.py), bfloat16,
 #   each in whatever time is left. Results of 2-4 go to $OUT/check.txt (the device returns at most 8 files).
-# Measured on an H200 (2026-11-27): loading takes 30 s, answering about 9k answer tokens/s, the checks 2-4
-# about 60 + 110 + 30 s.
 #
-# Here, once: bash ../shared/device/prep.sh, then
-#     .venv/bin/python tools/train_head_gpu.py prompts --data-dir ../shared/data/train --out .dev/pN/prompts.jsonl.gz
+# Here, once: bash ../shared/device/prep.sh, then the training prompts alone (22 MB) into the carried part
+#     .venv/bin/specdec distill --data-dir ../shared/data/train --export-prompts .dev/pN/train
 # (N: the last part), run the stash commands prep.sh prints, and with the last part carried:
-#     source .dev/pN/env.sh && PROMPTS=.dev/pN/prompts.jsonl.gz bash tools/gpu_check.sh
+#     source .dev/pN/env.sh && DATA=.dev/pN/train bash tools/gpu_check.sh
 # Dry run on CPU (checks the script, not the figures):
-#     DEVICE=cpu DTYPE=float32 PYTHON=.venv/bin/python OUT=/tmp/gpu-dry PROMPTS=/tmp/prompts.jsonl.gz \
-#       TRAIN_ARGS="--max-prompts 300 --held-out 4 --max-new-tokens 16 --gen-batch 8 --batch-tokens 1024" \
-#       GEN_S=20 TRAIN_S=20 DEADLINE=400 NUM_PROMPTS=1 MAX_TOKENS=8 bash tools/gpu_check.sh
+#     DEVICE=cpu DTYPE=auto PYTHON=.venv/bin/python OUT=/tmp/gpu-dry DATA=../shared/data/train \
+#       DISTILL_ARGS="--limit 8" TRAIN_ARGS="--max-conversations 16 --steps 16 --held-out 4" \
+#       GEN_S=60 TRAIN_S=60 DEADLINE=400 NUM_PROMPTS=1 MAX_TOKENS=8 bash tools/gpu_check.sh
 set -uo pipefail
 cd "$(dirname "$0")/.."
 PYTHON=${PYTHON:-python3}
 DEVICE=${DEVICE:-cuda}
 DTYPE=${DTYPE:-bfloat16}
 OUT=${OUT:-gpu_results}
-PROMPTS=${PROMPTS:-.dev/p3/prompts.jsonl.gz}
-ANSWERS=${ANSWERS:-$(ls specdec/data/answers/*.npz 2>/dev/null)}
+DATA=${DATA:-.dev/p4/train}
+ANSWERS=${ANSWERS:-data/answers/smollm2-135m specdec/data/distill/smollm2-135m.npz}
 GEN_S=${GEN_S:-150}
 TRAIN_S=${TRAIN_S:-200}
-# who answers: transformers' generate (ran on an H200) unless GENERATOR=auto tries specdec's engine too (not yet
-# run on a GPU at batch > 1: a CUDA fault there would end the whole command, training included)
-GENERATOR=${GENERATOR:-hf}
-TRAIN_ARGS=${TRAIN_ARGS:-}  # word-split: e.g. "--init none --lr 2e-4" (no quotes inside)
+DISTILL_ARGS=${DISTILL_ARGS:-}  # word-split, as TRAIN_ARGS
+TRAIN_ARGS=${TRAIN_ARGS:-}  # word-split: e.g. "--objective topk --lr 2e-4" (no quotes inside)
 DEADLINE=${DEADLINE:-545}
-TRAIN=${TRAIN:-$([ -f "$PROMPTS" ] && echo 1 || echo 0)}
+TRAIN=${TRAIN:-$([ -d "$DATA" ] && echo 1 || echo 0)}
 NUM_PROMPTS=${NUM_PROMPTS:-10}
 MAX_TOKENS=${MAX_TOKENS:-128}
 export SPECDEC_CACHE=${SPECDEC_CACHE:-/tmp/specdec-cache} PYTHONUNBUFFERED=1
@@ -61,16 +58,22 @@ note "== device: $($PYTHON -c "import torch; print(torch.__version__, torch.cuda
 # 1. the head (its own log: train.txt)
 if [ "$TRAIN" = 1 ]; then
   # shellcheck disable=SC2086
-  timeout "$(left)" $PYTHON tools/train_head_gpu.py train --prompts "$PROMPTS" --out "$OUT" --device "$DEVICE" \
-    --dtype "$DTYPE" --gen-seconds "$GEN_S" --train-seconds "$TRAIN_S" --answers $ANSWERS --state /tmp/head-state \
-    --generator "$GENERATOR" $TRAIN_ARGS 2>&1 | grep -v -e "it/s]" -e "s/it]" | tee "$OUT/train.txt"
+  timeout "$GEN_S" $PYTHON -m specdec.cli distill --device "$DEVICE" --dtype "$DTYPE" --data-dir "$DATA" \
+    data/prompts --out "$OUT/answers" --also $ANSWERS --per-source all --in-flight 512 --flush-every 4000 $DISTILL_ARGS 2>&1 \
+    | grep -v -e "answer/s" -e "s/answer" | tee "$OUT/train.txt"
+  note "== answers: exit ${PIPESTATUS[0]} after $SECONDS s (124: stopped by its budget, the chunks are kept)"
+  # shellcheck disable=SC2086
+  timeout "$(left)" $PYTHON -m specdec.cli train --method eagle3 --device "$DEVICE" --dtype "$DTYPE" \
+    --data "$DATA" data/prompts --distilled $ANSWERS "$OUT/answers" --out "$OUT/head" --init specdec/heads/smollm2-135m-eagle3 \
+    --epochs 1 --batch 16 --train-seconds "$TRAIN_S" --eval-every 50 --ce-weight 1.0 --regression-weight 0.1 \
+    --val-prompts 0 $TRAIN_ARGS 2>&1 | grep -v -e "it/s]" -e "s/it]" | tee -a "$OUT/train.txt"
   rc=${PIPESTATUS[0]}
   note "== training: exit $rc after $SECONDS s"
   [ $rc -eq 0 ] || status=1
 else
-  note "== training: skipped (no prompts at $PROMPTS, or TRAIN=0): the shipped head is benched"
+  note "== training: skipped (no training folder at $DATA, or TRAIN=0): the shipped head is benched"
 fi
-HEAD=$OUT/head
+HEAD=$OUT/head/best
 [ -f "$HEAD/config.json" ] || HEAD=specdec/heads/smollm2-135m-eagle3
 # 2. the head as an EAGLE-2 dynamic tree (verification is nearly free on a GPU) and as a chain against plain
 #    decoding, alternated in one run each

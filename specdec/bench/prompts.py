@@ -69,11 +69,13 @@ def pick_round_robin(rows: list[dict], n: int) -> list[dict]:
 
 
 def encode_prompts(llm: LLM, rows: list[dict]) -> list[BenchPrompt]:
-    """First turn as a user message through the chat template, or raw text when the model has none."""
+    """First turn as a user message (after the row's "system" message, where it has one: a deployment's
+    system prompt) through the chat template, or raw text when the model has none."""
     chat = bool(getattr(llm.tokenizer, "chat_template", None))
     out = []
     for row in rows:
         text = row["turns"][0]
-        ids = llm.apply_chat_template([{"role": "user", "content": text}]) if chat else llm.encode(text)[1]
+        system = [{"role": "system", "content": row["system"]}] if isinstance(row.get("system"), str) else []
+        ids = llm.apply_chat_template(system + [{"role": "user", "content": text}]) if chat else llm.encode(text)[1]
         out.append(BenchPrompt(row.get("question_id"), str(row.get("category", "")), ids))
     return out

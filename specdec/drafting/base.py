@@ -307,10 +307,22 @@ class Drafter(ABC):
     # True when its K/V at slot t also encode token t + 1 (EAGLE pairs the target's feature of token t with the
     # embedding of token t + 1): the prefix cache then reuses a block only before the same next token.
     cache_reads_next_token: bool = False
+    # A drafter over a trained head that can take another one while serving (`reload_head`), and that head's path.
+    reloads_head: bool = False
+    head_path: str | None = None
+    # Set by whoever weighs nodes from several drafters (the hybrid): a drafter that knows its own belief in a node
+    # (a head's probability of the path) then gives it as `Draft.scores`; otherwise it saves building them.
+    path_scores: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:
         """A draft for every request (a request may get zero nodes)."""
+
+    def reload_head(self, path: str) -> None:
+        """With `reloads_head`: draft with the head in `path` from the next call on, loaded and prepared as the
+        first one was (quantized alike). A head of another method or shape raises a SpecdecError naming what
+        differs, and the current head keeps drafting. Called between steps only."""
+        raise SpecdecError(f"{type(self).__name__} has no draft head to reload")
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: drop any state kept for it."""

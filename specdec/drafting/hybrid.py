@@ -103,6 +103,8 @@ class HybridDrafter(Drafter):
     def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], num_speculative_tokens: int,
                  min_score: float = 0.15) -> None:
         self.sources = [_Source(d, c, [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH) for d, c in sources]
+        for s in self.sources:
+            s.drafter.path_scores = True  # a head's belief in its nodes (b below), where it has one
         if any(s.drafter.observe_drafts for s in self.sources):
             raise SpecdecError("a hybrid tree does not merge 'lookahead': its Jacobi window needs the target's "
                                "guess after each of its own nodes, which the merged tree may drop")
@@ -111,6 +113,7 @@ class HybridDrafter(Drafter):
             raise SpecdecError("a hybrid tree merges at most one source that reads the target's features")
         self.featured = featured[0] if featured else None
         self.feature_layers = tuple(self.featured.drafter.feature_layers) if featured else ()
+        self.reloads_head = self.featured is not None and self.featured.drafter.reloads_head
         self.observe_topk = max(s.drafter.observe_topk for s in self.sources)
         self.cache_reads_next_token = any(s.drafter.cache_reads_next_token for s in self.sources)
         self.k, self.min_score = num_speculative_tokens, min_score
@@ -118,6 +121,17 @@ class HybridDrafter(Drafter):
         self.steps = 0  # propose calls, for the probes of sources that do not pay
         self.known: set[int] = set()  # requests every source has seen
         self.asked = [0] * len(self.sources)  # per source: steps it drafted (for reports and tests)
+
+    @property
+    def head_path(self) -> str | None:
+        return self.featured.drafter.head_path if self.featured is not None else None
+
+    def reload_head(self, path: str) -> None:
+        """The head source takes the head in `path`; its calibration starts over (it described the old head)."""
+        if not self.reloads_head:
+            super().reload_head(path)
+        self.featured.drafter.reload_head(path)
+        self.featured.accepted, self.featured.believed = [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH
 
     # ---- learning from the last verification ---------------------------------------------------------
     def learn(self, r: DraftRequest) -> None:

@@ -163,6 +163,23 @@ class LLMEngine:
     def has_unfinished(self) -> bool:
         return self.scheduler.has_unfinished()
 
+    @property
+    def draft_head(self) -> str | None:
+        """The directory of the draft head speculation drafts with (None without a head method)."""
+        return self.speculator.head_path if self.speculator is not None else None
+
+    def reload_draft(self, path: str) -> None:
+        """Draft with the head in `path` from the next step on: loaded and prepared (quantized, its native step
+        built at first use) as the first one was. Not thread-safe (call it between steps, from the thread that
+        steps). Requests in flight go on with it; the output is unchanged (verification decides every token). A
+        head of another method or shape, or one that does not load, raises a SpecdecError naming why, and the
+        current head keeps drafting."""
+        if self.speculator is None:
+            raise SpecdecError("this engine does not speculate (speculative_config off), so it has no draft head to "
+                               "reload; start it with a head method (eagle, eagle3 or mtp)")
+        self.speculator.reload_head(str(path))
+        log.info("drafting with the head in %s", path)
+
     def stats(self) -> dict:
         """A snapshot of the engine's gauges and cumulative counters (what /metrics exports)."""
         totals = self.speculator.totals if self.speculator is not None else None

@@ -17,6 +17,7 @@ from typing import TYPE_CHECKING
 
 import torch
 
+from specdec.config import SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
 from specdec.engine.dispatch import MeasuredDispatch
 from specdec.engine.layout import StepLayout
@@ -258,6 +259,18 @@ class Speculator:
     def forget(self) -> None:
         """The drafter drops what it learnt from finished requests (none may be running)."""
         self.drafter.forget()
+
+    @property
+    def head_path(self) -> str | None:
+        """The directory of the head the drafter drafts with (None for a method without one)."""
+        return self.drafter.head_path
+
+    def reload_head(self, path: str) -> None:
+        """The drafter drafts with the head in `path` from the next step on (between steps only)."""
+        if not self.drafter.reloads_head:
+            raise SpecdecError(f"method {self.cfg.method!r} drafts without a head it can reload; a server started "
+                               "with an eagle, eagle3 or mtp head (alone or as a hybrid's source) can swap it")
+        self.drafter.reload_head(path)
 
     def cached_prefix(self, seq: Sequence) -> int | None:
         """How many leading tokens of `seq` have final K/V in the drafter's own pool over the shared blocks;

@@ -33,7 +33,7 @@ from torch import nn
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata, KVLayers
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
-from specdec.models.kernels import linear
+from specdec.models.kernels import greedy_with_logprob, linear
 from specdec.models.llama import (
     DecoderLayer,
     Linear,
@@ -125,10 +125,11 @@ class EagleHead(nn.Module):
     @torch.inference_mode()
     def draft_step(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
                    rows: list[int], features: torch.Tensor | None = None, hidden: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, then the head's greedy draft tokens at rows `rows` of its output [N] (as `Eagle3Head`'s)."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`, then the head's greedy draft tokens at rows `rows` of its output [N] and their
+        log-probabilities under the head [N] (as `Eagle3Head`'s)."""
         out = self.forward(embeds, positions, meta, kv, features=features, hidden=hidden)
-        return out, self.compute_logits(out[rows]).argmax(-1)
+        return (out, *greedy_with_logprob(self.compute_logits(out[rows])))
 
     @torch.inference_mode()
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:

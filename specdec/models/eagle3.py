@@ -31,7 +31,7 @@ from specdec.config import ModelConfig
 from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers
 from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
-from specdec.models.kernels import linear, on_native
+from specdec.models.kernels import greedy_with_logprob, linear, on_native
 from specdec.models.llama import (
     DecoderLayer,
     Linear,
@@ -138,17 +138,18 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def draft_step(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
                    rows: list[int], features: torch.Tensor | None = None, hidden: torch.Tensor | None = None
-                   ) -> tuple[torch.Tensor, torch.Tensor]:
-        """`forward`, then the head's greedy draft tokens (target ids [N]) at rows `rows` of its output: on CPU one
-        C++ call and one thread team for all of it (`native_step`), the same bits as the op-by-op path."""
+                   ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
+        """`forward`, then the head's greedy draft tokens (target ids [N]) at rows `rows` of its output and their
+        log-probabilities under the head [N]: on CPU one C++ call and one thread team for all of it
+        (`native_step`), the same bits as the op-by-op path."""
         x = features if features is not None else hidden
         if kv.k[0].device.type == "cpu" and on_native(x) and (step := self.native_step()) is not None:
-            out, ids = step.forward(embeds.float().contiguous(), x.contiguous(), features is not None, self.rope_cos,
-                                    self.rope_sin, positions, kv.k[0], kv.v[0], meta.slot_mapping, meta.context_slots,
-                                    meta.mask, meta.row_starts(), self.midlayer.scale, rows)
-            return out, ids
+            out, ids, logp = step.forward(embeds.float().contiguous(), x.contiguous(), features is not None,
+                                          self.rope_cos, self.rope_sin, positions, kv.k[0], kv.v[0], meta.slot_mapping,
+                                          meta.context_slots, meta.mask, meta.row_starts(), self.midlayer.scale, rows)
+            return out, ids, logp
         out = self.forward(embeds, positions, meta, kv, features=features, hidden=hidden)
-        return out, self.target_ids(self.compute_logits(out[rows]).argmax(-1))
+        return (out, *greedy_with_logprob(self.compute_logits(out[rows]), self.target_ids))
 
     def native_step(self) -> Any:  # a native Eagle3Step (pybind), or None
         """fc, the layer, the final norm, the LM head and the argmax as one C++ object over this head's weights (as
@@ -287,7 +288,9 @@ class Eagle3Head(nn.Module):
               "lm_head.weight": self.lm_head, "d2t": self.d2t, "t2d": t2d}
         return {k: t.detach().contiguous().cpu() for k, t in sd.items()}
 
-    def save(self, path: str | Path) -> None:
+    def save(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
+        """config.json and the weights: one float32 `model.safetensors`, or with `dtype` (e.g. bfloat16, what
+        ships) two shards of that dtype, the LM head alone in the second (each under 16 MiB)."""
         from safetensors.torch import save_file
 
         path = Path(path)
@@ -301,4 +304,13 @@ class Eagle3Head(nn.Module):
                   "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
                   "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}}
         (path / "config.json").write_text(json.dumps(config, indent=1))
-        save_file(self.state_dict_reference(), path / "model.safetensors", metadata={"format": "pt"})
+        for old in path.glob("model*.safetensors"):
+            old.unlink()
+        sd = self.state_dict_reference()
+        if dtype is None:
+            save_file(sd, path / "model.safetensors", metadata={"format": "pt"})
+            return
+        sd = {k: (v.to(dtype) if v.is_floating_point() else v) for k, v in sd.items()}
+        lm = {"lm_head.weight": sd.pop("lm_head.weight")}
+        save_file(sd, path / "model-00001-of-00002.safetensors", metadata={"format": "pt"})
+        save_file(lm, path / "model-00002-of-00002.safetensors", metadata={"format": "pt"})

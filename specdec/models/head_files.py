@@ -21,6 +21,23 @@ def read_head_config(path: str | Path, what: str) -> tuple[Path, dict]:
     return path, json.loads((path / "config.json").read_text())
 
 
+# What each kind of head's config.json names as its architecture (what our heads' `save` writes, and SpecForge's
+# EAGLE-3 checkpoints): a head of another method is refused by name rather than by a tensor shape.
+HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "EagleHead": "eagle", "DeepseekMTPHead": "mtp",
+                      "MedusaModel": "medusa"}
+
+
+def check_head_method(path: str | Path, method: str) -> None:
+    """Refuse a head directory whose config.json names the architecture of another method's head (a head that
+    names none, or one not in `HEAD_ARCHITECTURES`, is left to its loader's checks)."""
+    path, hf = read_head_config(path, method)
+    named = hf.get("architectures") or []
+    kinds = sorted({HEAD_ARCHITECTURES[a] for a in named if isinstance(a, str) and a in HEAD_ARCHITECTURES})
+    if kinds and method not in kinds:
+        raise SpecdecError(f"{path} is a head of method {' / '.join(kinds)!r} (architectures {named}), not "
+                           f"{method!r}: give a {method} head")
+
+
 def read_head_tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
     """Every tensor of the directory's *.safetensors files (read after the config passed its checks)."""
     from safetensors.torch import load_file

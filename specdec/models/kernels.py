@@ -70,4 +70,18 @@ def rms_norm(x: torch.Tensor, weight: torch.Tensor, eps: float) -> torch.Tensor:
     which torch's kernel does not promise), torch's elsewhere."""
     if x.dim() == 2 and weight.dtype == torch.float32 and on_native(x, weight):
         return native.ops().rms_norm(x, weight, eps)
+    if x.dtype != weight.dtype:  # bfloat16 activations of a float32 head under autocast (training): in float32
+        return F.rms_norm(x.float(), weight.shape, weight.float(), eps).to(torch.promote_types(x.dtype, weight.dtype))
     return F.rms_norm(x, weight.shape, weight, eps)
+
+
+def greedy_with_logprob(logits: torch.Tensor, to_target: Any = None) -> tuple[torch.Tensor, torch.Tensor]:
+    """Each row's argmax (mapped by `to_target`, e.g. a head's draft ids to target ids) [N] and its log-softmax
+    [N], from logits [N, V]: on CPU the native row kernels a head's C++ step uses too (the same bits)."""
+    if logits.device.type == "cpu" and logits.dtype == torch.float32 and native.available():
+        ids = native.ops().argmax_rows(logits)
+        logp = native.ops().logprob_rows(logits, ids, 0)[0]
+    else:
+        ids = logits.argmax(-1)
+        logp = torch.log_softmax(logits.float(), -1).gather(-1, ids[:, None])[:, 0]
+    return (to_target(ids) if to_target is not None else ids), logp

@@ -125,6 +125,12 @@ class ChatBody(_GenerationBody):
     parallel_tool_calls: StrictBool | None = None
 
 
+class DraftBody(BaseModel):
+    """`POST /admin/draft`: the head to draft with from the next engine step on."""
+    model_config = ConfigDict(extra="forbid")
+    model: str  # the head's directory on the server's machine (config.json + *.safetensors)
+
+
 class CompletionBody(_GenerationBody):
     prompt: str | list[str] | list[int] | list[list[int]]  # several prompts: a choice (n of them) for each
     logprobs: StrictInt | None = None  # log-probabilities of the generated tokens and this many alternatives
@@ -224,6 +230,12 @@ class TextCompletion(BaseModel):
     usage: _Usage
 
 
+class DraftHead(BaseModel):
+    object: Literal["draft_head"]
+    method: str | None  # the speculative method (None: the server does not speculate)
+    model: str | None  # the directory of the head it drafts with (None: a method without a head)
+
+
 class _ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -274,9 +286,13 @@ def _validation_error(exc: RequestValidationError) -> APIError:
 def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
             models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
             metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
-            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None) -> FastAPI:
+            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None,
+            draft_head: Callable[[], Awaitable[dict]] | None = None,
+            reload_draft: Callable[[str], Awaitable[dict]] | None = None) -> FastAPI:
     """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.serving.replicas) share: the routes,
-    the API key check and OpenAI-shaped errors; what answers a request is given."""
+    the API key check and OpenAI-shaped errors; what answers a request is given. With `draft_head` and
+    `reload_draft`: `GET /admin/draft` (the head drafting) and `POST /admin/draft` (swap it; 400 when refused),
+    behind the API key like every route."""
     def check_api_key(request: Request) -> None:
         if api_key is None:
             return
@@ -331,6 +347,18 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
         401: _responses(None)[401]})
     async def get_metrics() -> Response:
         return await metrics()
+
+    if draft_head is not None and reload_draft is not None:
+        @app.get("/admin/draft", response_model=DraftHead, responses={401: _responses(None)[401]})
+        async def get_draft_head() -> dict:
+            return await draft_head()
+
+        @app.post("/admin/draft", response_model=DraftHead, responses={
+            code: _responses(None)[code] for code in (401, 413, 500, 503)} | {400: {
+                "model": ErrorBody, "description": "the head is refused (not found, another method or shape, no head "
+                "method served): the old one keeps drafting"}})
+        async def post_draft_head(body: DraftBody) -> dict:
+            return await reload_draft(body.model)
 
     def openapi() -> dict:
         """FastAPI's schema, less its 422 (we answer 400 in OpenAI's shape), with `model` limited to the name

@@ -1,7 +1,8 @@
 """The engine thread: one thread owns the engine (it is not thread-safe). It tokenizes prompts, admits requests,
 steps the engine while there is work (it sleeps on its inbox when idle) and hands every request its events through
 an `asyncio.Queue` on the server's event loop. It reads only what the engine's steps return (`RequestUpdate`s, each
-finished request's `RequestOutput`), never the engine's sequences.
+finished request's `RequestOutput`), never the engine's sequences. It also records each request as it finishes
+(`--record-traffic`), and swaps the draft head between two steps (`POST /admin/draft`).
 """
 from __future__ import annotations
 
@@ -21,6 +22,7 @@ from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.serving.api import APIError, Limits, internal_error
 from specdec.serving.protocol import Plan
+from specdec.serving.traffic import TrafficRecorder
 
 log = logging.getLogger("specdec.server")
 
@@ -51,7 +53,8 @@ class EngineRequest:
         self.events: asyncio.Queue[_Event] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = self.loop.create_future()
         self.request_ids: list[int] = []  # the engine's ids of its choices, set on the engine thread
-        self.prompt_ids: list[list[int]] = []  # each choice's prompt token ids (echo)
+        self.prompt_ids: list[list[int]] = []  # each choice's prompt token ids (echo, traffic recording)
+        self.temperatures: list[float] = []  # each choice's sampling temperature (traffic recording)
         self.prompt_logprobs: list[list | None] = [None] * len(plan.prepares)  # each choice's, from its first update
         self.arrival = time.perf_counter()
         self.first_token = False  # TTFT recorded
@@ -74,17 +77,38 @@ class EngineRequest:
             self.loop.call_soon_threadsafe(fn, *args)
 
 
+class DraftReload:
+    """A request to draft with another head (`POST /admin/draft`), answered from the engine thread: `done` is
+    resolved once the head drafts, or fails with the APIError saying why not."""
+
+    def __init__(self, path: str) -> None:
+        self.path = path
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[None] = self.loop.create_future()
+
+    # Called from the engine thread.
+    def resolve(self, error: APIError | None = None) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is gone
+            self.loop.call_soon_threadsafe(self._resolve, error)
+
+    def _resolve(self, error: APIError | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(error) if error else self.done.set_result(None)
+
+
 class AsyncEngine:
     """Runs an LLMEngine on one thread (`run`); requests and aborts arrive through a thread-safe inbox."""
 
-    def __init__(self, llm: LLM, metrics: Any, limits: Limits | None = None) -> None:
-        """metrics: the server's Prometheus metrics (`server.ServerMetrics`), counted here as requests end."""
-        self.llm, self.engine, self.metrics = llm, llm.engine, metrics
+    def __init__(self, llm: LLM, metrics: Any, limits: Limits | None = None,
+                 recorder: TrafficRecorder | None = None) -> None:
+        """metrics: the server's Prometheus metrics (`server.ServerMetrics`), counted here as requests end.
+        recorder: where each finished request is recorded (`--record-traffic`), or None."""
+        self.llm, self.engine, self.metrics, self.recorder = llm, llm.engine, metrics, recorder
         self.limits = limits or Limits()
         self.stats: dict = self.engine.stats()  # the latest snapshot, replaced whole after every step
         self._submitted: set[EngineRequest] = set()  # awaiting admission (touched on the event loop's thread only)
         self._mean_e2e_s = 10.0  # running mean of finished requests' wall time, for Retry-After
-        self._inbox: queue.Queue[tuple[str, EngineRequest | None]] = queue.Queue()
+        self._inbox: queue.Queue[tuple[str, EngineRequest | DraftReload | None]] = queue.Queue()
         self._active: dict[int, tuple[EngineRequest, int]] = {}  # request id -> (request, choice); engine thread only
         self._running, self._stopped = threading.Event(), threading.Event()
         self._drain_until: float | None = None  # set by drain(): no new requests; in-flight ones finish by then
@@ -168,6 +192,17 @@ class AsyncEngine:
         """Thread-safe and idempotent: a finished or unknown request is left alone."""
         self._inbox.put(("abort", req))
 
+    async def reload_draft(self, path: str) -> None:
+        """Draft with the head in `path` from the next engine step on (`LLM.reload_draft`, run on the engine thread
+        between two steps: the thread that loaded the first head and owns the OpenMP team loads it, so requests in
+        flight pause for the load). APIError 400 when the head is refused; the old one keeps drafting."""
+        if not self.alive or self.draining:
+            raise APIError(503, "the engine is not running" if not self.alive else "the server is shutting down",
+                           type="service_unavailable", code="engine_dead" if not self.alive else "shutting_down")
+        reload = DraftReload(path)
+        self._inbox.put(("reload", reload))
+        await reload.done
+
     # Everything below runs on the engine thread.
     def run(self) -> None:
         """The engine loop, on the calling thread, until `stop()`."""
@@ -196,6 +231,8 @@ class AsyncEngine:
                         self._admit(req)
                     elif kind == "abort":
                         self._abort(req)
+                    elif kind == "reload":
+                        self._reload(req)
                 if self.engine.has_unfinished():
                     self._beat, self._busy = time.monotonic(), True
                     try:
@@ -209,7 +246,7 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all(internal_error("internal error in the engine loop"))
 
-    def _shutdown(self, commands: list[tuple[str, EngineRequest | None]]) -> None:
+    def _shutdown(self, commands: list[tuple[str, EngineRequest | DraftReload | None]]) -> None:
         """Fail what runs and what is queued (503), the inbox's requests included."""
         error = APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
         self._fail_all(error)
@@ -228,6 +265,7 @@ class AsyncEngine:
                 req.request_ids.append(self.engine.add_request(prompt_ids, params, share_prompt_with=source,
                                                                stream=req.stream))
                 req.prompt_ids.append(prompt_ids)
+                req.temperatures.append(params.temperature)
                 self.metrics.prompt_tokens.inc(len(prompt_ids) if source is None else 0)
         except Exception as e:  # noqa: BLE001  nothing of the request runs: its admitted choices go too
             for request_id in req.request_ids:
@@ -242,6 +280,16 @@ class AsyncEngine:
         for index, request_id in enumerate(req.request_ids):
             self._active[request_id] = (req, index)
         req.resolve()
+
+    def _reload(self, reload: DraftReload) -> None:
+        try:
+            self.llm.reload_draft(reload.path)
+        except SpecdecError as e:  # not a head of this method and shape, or not a head at all
+            return reload.resolve(APIError(400, str(e), param="model", code="invalid_draft_head"))
+        except Exception as e:  # noqa: BLE001  the old head keeps drafting
+            log.exception("could not reload the draft head")
+            return reload.resolve(internal_error(f"could not reload the draft head: {type(e).__name__}: {e}"))
+        reload.resolve()
 
     def _abort(self, req: EngineRequest) -> None:
         for request_id in req.request_ids:
@@ -318,6 +366,8 @@ class AsyncEngine:
             return req.post(_Event(index, error=error))
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(len(out.token_ids))
+        if self.recorder is not None and out.finish_reason in ("stop", "length"):
+            self.recorder.record(req.prompt_ids[index], out.token_ids, out.finish_reason, req.temperatures[index])
         req.post(self._first(req, index, _Event(index, output=out)))
 
     def _fail_all(self, error: APIError) -> None:

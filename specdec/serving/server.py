@@ -14,6 +14,7 @@ import sys
 import threading
 import time
 from collections.abc import AsyncIterator, Awaitable, Callable
+from pathlib import Path
 from typing import TYPE_CHECKING, Any
 
 from fastapi import FastAPI, Request
@@ -24,9 +25,11 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from specdec.config import SpecdecError
 from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
+from specdec.models.loader import model_fingerprint
 from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event
 from specdec.serving.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
+from specdec.serving.traffic import TrafficRecorder
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -114,14 +117,17 @@ class _AbortOnClose(StreamingResponse):
 
 class OpenAIServer:
     """The engine thread and the OpenAI protocol together: plans go to the engine, events come back as
-    JSON or SSE."""
+    JSON or SSE. record_traffic: a directory where every finished request is recorded (specdec.serving.traffic)."""
 
-    def __init__(self, llm: LLM, served_model_name: str | None = None, limits: Limits | None = None) -> None:
+    def __init__(self, llm: LLM, served_model_name: str | None = None, limits: Limits | None = None,
+                 record_traffic: str | Path | None = None) -> None:
         self.llm = llm
         self.model = served_model_name or llm.model_name
         self.limits = limits or Limits()
         self.metrics = ServerMetrics()
-        self.engine = AsyncEngine(llm, self.metrics, self.limits)
+        self.recorder = TrafficRecorder(record_traffic, model_fingerprint(llm.engine.model)) \
+            if record_traffic is not None else None
+        self.engine = AsyncEngine(llm, self.metrics, self.limits, self.recorder)
         self.metrics.watch(self.engine)
         self.protocol = OpenAIProtocol(llm, self.model, self.limits)
         self.created = int(time.time())
@@ -134,6 +140,17 @@ class OpenAIServer:
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
                 "max_model_len": self.llm.max_model_len}
+
+    def draft_card(self) -> dict:
+        """What `GET /admin/draft` says: the speculative method and the directory of the head drafting."""
+        speculative = self.llm.engine.speculative
+        return {"object": "draft_head", "method": speculative.method if speculative is not None else None,
+                "model": self.llm.draft_head}
+
+    async def reload_draft(self, path: str) -> dict:
+        """`POST /admin/draft`: swap the draft head between two engine steps (APIError 400 when refused)."""
+        await self.engine.reload_draft(path)
+        return self.draft_card()
 
     async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
         plan, req = await self.start(body)
@@ -224,12 +241,15 @@ def _coalesce(events: list[_Event]) -> list[_Event]:
 
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
-               engine_thread: bool = True, limits: Limits | None = None) -> FastAPI:
+               engine_thread: bool = True, limits: Limits | None = None,
+               record_traffic: str | Path | None = None) -> FastAPI:
     """An app over `llm`; its engine loop runs while the app is up, on a thread of its own unless
     `engine_thread` is False and the caller runs `app.state.server.engine.run()` itself (one app per LLM:
-    the engine is not thread-safe). With `api_key`, every route (/health and /metrics too: they tell what the
-    server is doing) needs `Authorization: Bearer <key>`; probes and scrapers send it as well."""
-    server = OpenAIServer(llm, served_model_name, limits)
+    the engine is not thread-safe). With `api_key`, every route (/health, /metrics and /admin/draft too: they
+    tell what the server is doing) needs `Authorization: Bearer <key>`; probes and scrapers send it as well.
+    record_traffic: a directory where every finished request is recorded (off by default; see
+    specdec.serving.traffic)."""
+    server = OpenAIServer(llm, served_model_name, limits, record_traffic)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -239,6 +259,8 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
             yield
         finally:
             await asyncio.to_thread(server.engine.stop)
+            if server.recorder is not None:
+                server.recorder.close()
 
     async def models() -> dict:
         return server.model_card()
@@ -249,17 +271,21 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
+    async def draft_head() -> dict:
+        return server.draft_card()
+
     app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes,
-                  server.model)
+                  server.model, draft_head, server.reload_draft)
     app.state.server = server
     return app
 
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
-          served_model_name: str | None = None, limits: Limits | None = None, shutdown_timeout: float = 30.0) -> None:
+          served_model_name: str | None = None, limits: Limits | None = None, shutdown_timeout: float = 30.0,
+          record_traffic: str | Path | None = None) -> None:
     """Run the server in the foreground until SIGTERM or Ctrl-C: then it refuses new requests (503), lets those
     in flight finish for up to `shutdown_timeout` seconds, fails the rest (503) and returns; a second signal
-    stops it at once.
+    stops it at once. record_traffic: a directory where every finished request is recorded (see `create_app`).
 
     The engine loop runs on the main thread and HTTP on a second one. The main thread loaded the model, so
     it already owns an OpenMP thread team (torch's and the C++ kernels'); when another thread computes,
@@ -269,7 +295,7 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
 
     import uvicorn
 
-    app = create_app(llm, served_model_name, api_key, engine_thread=False, limits=limits)
+    app = create_app(llm, served_model_name, api_key, engine_thread=False, limits=limits, record_traffic=record_traffic)
     engine = app.state.server.engine
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     thread = threading.Thread(target=http.run, name="specdec-http", daemon=True)

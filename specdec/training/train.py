@@ -20,6 +20,12 @@ assistant turns with the target's own greedy answers (self-distillation). Checkp
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
 `--resume` continues from the last one. Validation measures the acceptance length with the real engine.
 
+`--objective` picks the distribution term in place of CE (`distribution_term`: top-K distillation, or the log of
+the sampled acceptance rate). Trained on answers (`--distilled`, or `--from-traffic`: the requests a server
+recorded), `--held-out` answers are never trained on and every `--eval-every` updates give a point of the curve:
+per unrolled step, how often the head's top-1 / 2 / 4 hold the target's own top-1 on them, against the answer
+tokens trained on; the best head so far is kept in OUT/best. `--train-seconds` stops a run with a checkpoint.
+
 Data parallel: under `torchrun --nproc-per-node N -m specdec.cli train ...` (or `specdec train --nproc N`,
 which starts it) the N ranks deal every `--batch` of conversations round-robin, each runs the target on its
 own conversations only, and the summed gradients are all-reduced (gloo, or nccl on CUDA) before the one
@@ -32,11 +38,14 @@ global position, so a run resumes with any number of ranks.
 from __future__ import annotations
 
 import argparse
+import contextlib
+import inspect
 import json
 import math
 import random
 import sys
 import time
+import zlib
 from collections import Counter
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -200,27 +209,56 @@ class FeatureCache:
 # ---------------------------------------------------------------------------------------------- loss
 def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
     """A head's RMSNorm, differentiable (an absent one is an Identity)."""
-    return F.rms_norm(x, norm.weight.shape, norm.weight, norm.eps) if hasattr(norm, "weight") else x
+    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.eps) if hasattr(norm, "weight") else x
+
+
+OBJECTIVES = ("ce", "topk", "acceptance")
+
+
+def distribution_term(logits: torch.Tensor, target_logits: torch.Tensor, objective: str = "ce", topk: int = 8
+                      ) -> torch.Tensor:
+    """The term that fits the head's distribution q (logits [N, V]) to the target's p (target_logits [N, V]),
+    averaged over the rows:
+
+    - "ce": cross-entropy against the whole of p, -sum p log q (EAGLE's);
+    - "topk": cross-entropy against p's `topk` most likely tokens only, renormalized (HASS-style top-K
+      distillation: the tail, which a draft is never accepted on, takes no capacity);
+    - "acceptance": -log sum_x min(p(x), q(x)), the log of the probability that a token sampled from q is
+      accepted against p (a total-variation loss, as the LK losses), plus a tenth of "ce" to give rows where
+      q and p do not overlap a gradient."""
+    logq = torch.log_softmax(logits.float(), -1)
+    p = torch.softmax(target_logits.float(), -1)
+    if objective == "ce":
+        return -(p * logq).sum(-1).mean()
+    if objective == "topk":
+        top = p.topk(min(topk, p.shape[-1]), -1)
+        weights = top.values / top.values.sum(-1, keepdim=True)
+        return -(weights * logq.gather(-1, top.indices)).sum(-1).mean()
+    if objective == "acceptance":
+        accepted = torch.minimum(p, logq.exp()).sum(-1).clamp_min(1e-6)
+        return -accepted.log().mean() - 0.1 * (p * logq).sum(-1).mean()
+    raise SpecdecError(f"unknown objective {objective!r}: one of {OBJECTIVES}")
 
 
 def head_loss(head: torch.nn.Module, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
               mask: torch.Tensor, draft_ids: torch.Tensor | None,
-              weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT)) -> tuple[torch.Tensor, dict]:
-    """Equation 1 on rows whose predicted token (t + 2) is an assistant token. out: [T, H] head outputs;
-    target_hidden / target_logits: the target at t + 1 for row t ([T, H], [T, V]); mask [T] bool;
-    draft_ids: the target ids of the head's vocabulary (None: the target's whole vocabulary)."""
+              weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT), objective: str = "ce", topk: int = 8
+              ) -> tuple[torch.Tensor, dict]:
+    """Equation 1 on rows whose predicted token (t + 2) is an assistant token, its distribution term chosen by
+    `objective` (`distribution_term`). out: [T, H] head outputs; target_hidden / target_logits: the target at
+    t + 1 for row t ([T, H], [T, V]); mask [T] bool; draft_ids: the target ids of the head's vocabulary (None:
+    the target's whole vocabulary)."""
     out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask].float()
     if draft_ids is not None:
         target_logits = target_logits[:, draft_ids]
     logits = F.linear(_norm(getattr(head, "norm", None), out), head.lm_head)  # [N, draft_vocab]
-    p = torch.softmax(target_logits, -1)
-    ce = -(p * torch.log_softmax(logits.float(), -1)).sum(-1).mean()
+    fit = distribution_term(logits, target_logits, objective, topk)
     regression = F.smooth_l1_loss(out.float(), target_hidden.float())
     with torch.no_grad():  # how often the head's top-1 / top-2 / top-4 hold the target's top-1
         best = logits.topk(min(4, logits.shape[-1]), -1).indices == target_logits.argmax(-1)[:, None]
         recall = {f"top{k}": best[:, :k].any(-1).float().mean().item() for k in (1, 2, 4)}
-    return weights[0] * ce + weights[1] * regression, {"ce": ce.item(), "l1": regression.item(), **recall,
-                                                            "n": len(out)}
+    return weights[0] * fit + weights[1] * regression, {"ce": fit.item(), "l1": regression.item(), **recall,
+                                                             "n": len(out)}
 
 
 # ---------------------------------------------------------------------------------------------- run
@@ -244,6 +282,17 @@ def run_train(args: argparse.Namespace) -> dict:
     for name in ("steps", "batch", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
         if getattr(args, name) < 1:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
+    args.from_traffic = getattr(args, "from_traffic", None)
+    if args.from_traffic and (args.data or args.distilled):
+        raise SpecdecError("--from-traffic trains on the recorded requests alone: leave out --data and --distilled")
+    if not args.from_traffic and not args.data:
+        raise SpecdecError("what to train on: --data FILES (with --distilled: their folder), or --from-traffic DIR")
+    if args.from_traffic and args.init is None and args.method == "eagle3":
+        from specdec.models.loader import shipped_head
+
+        args.init = shipped_head(args.target)  # the head the deployment serves by default
+        if args.init is None:
+            raise SpecdecError(f"--from-traffic fine-tunes a head: give --init (no head ships for {args.target})")
     rank, world = data_parallel()
     try:
         return _train(args, cls, rank, world)
@@ -261,13 +310,26 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
         raise SpecdecError("--feature-cache is for one process; with several ranks each runs the target on its "
                            "own conversations")
     torch.manual_seed(args.seed)
-    llm = LLM(args.target, tensor_parallel_size=1)  # each data-parallel rank holds the whole target
+    # each data-parallel rank holds the whole target
+    llm = LLM(args.target, dtype=getattr(args, "dtype", "auto"), device=getattr(args, "device", None),
+              tensor_parallel_size=1)
     target, tok = llm.engine.model, llm.tokenizer
     out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
-    if args.distilled:  # the target's own answers, made by `specdec distill`
-        from specdec.training import distill
+    held: list[tuple[list[int], list[bool]]] = []  # answers never trained on: the curve's
+    if args.distilled or args.from_traffic:
+        if args.distilled:  # the target's own answers, made by `specdec distill` (files or directories)
+            from specdec.training import distill
 
-        samples = distill.samples(args.distilled, args.data[0], llm, args.max_len)
+            keyed = distill.keyed_samples(args.distilled, args.data, llm, args.max_len)
+        else:  # what a server recorded (`specdec serve --record-traffic DIR`): the prompts and the target's outputs
+            keyed = traffic_samples(args.from_traffic, target, args.max_len)
+        keyed = [k for k in keyed if len(k[1]) >= 3 and any(k[2][2:])]
+        n_held = min(args.held_out, len(keyed) // 5)  # at most a fifth: the rest trains
+        # held out: the answers whose key hashes lowest, so that more answers never move a trained one into the
+        # held-out set
+        keyed.sort(key=lambda k: zlib.crc32(repr(k[0]).encode()))
+        held = [(ids, mask) for _, ids, mask in keyed[:n_held]]
+        samples = [(ids, mask) for _, ids, mask in keyed[n_held:]]
         random.Random(args.seed).shuffle(samples)
         held_out = []  # validation prompts come with conversations; acceptance is measured by `specdec bench`
         if args.max_conversations:
@@ -291,11 +353,16 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
         head = cls.load_for(args.method, out_dir, target)
         state = torch.load(ckpt, weights_only=False)
     else:
-        draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size), target.config.vocab_size)
+        init = cls.load_for(args.method, args.init, target) if args.init else None
+        if init is not None and hasattr(init, "d2t"):  # a warm start keeps its draft vocabulary
+            draft_ids = init.target_ids(torch.arange(init.draft_vocab_size, device=init.d2t.device)).cpu()
+        else:
+            draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size),
+                                         target.config.vocab_size)
         head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers,
                           num_heads=args.num_heads)
-        if args.init:
-            warm_start(head, cls.load_for(args.method, args.init, target))
+        if init is not None:
+            warm_start(head, init)
     if world > 1:  # every rank starts from rank 0's weights (the same seed makes them equal anyway)
         for t in head.state_dict().values():
             torch.distributed.broadcast(t, src=0)
@@ -307,26 +374,46 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
     for p in params:
         p.requires_grad_(True)
     opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
-    step = 0
+    step, answer_tokens, curve = 0, 0, []
     if state is not None:
         opt.load_state_dict(state["optimizer"])
-        step = state["step"]
+        step, answer_tokens, curve = state["step"], state.get("answer_tokens", 0), state.get("curve", [])
     updates = -(-args.steps // args.batch)
     warmup = args.warmup if args.warmup is not None else min(100, updates // 20)
     lm_rows = target.lm_head[head.target_ids(torch.arange(head.draft_vocab_size))] if hasattr(head, "d2t") else None
+    autocast = autocast_context(target.device, args.autocast)
+    held_outputs = held_out_outputs(target, head, held) if held and rank == 0 else []
+
+    def evaluate() -> None:  # one point of the curve; the best head so far is kept in out/best
+        point = {"answer_tokens": answer_tokens, "step": step,
+                 **curve_point(head, target, held, held_outputs, args.ttt_steps, autocast)}
+        curve.append(point)
+        if point["step1"]["top1"] >= max((c["step1"]["top1"] for c in curve), default=-1.0):
+            shards = "dtype" in inspect.signature(head.save).parameters  # the shipped layout, where a head has it
+            head.save(out_dir / "best", **({"dtype": torch.bfloat16} if shards else {}))
+        tqdm.write(f"eval at {answer_tokens} answer tokens: " + json.dumps(point), file=sys.stderr)
+
+    if held_outputs and not curve:
+        evaluate()
     history, order, stats = [], None, {}
     bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr, disable=rank > 0)
     tokens_seen, start, last_save = 0, time.perf_counter(), step
     while step < args.steps:
+        if args.train_seconds and step % args.batch == 0 and time.perf_counter() - start > args.train_seconds:
+            if rank == 0:  # out of time: a checkpoint to resume from
+                save_checkpoint(head, opt, step, out_dir, ckpt, {"answer_tokens": answer_tokens, "curve": curve})
+            break
         epoch, i = divmod(step, n)
         if order is None or order[0] != epoch:  # a fresh seeded order every epoch (a resumed run sees the same)
             order = (epoch, random.Random(args.seed * 1000 + epoch).sample(range(n), n))
         k = order[1][i]
         ids, mask = samples[k]
         mine = (step % args.batch) % world == rank  # a batch's conversations are dealt round-robin
+        answer_tokens += sum(mask[2:])
         if mine:
             outputs = cache.outputs(k, logits=False) if cache is not None else None
-            loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
+            with autocast:
+                loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
             (loss / args.batch).backward()
             tokens_seen += len(ids)
         step += 1
@@ -341,9 +428,11 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
                 stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item()
             opt.step()
             opt.zero_grad()
+            if held_outputs and ((step // args.batch) % args.eval_every == 0 or step == args.steps):
+                evaluate()
             if step - last_save >= args.save_every or step == args.steps:
                 if rank == 0:
-                    save_checkpoint(head, opt, step, out_dir, ckpt)
+                    save_checkpoint(head, opt, step, out_dir, ckpt, {"answer_tokens": answer_tokens, "curve": curve})
                 last_save = step
         if mine:
             history.append({"step": step, "epoch": epoch, "lr": opt.param_groups[0]["lr"], "loss": loss.item(),
@@ -352,7 +441,13 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
                             tok_s=f"{tokens_seen / (time.perf_counter() - start):.0f}")
         bar.update()
     bar.close()
-    result = {"steps": step, "history": history[-50:], "world_size": world}
+    if held_outputs and curve[-1]["step"] != step:  # stopped by --train-seconds
+        evaluate()
+    result = {"steps": step, "history": history[-50:], "world_size": world, "objective": args.objective,
+              "answer_tokens": answer_tokens, "seconds": round(time.perf_counter() - start, 1)}
+    if curve:
+        result["curve"] = curve
+        result["best"] = max(curve, key=lambda c: c["step1"]["top1"])
     if world > 1:
         torch.distributed.barrier()  # rank 0's last checkpoint is on disk before any rank returns
         if rank > 0:
@@ -363,6 +458,78 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
         print(json.dumps(result["validation"]))
     (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
     return result
+
+
+def traffic_samples(directory: str | Path, target: LlamaModel, max_len: int
+                    ) -> list[tuple[tuple[str, int], list[int], list[bool]]]:
+    """Training samples from a server's traffic records of this target: prompt + output ids, the output masked
+    in, each keyed by (its time, its place in the records)."""
+    from specdec.models.loader import model_fingerprint
+    from specdec.serving.traffic import read_traffic
+
+    records = read_traffic(directory, model_fingerprint(target))
+    if not records:
+        raise SpecdecError(f"{directory} holds no traffic of this target (fingerprint {model_fingerprint(target)}): "
+                           "record it with `specdec serve --record-traffic DIR` serving this model")
+    out = []
+    for i, r in enumerate(records):
+        ids = (list(r["prompt_ids"]) + list(r["output_ids"]))[:max_len]
+        out.append(((str(r.get("time")), i), ids, [j >= len(r["prompt_ids"]) for j in range(len(ids))]))
+    return out
+
+
+def autocast_context(device: torch.device, mode: str) -> contextlib.AbstractContextManager:
+    """bfloat16 autocast for the head's matmuls ("bf16"; "auto": on a GPU and on CPUs with AVX512-BF16, where
+    it is about twice float32's speed), or none ("off")."""
+    if mode == "auto":
+        flags = Path("/proc/cpuinfo").read_text() if Path("/proc/cpuinfo").is_file() else ""
+        mode = "bf16" if device.type == "cuda" or "avx512_bf16" in flags else "off"
+    if mode == "off":
+        return contextlib.nullcontext()
+    if mode != "bf16":
+        raise SpecdecError(f"invalid --autocast {mode!r}: auto, bf16 or off")
+    return torch.autocast(device.type, dtype=torch.bfloat16)
+
+
+@torch.inference_mode()
+def held_out_outputs(target: LlamaModel, head: torch.nn.Module, held: list[tuple[list[int], list[bool]]]
+                     ) -> list[tuple]:
+    """Per held-out sample, what the curve needs of the target, computed once: (features, last layer's output,
+    normed state, the target's top-1 over its whole vocabulary at every position)."""
+    out = []
+    for ids, _ in held:
+        features, hidden, logits = target_outputs(target, ids, head.aux_layers)
+        out.append((features, hidden, target.norm(hidden), logits.argmax(-1)))
+    return out
+
+
+@torch.no_grad()
+def curve_point(head: torch.nn.Module, target: LlamaModel, held: list[tuple[list[int], list[bool]]],
+                outputs: list[tuple], steps: int, autocast: contextlib.AbstractContextManager) -> dict:
+    """Per unrolled draft step (or Medusa head), over the held-out answers' rows: how often the head's top-1 /
+    top-2 / top-4 hold the target's own top-1 over its whole vocabulary. Step 1's top-1 is the greedy
+    first-position acceptance of a chain; a token outside the draft vocabulary is always a miss."""
+    hits: dict[int, list[float]] = {}
+    for (ids, mask), (features, hidden, normed, top1) in zip(held, outputs):
+        embeds = target.embed(torch.tensor(ids[1:], device=target.device)).float()
+        with autocast:
+            terms, _, _ = head.training_terms(embeds, features, hidden, normed, steps)
+        for s, (out, ahead, first_row) in enumerate(terms):
+            n = len(out)
+            rows = torch.tensor(mask[ahead + 1:ahead + 1 + n], device=out.device)
+            rows &= torch.arange(n, device=out.device) >= first_row
+            if n <= 0 or not rows.any():
+                continue
+            logits = F.linear(_norm(getattr(head, "norm", None), out[rows].float()), head.lm_head.float())
+            best = logits.topk(min(4, logits.shape[-1]), -1).indices
+            best = head.target_ids(best) if hasattr(head, "d2t") else best
+            hit = best == top1[ahead:ahead + n][rows][:, None]
+            acc = hits.setdefault(s, [0.0, 0.0, 0.0, 0.0])
+            for j, k in enumerate((1, 2, 4)):
+                acc[j] += hit[:, :k].any(-1).sum().item()
+            acc[3] += len(hit)
+    return {f"step{s + 1}": {"top1": round(a[0] / a[3], 4), "top2": round(a[1] / a[3], 4),
+                             "top4": round(a[2] / a[3], 4), "rows": int(a[3])} for s, a in sorted(hits.items())}
 
 
 def data_parallel() -> tuple[int, int]:
@@ -448,15 +615,17 @@ def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mas
         if n <= 0 or not step_mask.any():
             continue
         step_loss, step_stats = head_loss(head, out, goal[ahead:ahead + n], goal_logits[ahead:ahead + n], step_mask,
-                                          None, (args.ce_weight, args.regression_weight))
+                                          None, (args.ce_weight, args.regression_weight),
+                                          getattr(args, "objective", "ce"), getattr(args, "topk", 8))
         loss = loss + TTT_DECAY ** s * step_loss
         stats = stats or step_stats  # the progress bar reports the first step / head
     return loss, stats
 
 
-def save_checkpoint(head: torch.nn.Module, opt: torch.optim.Optimizer, step: int, out_dir: Path, ckpt: Path) -> None:
+def save_checkpoint(head: torch.nn.Module, opt: torch.optim.Optimizer, step: int, out_dir: Path, ckpt: Path,
+                    extra: dict | None = None) -> None:
     head.save(out_dir)
-    torch.save({"optimizer": opt.state_dict(), "step": step}, ckpt)
+    torch.save({"optimizer": opt.state_dict(), "step": step, **(extra or {})}, ckpt)
 
 
 def validate(target: str, method: str, head_dir: Path, conversations: list[list[dict]], max_tokens: int,

@@ -18,8 +18,9 @@ struct Eagle3Step {
   torch::Tensor d2t;  // int64 [draft vocab]: target id = draft id + d2t[draft id]
 
   // embeds [T, H] (the tokens each row continues with); input: the target's features [T, fc.K] or the head's own
-  // previous outputs [T, H] (`features` says which). Returns out [T, H] and the target ids [N] of the head's argmax
-  // at rows `rows`. Rows with more than team_max_rows go through the one-call-per-op path.
+  // previous outputs [T, H] (`features` says which). Returns out [T, H], the target ids [N] of the head's argmax
+  // at rows `rows` and their log-probabilities under the head [N] (what a chain's stopping rule reads). Rows with
+  // more than team_max_rows go through the one-call-per-op path.
   std::vector<torch::Tensor> forward(const torch::Tensor& embeds, const torch::Tensor& input, bool features,
                                      const torch::Tensor& rope_cos, const torch::Tensor& rope_sin,
                                      const torch::Tensor& positions, torch::Tensor k_pool, torch::Tensor v_pool,
@@ -97,10 +98,11 @@ struct Eagle3Step {
       }
     }
     auto ids = argmax_rows(logits);
+    auto logp = logprob_rows(logits, ids, 0)[0];
     const int64_t* d2 = d2t.data_ptr<int64_t>();
     int64_t* ip = ids.data_ptr<int64_t>();
     for (int64_t n = 0; n < N; n++) ip[n] += d2[ip[n]];
-    return {out, ids};
+    return {out, ids, logp};
   }
 };
 
