@@ -144,6 +144,18 @@ class LLM:
         """The directory of the draft head speculation drafts with (None without a head method)."""
         return self.engine.draft_head
 
+    @property
+    def speculative_method(self) -> str | None:
+        """The drafting method speculation uses (None when it is off)."""
+        return self.engine.speculative.method if self.engine.speculative is not None else None
+
+    @property
+    def fingerprint(self) -> str:
+        """The target's fingerprint (`model_fingerprint`): what answers and traffic records are made by."""
+        from specdec.models.loader import model_fingerprint
+
+        return model_fingerprint(self.engine.model)
+
     def reload_draft(self, path: str) -> None:
         """Swap the draft head for the one in `path` (same method, same target and shape) without reloading the
         target: between generate() calls here, between engine steps in the server (`POST /admin/draft`). Outputs

@@ -191,11 +191,13 @@ class EagleDrafter(Drafter):
                 if paths[i][-1] < floor:
                     budget[i] = step  # this draft and any after it would not pay for their verification
         proposals: list[list[int]] = [[] for _ in requests]
-        scores: list[list[float]] = [[] for _ in requests]
-        for i, chain, path, b in zip(active, chains, paths, budget):
-            proposals[i], scores[i] = chain[:b], [math.exp(lp) for lp in path[:b]]
+        for i, chain, b in zip(active, chains, budget):
+            proposals[i] = chain[:b]
         if not self.path_scores:
             return Draft.chains(proposals)
+        scores: list[list[float]] = [[] for _ in requests]
+        for i, path, b in zip(active, paths, budget):
+            scores[i] = [math.exp(lp) for lp in path[:b]]
         return Draft.from_rows([(c, [ROOT, *range(len(c) - 1)], sc) for c, sc in zip(proposals, scores)])
 
     def _tree(self, requests: list[DraftRequest], active: list[int], root: torch.Tensor) -> Draft:

@@ -25,7 +25,6 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from specdec.config import SpecdecError
 from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
-from specdec.models.loader import model_fingerprint
 from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event
 from specdec.serving.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
@@ -125,7 +124,7 @@ class OpenAIServer:
         self.model = served_model_name or llm.model_name
         self.limits = limits or Limits()
         self.metrics = ServerMetrics()
-        self.recorder = TrafficRecorder(record_traffic, model_fingerprint(llm.engine.model)) \
+        self.recorder = TrafficRecorder(record_traffic, llm.fingerprint) \
             if record_traffic is not None else None
         self.engine = AsyncEngine(llm, self.metrics, self.limits, self.recorder)
         self.metrics.watch(self.engine)
@@ -143,9 +142,7 @@ class OpenAIServer:
 
     def draft_card(self) -> dict:
         """What `GET /admin/draft` says: the speculative method and the directory of the head drafting."""
-        speculative = self.llm.engine.speculative
-        return {"object": "draft_head", "method": speculative.method if speculative is not None else None,
-                "model": self.llm.draft_head}
+        return {"object": "draft_head", "method": self.llm.speculative_method, "model": self.llm.draft_head}
 
     async def reload_draft(self, path: str) -> dict:
         """`POST /admin/draft`: swap the draft head between two engine steps (APIError 400 when refused)."""
