@@ -10,6 +10,7 @@ from pathlib import Path
 
 from specdec.config import SpecdecError
 from specdec.drafting.registry import registered_methods
+from specdec.models.head_formats import FORMATS, WRITES
 from specdec.models.loader import DEFAULT_MODEL
 
 # prompt sets of the package kept for measuring: never answered for training nor trained on
@@ -88,6 +89,9 @@ def build_parser() -> argparse.ArgumentParser:
                    "(default: no limit)")
     s.add_argument("--max-choices", type=int, default=16,
                    help="choices per request: n, times the prompts of a completions request (default 16)")
+    s.add_argument("--max-stored-responses", type=int, default=1000,
+                   help="Responses API: responses kept for previous_response_id, least recently used dropped first "
+                   "(default 1000; 0 stores none)")
     s.add_argument("--request-timeout", type=float, default=None, metavar="SECONDS",
                    help="wall time per request; past it the request ends with what it has, finish_reason length")
     s.add_argument("--max-request-bytes", type=int, default=2 * 2**20,
@@ -139,6 +143,9 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--soak-concurrency", type=int, default=16, help="with --soak: concurrent clients (default 16)")
     b.add_argument("--soak-seed", type=int, default=0, help="with --soak: seed of the request mix (default 0)")
     b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
+    b.add_argument("--llama-server", default=None, metavar="PATH",
+                   help="with --serve: also drive llama.cpp's llama-server binary at PATH on the same GGUF file, "
+                   "and report specdec's throughput over it per level")
     b.add_argument("--replicas", default=None,
                    help="with --serve: compare serving on these numbers of Ray Serve replicas instead, e.g. 0,1,2 "
                    "(0: `specdec serve` without Ray), each with --speculative-config")
@@ -202,7 +209,7 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--ttt-steps", type=int, default=None,
                     help="eagle3: unroll the head on its own outputs this many steps (training-time test, default 3)")
     tr.add_argument("--num-layers", type=int, default=1,
-                    help="eagle: decoder layers in the head; medusa: residual blocks per head (default 1)")
+                    help="eagle, eagle3: decoder layers in the head; medusa: residual blocks per head (default 1)")
     tr.add_argument("--num-heads", type=int, default=3, help="medusa: heads, one per draft position (default 3)")
     tr.add_argument("--regenerate", action="store_true",
                     help="train on the target's own greedy answers to the data's prompts (cached in --out)")
@@ -219,6 +226,18 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--seed", type=int, default=0)
     tr.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
     tr.add_argument("--dtype", default="auto", help="the target's dtype (default auto: a GGUF's own blocks)")
+
+    c = sub.add_parser("convert-head", help="convert a draft head between the layouts engines read "
+                       "(specforge, eagle, speculators, medusa, gguf)")
+    c.add_argument("src", help="the head: a directory, a weight file (.safetensors, .bin, .pt, .gguf) or a Hub id; "
+                   "for mtp, a model whose files hold MTP layers")
+    c.add_argument("--to", required=True, choices=FORMATS, dest="to_format",
+                   help="specforge: SpecForge / SGLang safetensors (ours); eagle: the EAGLE reference's "
+                   "pytorch_model.bin; speculators: vLLM's speculators; medusa: medusa_lm_head.pt; gguf: "
+                   "llama.cpp's EAGLE-3 GGUF")
+    c.add_argument("out", help="the output directory (for gguf also a .gguf path)")
+    c.add_argument("--method", default=None, choices=sorted(WRITES),
+                   help="the head's method (default: read from its files)")
 
     d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
     d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
@@ -309,6 +328,16 @@ def cmd_generate(args: argparse.Namespace) -> None:
           file=sys.stderr)
 
 
+def cmd_convert_head(args: argparse.Namespace) -> None:
+    from specdec.models.head_formats import find_method, read_head, write_head
+
+    method = args.method or find_method(args.src)
+    ckpt = read_head(args.src, method)
+    out = write_head(ckpt, args.to_format, args.out)
+    print(f"wrote {out}: the {method} head of {args.src} ({ckpt.source} layout, {len(ckpt.tensors)} tensors) in "
+          f"the {args.to_format} layout")
+
+
 def cmd_distill(args: argparse.Namespace) -> None:
     from specdec.config import cache_root
     from specdec.llm import LLM
@@ -346,13 +375,15 @@ def cmd_serve(args: argparse.Namespace) -> None:
             raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be at least 1")
     for flag, value, low in (("--default-max-tokens", args.default_max_tokens, 1), ("--max-queue", args.max_queue, 0),
                              ("--max-request-bytes", args.max_request_bytes, 1),
-                             ("--max-choices", args.max_choices, 1)):
+                             ("--max-choices", args.max_choices, 1),
+                             ("--max-stored-responses", args.max_stored_responses, 0)):
         if value is not None and value < low:
             raise SpecdecError(f"invalid {flag} {value}: must be at least {low}")
     if args.request_timeout is not None and not args.request_timeout > 0:
         raise SpecdecError(f"invalid --request-timeout {args.request_timeout}: must be positive")
     limits = Limits(max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
-                    max_queue=args.max_queue, request_timeout_s=args.request_timeout, max_choices=args.max_choices)
+                    max_queue=args.max_queue, request_timeout_s=args.request_timeout, max_choices=args.max_choices,
+                    max_stored_responses=args.max_stored_responses)
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     for name in ("max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
@@ -430,6 +461,8 @@ def main(argv: list[str] | None = None) -> int:
             run_train(args)
         elif args.command == "distill":
             cmd_distill(args)
+        elif args.command == "convert-head":
+            cmd_convert_head(args)
         elif args.command == "tune":
             from specdec.bench.tune import run_tune
 

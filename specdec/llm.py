@@ -1,6 +1,7 @@
 """The user-facing API: `LLM(...).generate(prompts, SamplingParams(...))`, vLLM-style."""
 from __future__ import annotations
 
+import json
 import os
 import re
 import sys
@@ -12,11 +13,11 @@ import torch
 from tqdm import tqdm
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
-from specdec.drafting.registry import SpeculativeConfig
+from specdec.drafting.registry import SpeculativeConfig, method_info, registered_methods
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.parallel import Workers, launched_by_torchrun
-from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer
+from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer, model_files
 from specdec.models.parallel import check_split, shard_model
 
 _DTYPES = {"float32": torch.float32, "fp32": torch.float32, "bfloat16": torch.bfloat16, "bf16": torch.bfloat16,
@@ -81,6 +82,21 @@ def unicode_text(text: str, what: str) -> None:
 _SURROGATE = re.compile("[\ud800-\udfff]")
 
 
+def head_in_model_files(speculative_config: dict | str | None, model: str) -> dict | str | None:
+    """A method whose head may live in the model's own files (MTP layers) and that names no `model` drafts with the
+    head inside the model."""
+    config = speculative_config
+    if isinstance(config, str) and config.strip().startswith("{"):
+        try:
+            config = json.loads(config)
+        except json.JSONDecodeError:
+            return speculative_config  # SpeculativeConfig.parse names the error
+    if not isinstance(config, dict) or config.get("model") or config.get("method") not in registered_methods():
+        return speculative_config
+    return {**config, "model": model_files(model)} if method_info(config["method"]).head_in_model \
+        else speculative_config
+
+
 class LLM:
     """Load a model once, then generate for batches of prompts.
 
@@ -105,7 +121,7 @@ class LLM:
                  **engine_kwargs: Any) -> None:
         if speculative_config is None:
             speculative_config = default_speculative_config(model)
-        speculative = SpeculativeConfig.parse(speculative_config)
+        speculative = SpeculativeConfig.parse(head_in_model_files(speculative_config, model))
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
         dtype, device = parse_dtype(dtype), parse_device(device)
         if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or
@@ -135,7 +151,8 @@ class LLM:
         other = object.__new__(LLM)
         other.model_name, other.tokenizer, other.workers = self.model_name, self.tokenizer, self.workers
         cfg = from_kwargs(EngineConfig, engine_kwargs) if engine_kwargs else self.engine.cfg
-        other.engine = LLMEngine(self.engine.model, self.tokenizer, cfg, SpeculativeConfig.parse(speculative_config),
+        other.engine = LLMEngine(self.engine.model, self.tokenizer, cfg,
+                                 SpeculativeConfig.parse(head_in_model_files(speculative_config, self.model_name)),
                                  self.workers)
         return other
 

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -58,8 +59,8 @@ def serving_forward(head, target, ids: list[int]) -> torch.Tensor:
 
 
 @pytest.mark.parametrize("layout, parts", [("eagle", {}), ("mtp", {}),
-                                           ("eagle", dict(input_norms=False, output_norm=False, fc_bias=True,
-                                                          first_layer_norm=False))])
+                                           ("eagle", dict(embed_norm=False, hidden_norm=False, output_norm=False,
+                                                          fc_bias=True, first_layer_norm=False))])
 def test_serving_forward_equals_the_training_forward(target, layout, parts):
     """Two implementations of one head (paged attention in the engine, SDPA with autograd in the trainer)."""
     head = random_head(target, layout, layers=2, **parts)
@@ -146,9 +147,10 @@ def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
     layout, path = head_dir
     config = json.loads((path / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    shutil.copy(path / "model.safetensors", tmp_path)
     with pytest.raises(SpecdecError, match="hidden size 128"):
         LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(tmp_path)}))
-    with pytest.raises(SpecdecError, match="no config.json"):
+    with pytest.raises(SpecdecError, match="not found"):
         LLM(str(target_dir), speculative_config=every_step({"method": layout, "model": str(tmp_path / "nowhere")}))
 
 

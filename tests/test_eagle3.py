@@ -3,6 +3,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+import shutil
 
 import pytest
 import torch
@@ -61,10 +62,15 @@ def test_checkpoint_round_trip_in_the_reference_layout(target_dir, head_dir):
 def test_a_head_for_another_model_is_refused(target_dir, head_dir, tmp_path):
     config = json.loads((head_dir / "config.json").read_text())
     (tmp_path / "config.json").write_text(json.dumps({**config, "hidden_size": 128}))
+    shutil.copy(head_dir / "model.safetensors", tmp_path)
     with pytest.raises(SpecdecError, match="hidden size 128"):
         LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(tmp_path)}))
-    with pytest.raises(SpecdecError, match="no config.json"):
+    with pytest.raises(SpecdecError, match="not found: no such directory or file, and not a Hub id"):
         LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(tmp_path / "nowhere")}))
+    (tmp_path / "model.safetensors").unlink()
+    (tmp_path / "config.json").write_text(json.dumps(config))
+    with pytest.raises(SpecdecError, match=r"has no weights \(\*.safetensors, \*.bin, \*.pt or \*.pth\)"):
+        LLM(str(target_dir), speculative_config=every_step({"method": "eagle3", "model": str(tmp_path)}))
 
 
 DYNAMIC = {"topk": 2, "num_steps": 3, "num_draft_tokens": 5}

@@ -145,8 +145,11 @@ def test_a_head_for_another_model_is_refused(target_dir, target, head_dir, tmp_p
     save_file(sd, tmp_path / "partial" / "model.safetensors")
     with pytest.raises(SpecdecError, match=r"missing tensor 'medusa_head\.1\.0\.linear\.bias'"):
         medusa(target_dir, tmp_path / "partial")
-    with pytest.raises(SpecdecError, match="no config.json"):
+    with pytest.raises(SpecdecError, match="not found: no such directory or file"):
         medusa(target_dir, tmp_path / "nowhere")
+    (tmp_path / "bare").mkdir()
+    with pytest.raises(SpecdecError, match="no config.json"):
+        medusa(target_dir, tmp_path / "bare")
 
 
 @pytest.mark.parametrize("tree", ["chain", TREE])

@@ -1,6 +1,6 @@
-"""The OpenAI protocol through the official openai client (specdec.serving.protocol): n choices, several prompts, echo
-with prompt logprobs, and tool calling (auto, required, named, parallel, a tool message round trip), streamed and
-not, with speculation or without; greedy answers equal offline decoding."""
+"""The OpenAI protocol through the official openai client (specdec.serving.plans, openai_format): n choices,
+several prompts, echo with prompt logprobs, and tool calling (auto, required, named, parallel, a tool message round
+trip), streamed and not, with speculation or without; greedy answers equal offline decoding."""
 from __future__ import annotations
 
 import json

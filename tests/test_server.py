@@ -26,7 +26,7 @@ from prometheus_client.parser import text_string_to_metric_families
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.serving.api import Limits
-from specdec.serving.protocol import streamable_length
+from specdec.serving.openai_format import streamable_length
 from specdec.serving.server import create_app
 
 MODEL = "tiny"
@@ -830,8 +830,10 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
             tested.append(f"{operation.method.upper()} {operation.path}")
     finally:
         engine.stop()
-    assert sorted(tested) == ["GET /admin/draft", "GET /health", "GET /metrics", "GET /v1/models",
-                              "POST /admin/draft", "POST /v1/chat/completions", "POST /v1/completions"]
+    assert sorted(tested) == ["DELETE /v1/responses/{response_id}", "GET /admin/draft", "GET /health", "GET /metrics",
+                              "GET /v1/models", "GET /v1/responses/{response_id}", "POST /admin/draft",
+                              "POST /detokenize", "POST /tokenize", "POST /v1/chat/completions", "POST /v1/completions",
+                              "POST /v1/messages", "POST /v1/messages/count_tokens", "POST /v1/responses"]
     assert engine.engine.allocator.num_used == 0
 
 

@@ -195,7 +195,7 @@ def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads)
         assert [complete(s, p) for p in PROMPTS] == reference
         assert s.app.state.server.engine.stats["spec_num_draft_tokens"] > before  # the new head drafts
 
-        for bad, words in ((heads["a"] / "nowhere", "no config.json"), (heads["eagle1"], "is a head of method 'eagle'"),
+        for bad, words in ((heads["a"] / "nowhere", "not found"), (heads["eagle1"], "holds a head of method 'eagle'"),
                            (heads["layers"], "reads target layers [0, 1, 3]"), (heads["kv"], "4 K/V heads")):
             resp = reload(s, bad)
             assert resp.status_code == 400, resp.text

@@ -256,6 +256,30 @@ def test_warm_start_keeps_shared_weights_and_the_rows_of_shared_draft_tokens(tar
     assert new.target_ids(torch.arange(4)).tolist() == [7, 9, 11, 12]
 
 
+def test_a_deeper_head_warm_started_from_a_trained_one_begins_with_its_outputs(target_dir):
+    """`--num-layers 2 --init ONE_LAYER_HEAD`: the added layer starts as the identity, so every unrolled step of the
+    new head equals the old head's, and training moves on from there (the added layer's weights get gradients)."""
+    from specdec.training.train import warm_start
+
+    model = LLM(str(target_dir)).engine.model
+    old = Eagle3Head.create("eagle3", model, draft_ids=torch.arange(50))
+    for p in old.parameters():
+        p.data.normal_(0, 0.2)
+    new = Eagle3Head.create("eagle3", model, draft_ids=torch.arange(50), num_layers=2)
+    warm_start(new, old)
+    assert len(new.layers) == 1 and new.config.num_hidden_layers == 2
+    ids = torch.tensor([3, 17, 42, 8, 99, 5, 23, 61])
+    features, _, _ = target_outputs(model, ids.tolist(), old.aux_layers, logits=False)
+    embeds = model.embed_tokens[ids[1:]].float()
+    for a, b in zip(old.unroll(embeds, features[:-1], steps=3), new.unroll(embeds, features[:-1], steps=3),
+                    strict=True):
+        torch.testing.assert_close(a, b)
+    for p in new.parameters():
+        p.requires_grad_(True)
+    new.unroll(embeds.clone(), features[:-1].clone(), steps=2)[-1].square().sum().backward()
+    assert new.layers[0].o_proj.weight.grad.abs().sum() > 0
+
+
 def test_epochs_batches_and_schedule_in_the_log(target_dir, tmp_path):
     """--epochs sets the steps (every conversation once per epoch), --batch accumulates before each optimizer
     step, and the logged learning rate follows the warmup and cosine."""

@@ -11,6 +11,9 @@ does not favour a side); only one server is loaded at a time. Per level and side
     acceptance       completion tokens / target forwards, from the `usage` the server reports
 
 and the speculative/plain ratio of throughput, which is plotted against concurrency (PNG) next to the JSON.
+With `--llama-server PATH`, llama.cpp's own server runs as a third side on the same GGUF file (one slot per
+client of the highest level, the same threads, the same requests and rounds), and each level also gives
+specdec's throughput over llama-server's.
 """
 from __future__ import annotations
 
@@ -69,6 +72,25 @@ class ServerProcess:
             cmd += ["--replicas", str(replicas)]
         self.log = log.open("w")
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
+
+    @classmethod
+    def llama_server(cls, binary: str, gguf: Path, slots: int, threads: int, log: Path) -> ServerProcess:
+        """llama.cpp's `llama-server` on `gguf`: `slots` parallel sequences of 4,096 tokens each, `threads`
+        threads for decoding and prefill, its own defaults otherwise (continuous batching, its prompt cache)."""
+        server = object.__new__(cls)
+        with socket.socket() as s:
+            s.bind(("127.0.0.1", 0))
+            server.port = s.getsockname()[1]
+        server.url = f"http://127.0.0.1:{server.port}"
+        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port), "-np", str(slots),
+               "-c", str(4096 * slots), "-t", str(threads), "-tb", str(threads), "-a", "bench"]
+        server.log = log.open("w")
+        try:
+            server.proc = subprocess.Popen(cmd, stdout=server.log, stderr=subprocess.STDOUT)
+        except OSError as e:
+            server.log.close()
+            raise SpecdecError(f"cannot start llama-server {binary!r}: {e}") from None
+        return server
 
     def wait_ready(self) -> None:
         import httpx
@@ -171,7 +193,7 @@ def percentile(values: list[float], q: float) -> float | None:
 
 def summarize_level(results: list[RequestResult], wall: float) -> dict:
     ok = [r for r in results if r.error is None]
-    tokens = sum(r.usage.get("completion_tokens", 0) for r in ok)
+    tokens = sum(r.usage.get("completion_tokens", len(r.chunk_times)) for r in ok)  # a peer may omit usage
     steps = sum(r.usage["completion_tokens"] / r.usage["acceptance_length"] for r in ok
                 if r.usage.get("acceptance_length"))
     ttft = [r.first - r.sent for r in ok if r.first is not None]
@@ -214,6 +236,22 @@ async def prefix_cache_ttft(url: str, system: str, questions: list[str] = QUESTI
     miss, hit = percentile(cold, 0.5), percentile(warm, 0.5)
     return {"system_prompt_chars": len(system), "ttft_miss_s": miss, "ttft_hit_s": hit,
             "ratio": miss / hit if hit else None}
+
+
+def gguf_of(model: str) -> Path:
+    """The GGUF file llama-server is given: the model's own."""
+    from specdec.models.loader import resolve
+
+    src = resolve(model)
+    if src.gguf_file is None:
+        raise SpecdecError(f"--llama-server serves a GGUF file, and {model} is a Hugging Face directory")
+    return src.gguf_file
+
+
+def torch_threads() -> int:
+    import torch
+
+    return torch.get_num_threads()
 
 
 def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> dict:
@@ -281,6 +319,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
           f"({result['offline']['speculative_tok_s']:.1f} vs {result['offline']['plain_tok_s']:.1f} tok/s)", flush=True)
     servers = {"plain": ServerProcess(args, "off", max(levels), out.with_suffix(".plain.log")),
                "speculative": ServerProcess(args, spec, max(levels), out.with_suffix(".spec.log"))}
+    if args.llama_server:
+        servers["llama-server"] = ServerProcess.llama_server(args.llama_server, gguf_of(args.model), max(levels),
+                                                             torch_threads(), out.with_suffix(".llama-server.log"))
     try:
         for server in servers.values():
             server.wait_ready()
@@ -297,6 +338,8 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
             level["identical"] = [sum(same), len(same)]
             p, s = level["plain"]["throughput_tok_s"], level["speculative"]["throughput_tok_s"]
             level["throughput_ratio"] = s / p if p and s else None
+            if (peer := level.get("llama-server", {}).get("throughput_tok_s")):
+                level["vs_llama_server"] = {"plain": p / peer if p else None, "speculative": s / peer if s else None}
             result["levels"].append(level)
     finally:
         for server in servers.values():
@@ -416,16 +459,21 @@ def format_serve_report(result: dict) -> str:
     def ms(x: float | None) -> str:
         return "-" if x is None else f"{x * 1e3:.0f}"
 
+    def vs_peer(lv: dict, side: str) -> str:
+        ratio = (lv.get("vs_llama_server") or {}).get(side)
+        return f"{ratio:.2f}x" if ratio else ""
+
     rows = []
     for lv in result["levels"]:
-        for side in ("plain", "speculative"):
+        for side in [name for name in ("plain", "speculative", "llama-server") if name in lv]:
             s = lv[side]
             rows.append([str(lv["concurrency"]), side, f"{s['throughput_tok_s']:.1f}", ms(s["ttft_p50_s"]),
                          ms(s["ttft_p99_s"]), ms(s["tpot_p50_s"]), ms(s["tpot_p99_s"]),
                          "-" if s["acceptance_length"] is None else f"{s['acceptance_length']:.2f}",
                          f"{lv['throughput_ratio']:.2f}x" if side == "speculative" and lv["throughput_ratio"] else "",
+                         vs_peer(lv, side),
                          f"{lv['identical'][0]}/{lv['identical'][1]}" if side == "speculative" else "",
                          str(len(s["errors"]))])
     headers = ["conc", "server", "tok/s", "TTFT p50 ms", "TTFT p99 ms", "TPOT p50 ms", "TPOT p99 ms",
-               "accept len", "spec/plain", "identical", "errors"]
+               "accept len", "spec/plain", "vs llama-server", "identical", "errors"]
     return format_table(headers, rows, left=2)

@@ -36,7 +36,6 @@ from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import grow_dynamic_tree, grow_static_tree
 from specdec.models.eagle import EagleHead
 from specdec.models.eagle3 import Eagle3Head
-from specdec.models.head_files import check_head_method
 from specdec.tree import ROOT, TreeFeed, tree_shape
 
 
@@ -70,7 +69,7 @@ class MtpOptions(FeatureHeadOptions):
 HEAD_KEYS = dict(trees=True, dynamic_trees=True, verify_cost_keys=("min_prob",))
 
 
-@register_method("mtp", MtpOptions, head=EagleHead, **HEAD_KEYS)
+@register_method("mtp", MtpOptions, head=EagleHead, head_in_model=True, **HEAD_KEYS)
 @register_method("eagle", EagleOptions, head=EagleHead, **HEAD_KEYS)
 @register_method("eagle3", Eagle3Options, head=Eagle3Head, **HEAD_KEYS)
 class EagleDrafter(Drafter):
@@ -80,7 +79,7 @@ class EagleDrafter(Drafter):
                  min_prob: float = 0.0, cfg: SpeculativeConfig | None = None) -> None:
         """cfg: the config the head came from; with it the drafter can reload its head (`reload_head`)."""
         self.head, self.k, self.env, self.min_prob = head, num_speculative_tokens, env, min_prob
-        self.embed = env.target.embed
+        self.embed = head.own_embed if head.embed_tokens is not None else env.target.embed
         self.kv = env.kv_pool(head.config, torch.float32)
         self.feature_layers = head.aux_layers
         self.consumed: dict[int, tuple[int, int]] = {}  # seq_id -> (epoch, rows of final head K/V)
@@ -101,7 +100,6 @@ class EagleDrafter(Drafter):
         if self.cfg is None:
             raise SpecdecError("this EAGLE drafter was built from a head object, not a config: it cannot reload one")
         try:
-            check_head_method(path, self.cfg.method)
             head = load_head(self.cfg, path, self.env)
         except SpecdecError:
             raise
@@ -109,6 +107,7 @@ class EagleDrafter(Drafter):
             raise SpecdecError(f"cannot load the {self.cfg.method} head in {path}: {type(e).__name__}: {e}") from None
         self._check_fits(head, path)
         self.head, self.head_path = head, str(path)
+        self.embed = head.own_embed if head.embed_tokens is not None else self.env.target.embed
 
     def _check_fits(self, head: EagleHead | Eagle3Head, path: str) -> None:
         if tuple(head.aux_layers) != tuple(self.feature_layers):

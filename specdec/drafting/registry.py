@@ -38,6 +38,9 @@ class MethodInfo:
     # Its own keys that are a least acceptance chance worth verifying a node for: `specdec tune` sets those the
     # user left out to the measured cost of verifying one more token, in plain steps (`bench.verify_cost`).
     verify_cost_keys: tuple[str, ...] = ()
+    # Its head may live inside the target's own files (MTP layers after the main ones): a config that names no
+    # `model` reads it from there (`LLM` fills `model` with the target's files).
+    head_in_model: bool = False
 
     def check_tensor_parallel(self, tensor_parallel_size: int) -> None:
         """Refuse, naming the fix, a method that cannot draft beside a target split over that many processes."""
@@ -51,7 +54,7 @@ _METHODS: dict[str, MethodInfo] = {}
 
 def register_method(name: str, options: type, *, trees: bool = False, dynamic_trees: bool = False,
                     head: type | None = None, runs_target_layers: bool = False, validate_drafts: bool = False,
-                    verify_cost_keys: tuple[str, ...] = ()) -> Callable[[Any], Any]:
+                    verify_cost_keys: tuple[str, ...] = (), head_in_model: bool = False) -> Callable[[Any], Any]:
     """Class decorator of a drafting method: `{"method": name, ...}` then builds it with the class's
     `from_config(cfg, env)` (or calls the decorated function so). The keywords declare what it can do (see
     `MethodInfo`). Registering a name again replaces it."""
@@ -64,7 +67,7 @@ def register_method(name: str, options: type, *, trees: bool = False, dynamic_tr
 
     def register(target: Any) -> Any:
         _METHODS[name] = MethodInfo(name, options, getattr(target, "from_config", target), trees, dynamic_trees, head,
-                                    runs_target_layers, validate_drafts, tuple(verify_cost_keys))
+                                    runs_target_layers, validate_drafts, tuple(verify_cost_keys), head_in_model)
         return target
 
     return register

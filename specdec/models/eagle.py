@@ -32,7 +32,8 @@ from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata, KVLayers
-from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
+from specdec.models.head_files import TensorCopier, check_made_for, init_random
+from specdec.models.head_formats import read_head
 from specdec.models.kernels import greedy_with_logprob, linear
 from specdec.models.llama import (
     DecoderLayer,
@@ -55,9 +56,11 @@ class EagleHead(nn.Module):
 
     unrolls = False  # trained one step ahead
     max_draft_depth: int | None = None
+    embed_tokens = None  # reads the target's embedding
 
-    def __init__(self, config: ModelConfig, target: LlamaModel, layout: str = "eagle", input_norms: bool = True,
-                 output_norm: bool = True, fc_bias: bool = False, first_layer_norm: bool = True) -> None:
+    def __init__(self, config: ModelConfig, target: LlamaModel, layout: str = "eagle", embed_norm: bool = True,
+                 hidden_norm: bool = True, output_norm: bool = True, fc_bias: bool = False,
+                 first_layer_norm: bool = True) -> None:
         super().__init__()
         if layout not in LAYOUTS:
             raise SpecdecError(f"unknown head layout {layout!r}; choose one of {list(LAYOUTS)}")
@@ -70,8 +73,8 @@ class EagleHead(nn.Module):
         self.draft_vocab_size = target.config.vocab_size
         self.aux_layers = (target.config.num_hidden_layers - 1,)  # the target layer whose output the head reads
         eps = config.rms_norm_eps
-        self.enorm = RMSNorm(H, eps, dtype, device) if input_norms else nn.Identity()
-        self.hnorm = RMSNorm(H, eps, dtype, device) if input_norms else nn.Identity()
+        self.enorm = RMSNorm(H, eps, dtype, device) if embed_norm else nn.Identity()
+        self.hnorm = RMSNorm(H, eps, dtype, device) if hidden_norm else nn.Identity()
         self.fc = Linear(2 * H, H, fc_bias, dtype, device)
         self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, dtype) for _ in range(config.num_hidden_layers))
         if not first_layer_norm:
@@ -90,12 +93,17 @@ class EagleHead(nn.Module):
                 features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step for T rows: the target's last-layer `features` [T, H] or the head's own previous
         output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
-        h = self.target_norm(features.float()) if features is not None else hidden
+        h = self.target_norm(features.float()) if features is not None else self.recycled(hidden)
         x = self.mix(embeds.float(), h)
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         for i, layer in enumerate(self.layers):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
         return x
+
+    def recycled(self, out: torch.Tensor) -> torch.Tensor:
+        """What a later draft step reads of the previous step's output: itself (EAGLE), or its final norm
+        (`shared_head.norm`, DeepSeek's MTP, as vLLM and SGLang recycle it)."""
+        return self.norm(out) if self.layout == "mtp" else out
 
     def mix(self, embeds: torch.Tensor, h: torch.Tensor) -> torch.Tensor:
         """The decoder's input: fc(concat(enorm(embedding), hnorm(hidden state))) [T, H]."""
@@ -191,26 +199,34 @@ class EagleHead(nn.Module):
 
     @classmethod
     def load(cls, path: str | Path, target: LlamaModel, layout: str = "eagle") -> EagleHead:
-        """A head directory in the EAGLE reference layout or DeepSeek's MTP layout (which optional norms it
-        has is read from the tensors present), checked against the target it drafts for."""
-        path, hf = read_head_config(path, layout)
+        """A head in the EAGLE reference layout, speculators' `eagle` or DeepSeek's MTP layout (a directory, a
+        file, a Hub id, or the MTP layers inside the target's own files; see `read_head`), checked against the
+        target it drafts for. Which optional norms and biases it has is read from the tensors present."""
+        ckpt = read_head(path, layout)
+        hf, sd = dict(ckpt.config), ckpt.tensors
         hf.setdefault("model_type", "llama")
         config = ModelConfig.from_hf(hf)
-        check_made_for(layout, path, config.hidden_size, hf.get("vocab_size", target.config.vocab_size), target.config)
-        sd = read_head_tensors(path, layout)
+        check_made_for(layout, ckpt.path, config.hidden_size, hf.get("vocab_size", target.config.vocab_size),
+                       target.config)
         if layout == "mtp":
             sd = {_from_mtp(k): v for k, v in sd.items()}
         num_layers = 1 + max((int(m[1]) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))), default=0)
-        config = dataclasses.replace(config, attention_bias=False, qk_norm=False, num_hidden_layers=num_layers)
-        head = cls(config, target, layout, input_norms="enorm.weight" in sd, output_norm="norm.weight" in sd,
-                   fc_bias="fc.bias" in sd, first_layer_norm="layers.0.input_layernorm.weight" in sd)
+        config = dataclasses.replace(config, qk_norm=config.qk_norm or "layers.0.self_attn.q_norm.weight" in sd,
+                                     attention_bias="layers.0.self_attn.q_proj.bias" in sd,
+                                     num_hidden_layers=num_layers)
+        head = cls(config, target, layout, embed_norm="enorm.weight" in sd, hidden_norm="hnorm.weight" in sd,
+                   output_norm="norm.weight" in sd, fc_bias="fc.bias" in sd,
+                   first_layer_norm="layers.0.input_layernorm.weight" in sd)
         if "shared_head.head.weight" in sd:  # an MTP module with its own copy of the LM head
             head.lm_head = sd["shared_head.head.weight"].to(target.dtype)
-        head.load_state_dict_reference(sd)
+        head.load_state_dict_reference(sd, ignore=("shared_head.head.weight", "embed_tokens.weight"))
         return head
 
-    def load_state_dict_reference(self, sd: dict[str, torch.Tensor]) -> None:
-        take, put = tensor_copier(sd, self.layout)
+    def load_state_dict_reference(self, sd: dict[str, torch.Tensor], ignore: tuple[str, ...] = ()) -> None:
+        """Copy the layout's tensors in; a tensor the head has no place for is refused by name (`ignore`: the
+        copies of the target's embedding and LM head that MTP modules carry)."""
+        copier = TensorCopier(sd, self.layout)
+        take, put = copier.take, copier.put
 
         for name in ("enorm", "hnorm", "norm"):
             module = getattr(self, name)
@@ -221,6 +237,7 @@ class EagleHead(nn.Module):
             put(self.fc.bias, take("fc.bias"), "fc.bias")
         for i, layer in enumerate(self.layers):
             load_decoder_layer(layer, f"layers.{i}.", take, put, self.config)
+        copier.refuse_leftovers(ignore)
 
 
 def _to_mtp(name: str) -> str:

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 import dataclasses
 import json
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,10 +28,11 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
-from specdec.config import ModelConfig
+from specdec.config import ModelConfig, SpecdecError
 from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers
-from specdec.models.head_files import check_made_for, init_random, read_head_config, read_head_tensors, tensor_copier
+from specdec.models.head_files import TensorCopier, check_made_for, init_random
+from specdec.models.head_formats import HeadCheckpoint, read_head
 from specdec.models.kernels import greedy_with_logprob, linear, on_native
 from specdec.models.llama import (
     DecoderLayer,
@@ -45,30 +47,46 @@ from specdec.models.quant import QuantWeight
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
-    """Low, mid and high target layers (SGLang's choice): 2, N / 2, N - 3 (clamped for tiny models)."""
+    """The low, mid and high target layers a head we create reads (their outputs): 2, N / 2, N - 3 (clamped for
+    tiny models). Every head we save names its layers in its config."""
     last = num_target_layers - 1
     return tuple(min(max(i, 0), last) for i in (2, num_target_layers // 2, num_target_layers - 3))
 
 
-class Eagle3Layer(DecoderLayer):
-    """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide); the residual
-    stream is `hidden`."""
+def reference_aux_layers(num_target_layers: int) -> tuple[int, int, int]:
+    """The layers a published head that names none reads (the EAGLE reference, vLLM and SGLang agree): the
+    inputs of layers 2, N / 2 and N - 3, i.e. the outputs of layers 1, N / 2 - 1 and N - 4 (clamped)."""
+    return tuple(max(i - 1, 0) for i in default_aux_layers(num_target_layers))
 
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> None:
-        cfg = dataclasses.replace(cfg, attention_bias=False, qk_norm=False)
+
+class Eagle3Layer(DecoderLayer):
+    """A Llama decoder layer whose attention reads [norm(embedding), norm(hidden)] (2H wide). The residual
+    stream is `hidden`, or with `norm_before_residual` (the speculators option) hidden_norm(hidden). Its q/k
+    norms and QKV bias follow the head's config (a head for a Qwen3 target has q/k norms)."""
+
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str,
+                 norm_before_residual: bool = False) -> None:
         super().__init__(cfg, dtype, device, torch.float32)
         H, D = cfg.hidden_size, cfg.head_dim
+        self.norm_before_residual = norm_before_residual
         self.hidden_norm = RMSNorm(H, cfg.rms_norm_eps, torch.float32, device)
-        self.qkv_proj = Linear(2 * H, (self.num_heads + 2 * self.num_kv_heads) * D, False, dtype, device)
+        self.qkv_proj = Linear(2 * H, (self.num_heads + 2 * self.num_kv_heads) * D, cfg.attention_bias, dtype,
+                               device, torch.float32)
 
     def forward(self, embeds: torch.Tensor, hidden: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor,
                 meta: AttentionMetadata, k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
+        residual = self.residual(hidden)
         if on_native(hidden):  # one C++ call for the layer, as the target's layers (QKV reading the 2H rows)
-            out = self.native_forward(hidden, cos, sin, meta, k_pool, v_pool, qkv_input=self.qkv_rows(embeds, hidden))
+            out = self.native_forward(residual, cos, sin, meta, k_pool, v_pool,
+                                      qkv_input=self.qkv_rows(embeds, hidden))
             if out is not None:
                 return out
         q, k, v = self.project_inputs(embeds, hidden, cos, sin)
-        return self.finish(hidden, self.attend(q, k, v, k_pool, v_pool, meta))
+        return self.finish(residual, self.attend(q, k, v, k_pool, v_pool, meta))
+
+    def residual(self, hidden: torch.Tensor) -> torch.Tensor:
+        """What the attention output is added to: hidden, or hidden_norm(hidden) (`norm_before_residual`)."""
+        return self.hidden_norm(hidden) if self.norm_before_residual else hidden
 
     def qkv_rows(self, embeds: torch.Tensor, hidden: torch.Tensor) -> torch.Tensor:
         """What QKV reads: [norm(embedding of the next token), norm(hidden state)] [T, 2H]."""
@@ -104,22 +122,56 @@ def unrolled_attention(q: torch.Tensor, keys: list[torch.Tensor], values: list[t
     return attn
 
 
+@dataclass(frozen=True)
+class Eagle3Variant:
+    """The published EAGLE-3 options beyond SpecForge's defaults, each read from a head's config and written back by
+    `save`: where the hidden norm sits, a norm on the target's features, the head's own embedding. Its layer count,
+    q/k norms and QKV bias are the head's config (`num_hidden_layers`, `model_type` qwen3, `attention_bias`)."""
+
+    norm_before_residual: bool = False  # the residual stream starts from hidden_norm(h), not h (speculators)
+    norm_before_fc: bool = False  # one RMSNorm (`input_norm`) over the concatenated target features before fc
+    fc_norm: bool = False  # one RMSNorm per target layer's features (`fc_norm.{i}`) before fc (EAGLE 3.1)
+    norm_output: bool = False  # the normed output is fed back and read by the LM head as is (EAGLE 3.1)
+    own_embedding: bool = False  # the head's own `embed_tokens` [V, H], not the target's
+
+    @property
+    def native(self) -> bool:
+        """Whether the whole draft step has a C++ form (`Eagle3Step`: SpecForge's layout, one layer)."""
+        return not (self.norm_before_residual or self.norm_before_fc or self.fc_norm or self.norm_output)
+
+
 class Eagle3Head(nn.Module):
-    """config: the head's own Llama config (num_hidden_layers = 1); it shares the target's embedding."""
+    """config: the head's own Llama config (num_hidden_layers = its decoder layers: the first reads the 2H rows,
+    the others are plain Llama layers over the residual stream, as in vLLM); it shares the target's embedding
+    unless its checkpoint carries one (`variant.own_embedding`)."""
 
     unrolls = True  # trained with the training-time test (`unroll`)
     max_draft_depth: int | None = None
 
     def __init__(self, config: ModelConfig, draft_vocab_size: int, aux_layers: tuple[int, ...],
-                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> None:
+                 dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu",
+                 variant: Eagle3Variant | None = None, target_hidden_size: int | None = None) -> None:
+        """target_hidden_size: the width of each target feature where it differs from the head's (fc then reads
+        len(aux_layers) x that; such a head has its own embedding)."""
         super().__init__()
         H = config.hidden_size
         self.config, self.draft_vocab_size, self.aux_layers = config, draft_vocab_size, tuple(aux_layers)
-        self.dtype, self.device = dtype, torch.device(device)
-        self.fc = Linear(len(self.aux_layers) * H, H, False, dtype, device)
-        self.midlayer = Eagle3Layer(config, dtype, device)
+        variant = variant or Eagle3Variant()
+        self.dtype, self.device, self.variant = dtype, torch.device(device), variant
+        self.target_hidden_size = target_hidden_size or H
+        features = len(self.aux_layers) * self.target_hidden_size
+        self.input_norm = RMSNorm(features, config.rms_norm_eps, torch.float32, device) \
+            if variant.norm_before_fc else None
+        self.fc_norm = nn.ModuleList(RMSNorm(features // len(self.aux_layers), config.rms_norm_eps, torch.float32,
+                                             device) for _ in self.aux_layers) if variant.fc_norm else None
+        self.fc = Linear(features, H, False, dtype, device)
+        self.midlayer = Eagle3Layer(config, dtype, device, variant.norm_before_residual)
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, torch.float32)
+                                    for _ in range(config.num_hidden_layers - 1))
         self.norm = RMSNorm(H, config.rms_norm_eps, torch.float32, device)
         self.lm_head = nn.Parameter(torch.empty(draft_vocab_size, H, dtype=dtype, device=device), requires_grad=False)
+        self.embed_tokens = nn.Parameter(torch.empty(config.vocab_size, H, dtype=dtype, device=device),
+                                         requires_grad=False) if variant.own_embedding else None
         self.register_buffer("d2t", torch.zeros(draft_vocab_size, dtype=torch.long, device=device))
         cos, sin = rope_tables(config, torch.float32, device)
         self.register_buffer("rope_cos", cos, persistent=False)
@@ -131,9 +183,31 @@ class Eagle3Head(nn.Module):
                 features: torch.Tensor | None = None, hidden: torch.Tensor | None = None) -> torch.Tensor:
         """One draft step for T rows: the target's `features` [T, 3H] (through fc) or the head's own previous
         output `hidden` [T, H]; embeds [T, H] of the tokens each row continues with. Returns out [T, H]."""
-        h = self.fc(features.float()) if features is not None else hidden
+        h = self.project_features(features.float()) if features is not None else hidden
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
-        return self.midlayer(embeds.float(), h, cos, sin, meta, kv.k[0], kv.v[0])
+        out = self.midlayer(embeds.float(), h, cos, sin, meta, kv.k[0], kv.v[0])
+        for i, layer in enumerate(self.layers, 1):
+            out = layer(out, cos, sin, meta, kv.k[i], kv.v[i])
+        return self.norm(out) if self.variant.norm_output else out
+
+    def project_features(self, features: torch.Tensor) -> torch.Tensor:
+        """fc(features) [T, H], after the features' norms where the head has them (`norm_before_fc`: one over
+        all of them; `fc_norm`: one per target layer)."""
+        if self.input_norm is not None:
+            features = self.input_norm(features)
+        if self.fc_norm is not None:
+            chunks = features.chunk(len(self.fc_norm), dim=-1)
+            features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
+        return self.fc(features)
+
+    def logits_input(self, out: torch.Tensor) -> torch.Tensor:
+        """What the LM head reads from an output: norm(out), or out itself where it is already normed
+        (`norm_output`)."""
+        return out if self.variant.norm_output else self.norm(out)
+
+    def own_embed(self, ids: torch.Tensor) -> torch.Tensor:
+        """The head's own embedding of `ids` [T, H] (where `embed_tokens` is not None)."""
+        return self.embed_tokens[ids]
 
     @torch.inference_mode()
     def draft_step(self, embeds: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata, kv: KVLayers,
@@ -155,7 +229,8 @@ class Eagle3Head(nn.Module):
         """fc, the layer, the final norm, the LM head and the argmax as one C++ object over this head's weights (as
         they are now: built on first use, after any quantization), None where the layer has no C++ form."""
         if self._step is None:
-            layer = self.midlayer.native_layer() if self.device.type == "cpu" else None
+            layer = self.midlayer.native_layer() if self.device.type == "cpu" and self.variant.native \
+                and not len(self.layers) and self.target_hidden_size == self.config.hidden_size else None
             matrices = (self.fc.weight, self.lm_head)
             usable = layer is not None and all(isinstance(w, QuantWeight) or w.dtype in kernels.FLOAT_KERNEL_IDS
                                                for w in matrices)
@@ -191,19 +266,26 @@ class Eagle3Head(nn.Module):
             x = x.view(*lead, T, x.shape[-2], D)
             return (x.repeat_interleave(repeat, -2) if repeat > 1 else x).transpose(-3, -2)
 
-        h = self.fc(features)
-        keys: list[torch.Tensor] = []  # per step, [..., Hq, T, D] (GQA heads repeated)
-        values: list[torch.Tensor] = []
+        h = self.project_features(features)
+        layers = [L, *self.layers]
+        keys: list[list[torch.Tensor]] = [[] for _ in layers]  # per layer, per step: [..., Hq, T, D] (GQA repeated)
+        values: list[list[torch.Tensor]] = [[] for _ in layers]
         outs: list[torch.Tensor] = []
         for s in range(1, steps + 1):
             if s > 1:  # row p reads the previous step's row p - 1
                 h = F.pad(outs[-1][..., :T - 1, :], (0, 0, 1, 0))
-            q, k, v = L.project_inputs(flat_embeds, h.reshape(-1, H), cos, sin)
-            keys.append(heads(k, group))
-            values.append(heads(v, group))
-            attn = unrolled_attention(heads(q), keys, values, L.scale)  # [..., Hq, T, D]
-            out = L.finish(h.reshape(-1, H), attn.transpose(-3, -2).reshape(-1, L.num_heads, D))
-            outs.append(out.view(*lead, T, H))
+            x = h.reshape(-1, H)
+            for i, layer in enumerate(layers):
+                if i == 0:
+                    q, k, v = L.project_inputs(flat_embeds, x, cos, sin)
+                    x = L.residual(x)
+                else:
+                    q, k, v = layer.project(layer.input_layernorm(x), cos, sin)
+                keys[i].append(heads(k, group))
+                values[i].append(heads(v, group))
+                attn = unrolled_attention(heads(q), keys[i], values[i], L.scale)  # [..., Hq, T, D]
+                x = layer.finish(x, attn.transpose(-3, -2).reshape(-1, L.num_heads, D))
+            outs.append((self.norm(x) if self.variant.norm_output else x).view(*lead, T, H))
         return outs
 
     def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
@@ -221,7 +303,7 @@ class Eagle3Head(nn.Module):
     @torch.inference_mode()
     def compute_logits(self, out: torch.Tensor) -> torch.Tensor:
         """[N, H] head outputs -> float32 logits over the draft vocabulary [N, draft_vocab]."""
-        return linear(self.norm(out), self.lm_head).float()
+        return linear(self.logits_input(out), self.lm_head).float()
 
     def target_ids(self, draft_ids: torch.Tensor) -> torch.Tensor:
         return draft_ids + self.d2t[draft_ids]
@@ -237,11 +319,12 @@ class Eagle3Head(nn.Module):
     @classmethod
     def create(cls, method: str, target: LlamaModel, draft_ids: torch.Tensor, num_layers: int = 1, num_heads: int = 1
                ) -> Eagle3Head:
-        """An untrained head for `target` over the draft vocabulary `draft_ids` (sorted target ids): small random
-        weights, unit norms, and the LM head started from the target's rows of that vocabulary (the head
-        begins by reading h like the target reads its last hidden state)."""
+        """An untrained head of `num_layers` decoder layers for `target` over the draft vocabulary `draft_ids`
+        (sorted target ids): small random weights, unit norms, q/k norms where the target's layers have them, no
+        QKV bias (SpecForge's heads), and the LM head started from the target's rows of that vocabulary (the
+        head begins by reading h like the target reads its last hidden state)."""
         cfg = target.config
-        head = cls(dataclasses.replace(cfg, num_hidden_layers=1), len(draft_ids),
+        head = cls(dataclasses.replace(cfg, num_hidden_layers=num_layers, attention_bias=False), len(draft_ids),
                    default_aux_layers(cfg.num_hidden_layers))
         init_random(list(head.parameters()))
         head.lm_head.data.copy_(target.lm_head[draft_ids].float())
@@ -256,28 +339,59 @@ class Eagle3Head(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, dtype: torch.dtype = torch.float32,
              device: str | torch.device = "cpu") -> Eagle3Head:
-        """A head directory in the SpecForge / SGLang layout, checked against the target it drafts for."""
-        path, hf = read_head_config(path, "EAGLE-3")
+        """A head in any layout `read_head` reads (SpecForge's, the EAGLE reference's, speculators', llama.cpp's
+        GGUF; a directory, a file or a Hub id), checked against the target it drafts for."""
+        return cls.from_checkpoint(read_head(path, "eagle3"), target, dtype, device)
+
+    @classmethod
+    def from_checkpoint(cls, ckpt: HeadCheckpoint, target: ModelConfig, dtype: torch.dtype = torch.float32,
+                        device: str | torch.device = "cpu") -> Eagle3Head:
+        """The head of a checkpoint in our layout (`HeadCheckpoint`), every option in its config honoured."""
+        hf, sd = dict(ckpt.config), ckpt.tensors
         hf.setdefault("model_type", "llama")
-        config = dataclasses.replace(ModelConfig.from_hf(hf), num_hidden_layers=1)
-        check_made_for("EAGLE-3", path, config.hidden_size, hf.get("vocab_size", target.vocab_size), target)
-        sd = read_head_tensors(path, "EAGLE-3")
+        config = ModelConfig.from_hf(hf)
+        config = dataclasses.replace(  # q/k norms and biases as the layer's tensors have them (Qwen heads)
+            config, qk_norm=config.qk_norm or "midlayer.self_attn.q_norm.weight" in sd,
+            attention_bias="midlayer.self_attn.q_proj.bias" in sd)
+        own_embedding = "embed_tokens.weight" in sd
+        target_hidden = int(hf.get("target_hidden_size") or config.hidden_size)
+        # A head as wide as its target reads the target's embedding; a narrower or wider one brings its own.
+        check_made_for("EAGLE-3", ckpt.path, target_hidden if own_embedding else config.hidden_size,
+                       hf.get("vocab_size", target.vocab_size), target)
+        if target_hidden != target.hidden_size:
+            raise SpecdecError(f"EAGLE-3 head {ckpt.path} reads target features of width {target_hidden} "
+                               f"(target_hidden_size), the target's hidden size is {target.hidden_size}")
         aux = (hf.get("eagle_config") or {}).get("eagle_aux_hidden_state_layer_ids") \
-            or default_aux_layers(target.num_hidden_layers)
-        head = cls(config, int(hf.get("draft_vocab_size", target.vocab_size)), tuple(aux), dtype, device)
+            or reference_aux_layers(target.num_hidden_layers)
+        if any(not 0 <= i < target.num_hidden_layers for i in aux):
+            raise SpecdecError(f"EAGLE-3 head {ckpt.path} reads the outputs of target layers {list(aux)}, the "
+                               f"target has {target.num_hidden_layers} (eagle_aux_hidden_state_layer_ids)")
+        variant = Eagle3Variant(*(bool(hf.get(k)) for k in ("norm_before_residual", "norm_before_fc", "fc_norm",
+                                                             "norm_output")), own_embedding=own_embedding)
+        head = cls(config, int(hf.get("draft_vocab_size", target.vocab_size)), tuple(aux), dtype, device, variant,
+                   target_hidden)
         head.load_state_dict_reference(sd)
         return head
 
     def load_state_dict_reference(self, sd: dict[str, torch.Tensor]) -> None:
-        """Copy weights named as SpecForge saves them (q/k/v and gate/up fused here)."""
-        take, put = tensor_copier(sd, "EAGLE-3")
+        """Copy weights named as SpecForge saves them (q/k/v and gate/up fused here); a second and later layer
+        are `layers.{i}.*`, the features' norm `input_norm.weight`, an own embedding `embed_tokens.weight`."""
+        copier = TensorCopier(sd, "EAGLE-3")
+        take, put = copier.take, copier.put
         put(self.fc.weight, take("fc.weight"), "fc.weight")
-        layer_cfg = dataclasses.replace(self.config, attention_bias=False, qk_norm=False)
-        load_decoder_layer(self.midlayer, "midlayer.", take, put, layer_cfg)
+        load_decoder_layer(self.midlayer, "midlayer.", take, put, self.config)
         put(self.midlayer.hidden_norm.weight, take("midlayer.hidden_norm.weight"), "midlayer.hidden_norm.weight")
+        for i, layer in enumerate(self.layers, 1):
+            load_decoder_layer(layer, f"layers.{i}.", take, put, self.config)
+        for name in ("input_norm", "embed_tokens"):
+            if (module := getattr(self, name)) is not None:
+                put(getattr(module, "weight", module), take(f"{name}.weight"), f"{name}.weight")
+        for i, norm in enumerate(self.fc_norm or ()):
+            put(norm.weight, take(f"fc_norm.{i}.weight"), f"fc_norm.{i}.weight")
         put(self.norm.weight, take("norm.weight"), "norm.weight")
         put(self.lm_head, take("lm_head.weight"), "lm_head.weight")
         put(self.d2t, take("d2t") if "d2t" in sd else torch.zeros(self.draft_vocab_size, dtype=torch.long), "d2t")
+        copier.refuse_leftovers(ignore=("t2d",))
 
     def state_dict_reference(self) -> dict[str, torch.Tensor]:
         """Weights in the SpecForge / SGLang layout (q/k/v and gate/up split), plus d2t and t2d."""
@@ -286,7 +400,35 @@ class Eagle3Head(nn.Module):
         sd = {"fc.weight": self.fc.weight, **decoder_layer_state(self.midlayer, "midlayer."),
               "midlayer.hidden_norm.weight": self.midlayer.hidden_norm.weight, "norm.weight": self.norm.weight,
               "lm_head.weight": self.lm_head, "d2t": self.d2t, "t2d": t2d}
+        for i, layer in enumerate(self.layers, 1):
+            sd.update(decoder_layer_state(layer, f"layers.{i}."))
+        if self.input_norm is not None:
+            sd["input_norm.weight"] = self.input_norm.weight
+        for i, norm in enumerate(self.fc_norm or ()):
+            sd[f"fc_norm.{i}.weight"] = norm.weight
+        if self.embed_tokens is not None:
+            sd["embed_tokens.weight"] = self.embed_tokens
         return {k: t.detach().contiguous().cpu() for k, t in sd.items()}
+
+    def hf_config(self) -> dict[str, Any]:
+        """config.json in SpecForge's layout, with the options of `Eagle3Variant` where they are set."""
+        c = self.config
+        config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "qwen3" if c.qk_norm else "llama",
+                  "hidden_size": c.hidden_size, "intermediate_size": c.intermediate_size,
+                  "num_attention_heads": c.num_attention_heads, "num_key_value_heads": c.num_key_value_heads,
+                  "head_dim": c.head_dim, "num_hidden_layers": c.num_hidden_layers, "rms_norm_eps": c.rms_norm_eps,
+                  "rope_theta": c.rope_theta, "max_position_embeddings": c.max_position_embeddings,
+                  "vocab_size": c.vocab_size, "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
+                  "attention_bias": c.attention_bias,
+                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}}
+        if c.rope_scaling:
+            config["rope_scaling"] = c.rope_scaling
+        for option in ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"):
+            if getattr(self.variant, option):
+                config[option] = True
+        if self.target_hidden_size != c.hidden_size:
+            config["target_hidden_size"] = self.target_hidden_size
+        return config
 
     def save(self, path: str | Path, dtype: torch.dtype | None = None) -> None:
         """config.json and the weights: one float32 `model.safetensors`, or with `dtype` (e.g. bfloat16, what
@@ -295,15 +437,7 @@ class Eagle3Head(nn.Module):
 
         path = Path(path)
         path.mkdir(parents=True, exist_ok=True)
-        c = self.config
-        config = {"architectures": ["LlamaForCausalLMEagle3"], "model_type": "llama", "hidden_size": c.hidden_size,
-                  "intermediate_size": c.intermediate_size, "num_attention_heads": c.num_attention_heads,
-                  "num_key_value_heads": c.num_key_value_heads, "head_dim": c.head_dim, "num_hidden_layers": 1,
-                  "rms_norm_eps": c.rms_norm_eps, "rope_theta": c.rope_theta,
-                  "max_position_embeddings": c.max_position_embeddings, "vocab_size": c.vocab_size,
-                  "draft_vocab_size": self.draft_vocab_size, "tie_word_embeddings": False,
-                  "eagle_config": {"eagle_aux_hidden_state_layer_ids": list(self.aux_layers)}}
-        (path / "config.json").write_text(json.dumps(config, indent=1))
+        (path / "config.json").write_text(json.dumps(self.hf_config(), indent=1))
         for old in path.glob("model*.safetensors"):
             old.unlink()
         sd = self.state_dict_reference()

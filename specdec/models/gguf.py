@@ -103,9 +103,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
     config = _hf_config(reader, arch, tensors)
     expected = _expected_tensors(config)
     state_dict = {}
+    mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], _field(reader, f"{arch}.block_count")))
     for name, tensor in tensors.items():
-        if name == "rope_freqs.weight":  # folded into config["rope_scaling"]
-            continue
+        if name == "rope_freqs.weight" or name.startswith(mtp_blocks):  # rope scaling is in the config; MTP layers
+            continue  # are a draft head's (`head_gguf`)
         if name not in expected:
             raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch!r}")
         hf_name, hf_shape = expected.pop(name)
@@ -171,7 +172,7 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         "architectures": [_HF_ARCHITECTURE[arch]],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count"),
+        "num_hidden_layers": key("block_count") - key("nextn_predict_layers", 0),  # MTP layers count in it
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,

@@ -1,54 +1,84 @@
-"""What every draft-head checkpoint shares: a directory with config.json + *.safetensors, made for one target's
-hidden and vocabulary sizes, whose tensors are copied into ours with their names and shapes checked."""
+"""What every draft-head checkpoint shares: a directory with config.json and its weights (*.safetensors, or the
+PyTorch pickles the reference implementations publish, read with `weights_only`), or a Hub id resolving to
+one, made for one target's hidden and vocabulary sizes, whose tensors are copied into ours with their names
+and shapes checked. Layouts other than ours are translated by `specdec.models.head_formats`."""
 from __future__ import annotations
 
 import json
 import math
-from collections.abc import Callable
 from pathlib import Path
 
 import torch
 
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models.hub import is_hub_id, resolve_hub
+
+PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # the reference implementations' PyTorch pickles
+
+def head_location(path: str | Path, what: str) -> tuple[Path, Path | None]:
+    """(the head's directory, its one weight file where `path` names a file: a `.pt`, `.bin`, `.safetensors` or
+    `.gguf`); a Hub id (`org/name`) resolves through the local Hugging Face cache."""
+    name = str(path)
+    if is_hub_id(name):
+        return resolve_hub(name, f"{what} head"), None
+    path = Path(name).expanduser()
+    if path.is_file():
+        if path.suffix not in (*PICKLE_SUFFIXES, ".safetensors", ".gguf"):
+            raise SpecdecError(f"{what} head {path}: a head is a directory (config.json and weights), or one "
+                               f"weight file (.safetensors, .bin, .pt, .pth, .gguf), not a {path.suffix or 'bare'} "
+                               "file")
+        return path.parent, path
+    if not path.is_dir():
+        raise SpecdecError(f"{what} head {path} not found: no such directory or file, and not a Hub id (org/name)")
+    return path, None
 
 
 def read_head_config(path: str | Path, what: str) -> tuple[Path, dict]:
     """(the directory, its config.json); `what` names the head in errors."""
-    path = Path(path).expanduser()
+    path, _ = head_location(path, what)
     if not (path / "config.json").is_file():
         raise SpecdecError(f"{what} head {path} has no config.json (expected a directory with config.json "
-                           "and model.safetensors)")
+                           "and its weights: *.safetensors, pytorch_model.bin or a .pt file)")
     return path, json.loads((path / "config.json").read_text())
 
 
-# What each kind of head's config.json names as its architecture (what our heads' `save` writes, and SpecForge's
-# EAGLE-3 checkpoints): a head of another method is refused by name rather than by a tensor shape.
-HEAD_ARCHITECTURES = {"LlamaForCausalLMEagle3": "eagle3", "EagleHead": "eagle", "DeepseekMTPHead": "mtp",
-                      "MedusaModel": "medusa"}
-
-
-def check_head_method(path: str | Path, method: str) -> None:
-    """Refuse a head directory whose config.json names the architecture of another method's head (a head that
-    names none, or one not in `HEAD_ARCHITECTURES`, is left to its loader's checks)."""
-    path, hf = read_head_config(path, method)
-    named = hf.get("architectures") or []
-    kinds = sorted({HEAD_ARCHITECTURES[a] for a in named if isinstance(a, str) and a in HEAD_ARCHITECTURES})
-    if kinds and method not in kinds:
-        raise SpecdecError(f"{path} is a head of method {' / '.join(kinds)!r} (architectures {named}), not "
-                           f"{method!r}: give a {method} head")
-
-
-def read_head_tensors(path: Path, what: str) -> dict[str, torch.Tensor]:
-    """Every tensor of the directory's *.safetensors files (read after the config passed its checks)."""
-    from safetensors.torch import load_file
-
+def weight_files(path: Path) -> list[Path]:
+    """A head directory's weights: its *.safetensors, else its PyTorch pickles (*.bin, *.pt, *.pth: the EAGLE,
+    AngelSlim and Medusa reference checkpoints)."""
     files = sorted(path.glob("*.safetensors"))
+    return files or sorted(f for f in path.iterdir() if f.suffix in PICKLE_SUFFIXES and f.is_file())
+
+
+def read_head_tensors(path: Path, what: str, file: Path | None = None) -> dict[str, torch.Tensor]:
+    """Every tensor of the head's weight files (or of `file` alone), read after its config passed its checks.
+    Pickles load with `weights_only` (tensors and containers only: no code in a downloaded file runs)."""
+    files = [file] if file is not None else weight_files(path)
     if not files:
-        raise SpecdecError(f"{what} head {path} has no *.safetensors weights")
+        raise SpecdecError(f"{what} head {path} has no weights (*.safetensors, *.bin, *.pt or *.pth)")
     sd: dict[str, torch.Tensor] = {}
     for f in files:
-        sd.update(load_file(f))
+        sd.update(_read_weights(f, what))
     return sd
+
+
+def _read_weights(file: Path, what: str) -> dict[str, torch.Tensor]:
+    if file.suffix == ".safetensors":
+        from safetensors.torch import load_file
+
+        return load_file(file)
+    try:
+        obj = torch.load(file, map_location="cpu", weights_only=True)
+    except Exception as e:  # noqa: BLE001  pickled code, a truncated file: refused with the reason
+        raise SpecdecError(f"{what} head {file}: not a PyTorch state dict of tensors that loads with "
+                           f"weights_only=True ({type(e).__name__}: {str(e).splitlines()[0] if str(e) else ''})") \
+            from None
+    for key in ("state_dict", "model", "module"):  # a training checkpoint that wraps its state dict
+        if isinstance(obj, dict) and isinstance(obj.get(key), dict):
+            obj = obj[key]
+    bad = [k for k, v in obj.items() if not isinstance(v, torch.Tensor)] if isinstance(obj, dict) else ["(root)"]
+    if bad:
+        raise SpecdecError(f"{what} head {file} holds entries that are not tensors: {bad[:5]}")
+    return dict(obj)
 
 
 def check_made_for(what: str, path: Path, hidden_size: int, vocab_size: int, target: ModelConfig) -> None:
@@ -67,18 +97,30 @@ def init_random(params: list[torch.Tensor], seed: int = 0) -> None:
             p.data.copy_(torch.randn(p.shape, generator=g) / math.sqrt(p.shape[1]))
 
 
-def tensor_copier(sd: dict[str, torch.Tensor], what: str
-                  ) -> tuple[Callable[[str], torch.Tensor], Callable[..., None]]:
-    """take(name) -> the checkpoint's tensor; put(param, tensor, name) copies it in if the shapes agree (the
-    signature `llama.load_decoder_layer` expects)."""
-    def take(name: str) -> torch.Tensor:
-        if name not in sd:
-            raise SpecdecError(f"{what} checkpoint is missing tensor {name!r}")
-        return sd[name]
+class TensorCopier:
+    """take(name) -> the checkpoint's tensor (remembering it was used); put(param, tensor, name) copies it in if
+    the shapes agree (the signature `llama.load_decoder_layer` expects); `refuse_leftovers` then names any
+    tensor the head had no place for, so a part we do not implement is never dropped silently."""
 
-    def put(param: torch.Tensor, value: torch.Tensor, name: str) -> None:
+    def __init__(self, sd: dict[str, torch.Tensor], what: str) -> None:
+        self.sd, self.what, self.taken = sd, what, set[str]()
+
+    def take(self, name: str) -> torch.Tensor:
+        if name not in self.sd:
+            raise SpecdecError(f"{self.what} checkpoint is missing tensor {name!r}")
+        self.taken.add(name)
+        return self.sd[name]
+
+    def put(self, param: torch.Tensor, value: torch.Tensor, name: str) -> None:
         if tuple(param.shape) != tuple(value.shape):
-            raise SpecdecError(f"{what} tensor {name!r} has shape {tuple(value.shape)}, expected {tuple(param.shape)}")
+            raise SpecdecError(f"{self.what} tensor {name!r} has shape {tuple(value.shape)}, expected "
+                               f"{tuple(param.shape)}")
         param.data.copy_(value.to(param.dtype))
 
-    return take, put
+    def refuse_leftovers(self, ignore: tuple[str, ...] = ()) -> None:
+        """`ignore`: tensors a layout carries that the definition does not read (`t2d`: a training-only mask)."""
+        left = sorted(set(self.sd) - self.taken - set(ignore))
+        if left:
+            raise SpecdecError(f"{self.what} checkpoint has tensors this head has no place for: {left[:6]}"
+                               f"{' ...' if len(left) > 6 else ''} (an option its config does not declare, or a "
+                               "layout specdec does not implement)")

@@ -261,13 +261,19 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
 
 
 def decoder_layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
-    """The inverse of load_decoder_layer: one layer's weights under Hugging Face names (no biases, q/k norms)."""
-    q, k, v = layer.qkv_proj.weight.split([layer.q_size, layer.kv_size, layer.kv_size])
+    """The inverse of load_decoder_layer: one layer's weights under Hugging Face names, with its QKV biases and
+    q/k norms where it has them."""
+    sizes = [layer.q_size, layer.kv_size, layer.kv_size]
+    q, k, v = layer.qkv_proj.weight.split(sizes)
     gate, up = layer.gate_up_proj.weight.chunk(2)
     sd = {"self_attn.q_proj.weight": q, "self_attn.k_proj.weight": k, "self_attn.v_proj.weight": v,
           "self_attn.o_proj.weight": layer.o_proj.weight, "mlp.gate_proj.weight": gate, "mlp.up_proj.weight": up,
           "mlp.down_proj.weight": layer.down_proj.weight,
           "post_attention_layernorm.weight": layer.post_attention_layernorm.weight}
+    if layer.qkv_proj.bias is not None:
+        sd.update(zip((f"self_attn.{n}_proj.bias" for n in "qkv"), layer.qkv_proj.bias.split(sizes), strict=True))
+    if layer.q_norm is not None:
+        sd["self_attn.q_norm.weight"], sd["self_attn.k_norm.weight"] = layer.q_norm.weight, layer.k_norm.weight
     if isinstance(layer.input_layernorm, RMSNorm):
         sd["input_layernorm.weight"] = layer.input_layernorm.weight
     return {prefix + name: t for name, t in sd.items()}

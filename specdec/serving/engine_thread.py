@@ -2,7 +2,8 @@
 steps the engine while there is work (it sleeps on its inbox when idle) and hands every request its events through
 an `asyncio.Queue` on the server's event loop. It reads only what the engine's steps return (`RequestUpdate`s, each
 finished request's `RequestOutput`), never the engine's sequences. It also records each request as it finishes
-(`--record-traffic`), and swaps the draft head between two steps (`POST /admin/draft`).
+(`--record-traffic`), swaps the draft head between two steps (`POST /admin/draft`), and runs the tokenizer for
+requests that only tokenize (`/tokenize`, `/v1/messages/count_tokens`).
 """
 from __future__ import annotations
 
@@ -21,7 +22,7 @@ from specdec.config import SpecdecError
 from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.serving.api import APIError, Limits, internal_error
-from specdec.serving.protocol import Plan
+from specdec.serving.plans import Plan
 from specdec.serving.traffic import TrafficRecorder
 
 log = logging.getLogger("specdec.server")
@@ -96,6 +97,37 @@ class DraftReload:
             self.done.set_exception(error) if error else self.done.set_result(None)
 
 
+class EngineCall:
+    """A function to run on the engine thread between two steps (tokenizing for /tokenize): `done` gets its result,
+    or the APIError it raised (a SpecdecError as a 400)."""
+
+    def __init__(self, fn: Callable[[], Any]) -> None:
+        self.fn = fn
+        self.loop = asyncio.get_running_loop()
+        self.done: asyncio.Future[Any] = self.loop.create_future()
+
+    # Called from the engine thread.
+    def run(self) -> None:
+        try:
+            result, error = self.fn(), None
+        except APIError as e:
+            result, error = None, e
+        except SpecdecError as e:
+            result, error = None, APIError(400, str(e))
+        except Exception as e:  # noqa: BLE001  the engine goes on
+            log.exception("a call on the engine thread failed")
+            result, error = None, internal_error(f"{type(e).__name__}: {e}")
+        self.resolve(error, result)
+
+    def resolve(self, error: APIError | None = None, result: Any = None) -> None:
+        with contextlib.suppress(RuntimeError):  # the event loop is closed: the server is gone
+            self.loop.call_soon_threadsafe(self._resolve, result, error)
+
+    def _resolve(self, result: Any, error: APIError | None) -> None:
+        if not self.done.done():
+            self.done.set_exception(error) if error else self.done.set_result(result)
+
+
 class AsyncEngine:
     """Runs an LLMEngine on one thread (`run`); requests and aborts arrive through a thread-safe inbox."""
 
@@ -108,7 +140,7 @@ class AsyncEngine:
         self.stats: dict = self.engine.stats()  # the latest snapshot, replaced whole after every step
         self._submitted: set[EngineRequest] = set()  # awaiting admission (touched on the event loop's thread only)
         self._mean_e2e_s = 10.0  # running mean of finished requests' wall time, for Retry-After
-        self._inbox: queue.Queue[tuple[str, EngineRequest | DraftReload | None]] = queue.Queue()
+        self._inbox: queue.Queue[tuple[str, EngineRequest | DraftReload | EngineCall | None]] = queue.Queue()
         self._active: dict[int, tuple[EngineRequest, int]] = {}  # request id -> (request, choice); engine thread only
         self._running, self._stopped = threading.Event(), threading.Event()
         self._drain_until: float | None = None  # set by drain(): no new requests; in-flight ones finish by then
@@ -203,6 +235,15 @@ class AsyncEngine:
         self._inbox.put(("reload", reload))
         await reload.done
 
+    async def call(self, fn: Callable[[], Any]) -> Any:
+        """`fn()`, run on the engine thread between two steps (see EngineCall)."""
+        if not self.alive or self.draining:
+            raise APIError(503, "the engine is not running" if not self.alive else "the server is shutting down",
+                           type="service_unavailable", code="engine_dead" if not self.alive else "shutting_down")
+        job = EngineCall(fn)
+        self._inbox.put(("call", job))
+        return await job.done
+
     # Everything below runs on the engine thread.
     def run(self) -> None:
         """The engine loop, on the calling thread, until `stop()`."""
@@ -233,6 +274,8 @@ class AsyncEngine:
                         self._abort(req)
                     elif kind == "reload":
                         self._reload(req)
+                    elif kind == "call":
+                        req.run()
                 if self.engine.has_unfinished():
                     self._beat, self._busy = time.monotonic(), True
                     try:
@@ -246,7 +289,7 @@ class AsyncEngine:
                 log.exception("engine loop error")
                 self._fail_all(internal_error("internal error in the engine loop"))
 
-    def _shutdown(self, commands: list[tuple[str, EngineRequest | DraftReload | None]]) -> None:
+    def _shutdown(self, commands: list[tuple[str, EngineRequest | DraftReload | EngineCall | None]]) -> None:
         """Fail what runs and what is queued (503), the inbox's requests included."""
         error = APIError(503, "the server is shutting down", type="service_unavailable", code="shutting_down")
         self._fail_all(error)

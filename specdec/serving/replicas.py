@@ -202,7 +202,8 @@ class EngineReplica:
 
     def __init__(self, model: str, llm_kwargs: dict, served_model_name: str | None, threads: int,
                  limits: Limits | None = None) -> None:
-        from specdec.engine.parallel import share_threads
+        import torch
+
         from specdec.llm import LLM
         from specdec.serving.server import OpenAIServer
 
@@ -213,7 +214,7 @@ class EngineReplica:
 
         def run() -> None:
             try:
-                share_threads(threads)
+                torch.set_num_threads(threads)  # this replica's share of the cores (OpenMP's pool)
                 llm = LLM(model, **llm_kwargs)
                 self.server = OpenAIServer(llm, served_model_name, limits)
             except BaseException as e:  # noqa: BLE001  re-raised by the constructor, which Ray reports

@@ -1,5 +1,7 @@
 """`specdec serve`: an OpenAI-compatible HTTP API (chat and text completions, SSE streaming, /metrics) over one
-engine; its HTTP surface (shapes, errors, limits, routes) is specdec.serving.api.
+engine; its HTTP surface (shapes, errors, limits, routes) is specdec.serving.api. The Responses API, Anthropic's
+Messages API and /tokenize are answered through the same chat path (specdec.serving.responses_api, messages_api,
+tokenize_api).
 
 The engine is not thread-safe, so one engine thread owns it (`engine_thread.AsyncEngine`). The asyncio side here
 only validates, formats and streams; it never touches the engine or the tokenizer.
@@ -27,7 +29,13 @@ from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
 from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event
-from specdec.serving.protocol import ChoiceStream, OpenAIProtocol, Plan, usage
+from specdec.serving.messages_api import MessagesEndpoint
+from specdec.serving.openai_format import ChoiceStream, OpenAIFormat, usage
+from specdec.serving.plans import Plan, Planner
+from specdec.serving.response_store import ResponseStore
+from specdec.serving.responses_api import ResponsesEndpoint
+from specdec.serving.served_model import ServedModel
+from specdec.serving.tokenize_api import TokenizeEndpoint
 from specdec.serving.traffic import TrafficRecorder
 
 if TYPE_CHECKING:
@@ -128,17 +136,23 @@ class OpenAIServer:
             if record_traffic is not None else None
         self.engine = AsyncEngine(llm, self.metrics, self.limits, self.recorder)
         self.metrics.watch(self.engine)
-        self.protocol = OpenAIProtocol(llm, self.model, self.limits)
+        self.served = ServedModel.of(llm, self.model)
+        self.planner = Planner(self.served, self.limits)
+        self.format = OpenAIFormat(self.served)
         self.created = int(time.time())
 
     async def start(self, body: ChatBody | CompletionBody) -> tuple[Plan, EngineRequest]:
         """Validate the request and queue it on the engine; returns once admitted (APIError when refused)."""
-        plan = self.protocol.plan(body)
-        return plan, await self.engine.submit(plan)
+        plan = self.planner.plan(body)
+        return plan, await self.submit(plan)
+
+    async def submit(self, plan: Plan) -> EngineRequest:
+        """Queue a plan on the engine; returns once admitted (APIError when refused)."""
+        return await self.engine.submit(plan)
 
     def model_card(self) -> dict:
         return {"id": self.model, "object": "model", "created": self.created, "owned_by": "specdec",
-                "max_model_len": self.llm.max_model_len}
+                "max_model_len": self.served.max_model_len}
 
     def draft_card(self) -> dict:
         """What `GET /admin/draft` says: the speculative method and the directory of the head drafting."""
@@ -152,11 +166,15 @@ class OpenAIServer:
     async def generate(self, body: ChatBody | CompletionBody, request: Request) -> Response:
         plan, req = await self.start(body)
         if plan.stream:
-            return _AbortOnClose(self.stream(plan, req), on_close=lambda: self.engine.abort(req))
+            return self.streaming(self.stream(plan, req), req)
         answer = await self.answer(plan, req, request.is_disconnected)
         if answer is None:
             return Response(status_code=499)  # the client went away; nobody reads this
         return JSONResponse(answer)
+
+    def streaming(self, content: AsyncIterator[str], req: EngineRequest) -> Response:
+        """An SSE response that aborts `req` however it ends."""
+        return _AbortOnClose(content, on_close=lambda: self.engine.abort(req))
 
     async def answer(self, plan: Plan, req: EngineRequest, disconnected: Callable[[], Awaitable[bool]] | None = None
                      ) -> dict | None:
@@ -165,7 +183,7 @@ class OpenAIServer:
             outputs = await self.wait_for_outputs(req, disconnected)
         finally:
             self.engine.abort(req)  # a no-op once finished; frees the blocks when we stop early
-        return None if outputs is None else self.protocol.answer(plan, outputs, int(time.time()))
+        return None if outputs is None else self.format.answer(plan, outputs, int(time.time()))
 
     async def wait_for_outputs(self, req: EngineRequest, disconnected: Callable[[], Awaitable[bool]] | None
                                ) -> list[RequestOutput] | None:
@@ -186,42 +204,53 @@ class OpenAIServer:
         return outputs
 
     async def stream(self, plan: Plan, req: EngineRequest) -> AsyncIterator[str]:
-        """SSE chunks: each choice's text as it becomes safe to send (`ChoiceStream`), then its finish reason,
-        optionally the usage, then [DONE]."""
+        """SSE: the chunks of `chunks`, then [DONE]."""
+        async for batch in self.chunks(plan, req):
+            yield "".join(map(_sse, batch))
+        yield _sse("[DONE]")
+
+    async def chunks(self, plan: Plan, req: EngineRequest) -> AsyncIterator[list[dict]]:
+        """The stream's chunk bodies, a batch per wake-up: each choice's text as it becomes safe to send
+        (`ChoiceStream`), then its finish reason, optionally the usage. A failure ends it with its error's body
+        ({"error": ...}). The Responses and Messages APIs rewrite these chunks as their own events."""
         created = int(time.time())
-        choices = [ChoiceStream(self.protocol, plan, i) for i in range(plan.n)]
+        choices = [ChoiceStream(self.format, plan, i) for i in range(plan.n)]
         outputs: list[RequestOutput | None] = [None] * plan.n
 
-        def sse(deltas: list[dict]) -> str:
-            return "".join(_sse(self.protocol.chunk(plan, created, d)) for d in deltas)
+        def bodies(deltas: list[dict]) -> list[dict]:
+            return [self.format.chunk(plan, created, d) for d in deltas]
 
         for choice in choices:
-            if start := sse(choice.start()):
+            if start := bodies(choice.start()):
                 yield start
-        failed = False
-        while not all(outputs) and not failed:
+        while not all(outputs):
             events = [await req.events.get()]
             while not req.events.empty():  # fall behind gracefully: a choice's newest text supersedes its older
                 events.append(req.events.get_nowait())
+            batch: list[dict] = []
             for event in _coalesce(events):
                 if event.error is not None:
-                    yield _sse(event.error.body())
-                    failed = True
-                    break
+                    yield batch + [event.error.body()]
+                    return
                 choice = choices[event.index]
                 if event.prompt is not None:
                     out = event.output
                     ids = out.prompt_token_ids if out is not None else req.prompt_ids[event.index]
-                    yield sse(choice.echo(event.prompt, ids, event.prompt_logprobs))
+                    batch += bodies(choice.echo(event.prompt, ids, event.prompt_logprobs))
                 if event.output is None:
-                    if chunk := sse(choice.update(event.text, event.logprobs)):
-                        yield chunk
+                    batch += bodies(choice.update(event.text, event.logprobs))
                     continue
                 outputs[event.index] = event.output
-                yield sse(choice.finish(event.output))
-        if not failed and plan.include_usage:
-            yield _sse(self.protocol.chunk(plan, created, {}, usage(plan, outputs)))
-        yield _sse("[DONE]")
+                batch += bodies(choice.finish(event.output))
+            if batch:
+                yield batch
+        if plan.include_usage:
+            yield [self.format.chunk(plan, created, {}, usage(plan, outputs))]
+
+    async def on_engine_thread(self, fn: Callable[[], Any]) -> Any:
+        """`fn()` run on the engine thread (where the tokenizer lives), between two steps; APIError as it raised
+        it, a SpecdecError as a 400."""
+        return await self.engine.call(fn)
 
 
 def _coalesce(events: list[_Event]) -> list[_Event]:
@@ -273,6 +302,10 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
 
     app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes,
                   server.model, draft_head, server.reload_draft)
+    limits = server.limits
+    store = ResponseStore(limits.max_stored_responses, limits.max_stored_bytes)
+    for endpoint in (ResponsesEndpoint(server, store), MessagesEndpoint(server), TokenizeEndpoint(server)):
+        app.include_router(endpoint.router())
     app.state.server = server
     return app
 

@@ -570,12 +570,17 @@ def lr_factor(update: int, updates: int, warmup: int, schedule: str) -> float:
 
 def warm_start(head: torch.nn.Module, old: torch.nn.Module) -> None:
     """Start `head` from a trained head `old` of the same method and target: every weight it shares; LM head
-    rows of the draft tokens both vocabularies hold (the others keep their start from the target's rows)."""
+    rows of the draft tokens both vocabularies hold (the others keep their start from the target's rows). Layers
+    the old head lacks (a deeper head, `--num-layers`) start as the identity, their output projections zero, so
+    the new head begins by drafting exactly what the old one drafts."""
     new_sd, old_sd = head.state_dict(), old.state_dict()
     for name, value in old_sd.items():
         if name in ("lm_head", "d2t") or name not in new_sd or new_sd[name].shape != value.shape:
             continue
         new_sd[name].copy_(value.to(new_sd[name].dtype))
+    for layer in list(getattr(head, "layers", []))[len(getattr(old, "layers", [])):]:
+        layer.o_proj.weight.data.zero_()
+        layer.down_proj.weight.data.zero_()
     if hasattr(head, "d2t") and hasattr(old, "d2t"):
         ar = lambda h: torch.arange(h.draft_vocab_size, device=h.d2t.device)  # noqa: E731
         new_ids, old_ids = head.target_ids(ar(head)).tolist(), old.target_ids(ar(old)).tolist()

@@ -1,36 +1,30 @@
-"""The OpenAI protocol, both ways: a chat or completions body becomes what the engine runs (`Plan`: prompt ids
-and SamplingParams per choice, tokenized later on the engine thread), and what the engine produces becomes
-OpenAI's JSON (`answer`) or its SSE chunks (`ChoiceStream`): text, logprobs, tool calls, usage.
+"""OpenAI's requests, checked and planned: a chat or completions body becomes what the engine runs (`Plan`: for
+each choice a function that returns its prompt ids and SamplingParams, run later on the engine thread, where the
+tokenizer lives). The Responses and Messages APIs turn their bodies into a chat body and plan it here, so every
+check, limit and constraint below applies to them unchanged.
 
-Every field is checked here, where its name is known, so a bad one is a 400 naming it. Nothing here touches the
-engine: `specdec.serving.server` runs plans on its engine thread and hands the outputs back.
+Every field is checked here, where its name is known, so a bad one is a 400 naming it. What the model allows
+(its context, vocabulary, grammar check, tokenizer) comes as values in a `ServedModel`; nothing here touches the
+engine.
 """
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import functools
-import itertools
 import json
 import re
 import uuid
-from collections.abc import Callable
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass, field
 from typing import Any
 
+from pydantic import ValidationError
+
 from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError, StructuredOutput, from_kwargs
-from specdec.engine.outputs import RequestOutput
-from specdec.llm import LLM
-from specdec.sampling import TokenLogprob
 from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text
-from specdec.serving.tool_calls import (
-    StreamParser,
-    ToolCall,
-    ToolError,
-    Tools,
-    constraint,
-    default_conversation,
-    parse_tools,
-)
+from specdec.serving.served_model import ServedModel
+from specdec.serving.tool_calls import ToolError, Tools, constraint, default_conversation, parse_tools
 
 
 def _is_set(value: Any) -> bool:
@@ -118,27 +112,22 @@ class Plan:
     zero_tokens: bool = False  # echo with max_tokens 0: the prompt alone (one token is run for its logprobs)
     tools: Tools | None = None
     stops: list[str] = field(default_factory=list)
+    stop_reasons: bool = False  # each choice also says what ended it (`stop_reason`: Messages' stop_sequence)
 
     @property
     def n(self) -> int:
         return len(self.prepares)
 
 
-class OpenAIProtocol:
-    """Maps bodies to plans and outputs to responses for one served model."""
+class Planner:
+    """Maps bodies to plans for one served model."""
 
-    def __init__(self, llm: LLM, model: str, limits: Limits) -> None:
-        self.llm, self.model, self.limits = llm, model, limits
-        # the most characters one token stands for: a prompt longer than the context times this cannot fit,
-        # so it is refused without tokenizing it
-        self.max_token_chars = max(map(len, llm.tokenizer.get_vocab()), default=1)
+    def __init__(self, model: ServedModel, limits: Limits) -> None:
+        self.model, self.limits = model, limits
 
-    # -- request -> plan -----------------------------------------------------------------------------------
     def plan(self, body: ChatBody | CompletionBody) -> Plan:
         """The request checked and planned; APIError (4xx naming the field) when it cannot be served."""
-        if body.model != self.model:
-            raise APIError(404, f"the model {body.model!r} does not exist; this server serves {self.model!r}",
-                           param="model", code="model_not_found")
+        self.check_model(body.model)
         chat = isinstance(body, ChatBody)
         tools = self.tools(body) if chat else None
         params, max_tokens, max_field, constraint_field = self.sampling_params(body, tools)
@@ -170,6 +159,11 @@ class OpenAIProtocol:
         return Plan(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prepares, shares, prompt_field,
                     bool(body.stream), bool(body.stream_options and body.stream_options.include_usage),
                     params.logprobs is not None, echo, zero, tools, params.stop)
+
+    def check_model(self, model: str) -> None:
+        if model != self.model.name:
+            raise APIError(404, f"the model {model!r} does not exist; this server serves {self.model.name!r}",
+                           param="model", code="model_not_found")
 
     def tools(self, body: ChatBody) -> Tools | None:
         try:
@@ -243,7 +237,7 @@ class OpenAIProtocol:
         biases."""
         if not bias:
             return None
-        vocab = self.llm.vocab_size
+        vocab = self.model.vocab_size
         for key in bias:
             if not key.strip().isdigit() or int(key) >= vocab:
                 raise APIError(400, f"logit_bias key {key[:40]!r} is not a token id of this model's vocabulary "
@@ -255,11 +249,11 @@ class OpenAIProtocol:
         def prepare() -> tuple[list[int], SamplingParams]:
             if constraint_field is not None:
                 try:  # compiled once here (cached by its text) to name the field; the engine reuses it
-                    self.llm.check_structured_output(params)
+                    self.model.check_structured_output(params)
                 except SpecdecError as e:
                     raise APIError(400, f"{constraint_field}: {e}", param=constraint_field) from None
             ids = tokenize()
-            n, limit = len(ids), self.llm.max_model_len
+            n, limit = len(ids), self.model.max_model_len
             if n >= limit:
                 raise APIError(400, f"the prompt has {n} tokens but the model's context is {limit} tokens; "
                                f"shorten it to at most {limit - 1}", param=prompt_field, code="context_length_exceeded")
@@ -288,7 +282,7 @@ class OpenAIProtocol:
             if isinstance(prompt, str):
                 check_text(prompt, where)
                 self.check_chars(len(prompt), "prompt")
-                out.append(functools.partial(lambda p: self.llm.encode(p)[1], prompt))
+                out.append(functools.partial(self.model.encode, prompt))
             else:
                 out.append(functools.partial(list, prompt))
         return out, "prompt"
@@ -312,103 +306,19 @@ class OpenAIProtocol:
             messages.append(message)
         self.check_chars(sum(len(m["content"]) + len(json.dumps(m.get("tool_calls", ""))) for m in messages)
                          + len(json.dumps(body.tools or [])), "messages")
-        if self.llm.renders_tools:
+        if self.model.renders_tools:
             offered = [{"type": "function", "function": f} for f in tools.offered] if tools else None
-            return lambda: self.llm.apply_chat_template(messages, offered)
+            return lambda: self.model.chat(messages, offered)
         conversation = default_conversation(messages, tools)
-        return lambda: self.llm.apply_chat_template(conversation)
+        return lambda: self.model.chat(conversation, None)
 
     def check_chars(self, chars: int, field: str) -> None:
         """A prompt too long for the context whatever its tokens, refused before tokenizing it."""
-        limit = self.llm.max_model_len
-        if chars > (limit - 1) * self.max_token_chars:
+        limit, most = self.model.max_model_len, self.model.max_token_chars
+        if chars > (limit - 1) * most:
             raise APIError(400, f"{field}: {chars} characters of text, more than the model's context of {limit} "
-                           f"tokens can hold (a token covers at most {self.max_token_chars}); shorten it", param=field,
+                           f"tokens can hold (a token covers at most {most}); shorten it", param=field,
                            code="context_length_exceeded")
-
-    # -- outputs -> response -------------------------------------------------------------------------------
-    def answer(self, plan: Plan, outputs: list[RequestOutput], created: int) -> dict:
-        """A non-streaming request's JSON body."""
-        choices = []
-        for index, out in enumerate(outputs):
-            tokens, logprobs, text = self.choice_tokens(plan, out)
-            lps = self.logprobs_json(logprobs, plan.chat, 0, tokens) if plan.logprobs else None
-            choice = {"index": index, "logprobs": lps, "finish_reason": out.finish_reason}
-            if plan.chat:
-                content, calls = text, []
-                if plan.tools is not None and plan.tools.choice != "none":
-                    parser = StreamParser({f["name"] for f in plan.tools.offered})
-                    content, calls = parser.feed(text)
-                    content += _rest(parser, plan.tools)
-                message = {"role": "assistant", "content": content or (None if calls else "")}
-                if calls:
-                    message["tool_calls"] = [c.json() for c in calls]
-                    choice["finish_reason"] = _tool_finish(out.finish_reason)
-                choice["message"] = message
-            else:
-                choice["text"] = text
-            choices.append(choice)
-        return {"id": plan.rid, "object": "chat.completion" if plan.chat else "text_completion",
-                "created": created, "model": self.model, "choices": choices, "usage": usage(plan, outputs)}
-
-    def choice_tokens(self, plan: Plan, out: RequestOutput) -> tuple[list[int], list[TokenLogprob | None] | None, str]:
-        """A choice's tokens, logprobs and text as the response shows them: with echo the prompt (its text as
-        the engine thread decoded it, `out.prompt`) comes first, its first token without a logprob; with
-        max_tokens 0 nothing after it."""
-        tokens, logprobs, text = list(out.token_ids), out.logprobs, out.text
-        if plan.zero_tokens:
-            tokens, logprobs, text = [], [] if logprobs is not None else None, ""
-        if plan.echo:
-            tokens = out.prompt_token_ids + tokens
-            if logprobs is not None:
-                logprobs = [None] + list(out.prompt_logprobs or []) + list(logprobs)
-            text = (out.prompt or "") + text
-        return tokens, logprobs, text
-
-    def logprobs_json(self, entries: list[TokenLogprob | None] | None, chat: bool, offset: int = 0,
-                      tokens: list[int] | None = None) -> dict | None:
-        """OpenAI's logprobs object: chat's `content` entries, or the completions' parallel lists (`text_offset`
-        counted from `offset` characters into the text; an entry None is an echoed first prompt token, whose id
-        is `tokens[0]`)."""
-        if entries is None:
-            return None
-        text = self.token_text
-        if chat:
-            def one(token: int, logprob: float) -> dict:
-                s = text(token)
-                return {"token": s, "logprob": logprob, "bytes": list(s.encode())}
-
-            return {"content": [one(e.token, e.logprob) | {"top_logprobs": [one(t, v) for t, v in e.top]}
-                                for e in entries]}
-        ids = [e.token if e is not None else tokens[0] for e in entries]
-        strings = [text(t) for t in ids]
-        return {"tokens": strings, "token_logprobs": [e.logprob if e is not None else None for e in entries],
-                "top_logprobs": [{text(t): v for t, v in e.top} if e is not None else None for e in entries],
-                "text_offset": list(itertools.accumulate((len(s) for s in strings[:-1]), initial=offset))
-                if strings else []}
-
-    @functools.lru_cache(maxsize=65536)  # noqa: B019  one protocol per server; a token's text never changes
-    def token_text(self, token: int) -> str:
-        return self.llm.tokenizer.decode([token], skip_special_tokens=False)
-
-    def chunk(self, plan: Plan, created: int, choice: dict, usage_: dict | None = None) -> dict:
-        """One SSE chunk's body."""
-        body = {"id": plan.rid, "object": "chat.completion.chunk" if plan.chat else "text_completion",
-                "created": created, "model": self.model, "choices": [choice] if choice else []}
-        if plan.include_usage:
-            body["usage"] = usage_  # null on every chunk but the last
-        return body
-
-
-def _rest(parser: StreamParser, tools: Tools) -> str:
-    """The text left at the end: content, except a call cut short (finish "length") where only calls may be
-    written (required, a named function): there it is no answer at all."""
-    rest = parser.finish()
-    return "" if tools.choice in ("required", "function") else rest
-
-
-def _tool_finish(reason: str | None) -> str | None:
-    return "tool_calls" if reason == "stop" else reason
 
 
 def _checked_call(call: Any, i: int, j: int) -> dict:
@@ -442,118 +352,25 @@ def _text_content(content: str | list[dict[str, Any]] | None, index: int) -> str
     return "".join(texts)
 
 
-def usage(plan: Plan, outputs: list[RequestOutput]) -> dict:
-    """Tokens of the request: its prompts counted once each (choices share them), every choice's completion."""
-    prompts = sum(len(out.prompt_token_ids) for i, out in enumerate(outputs) if plan.shares[i] is None)
-    completion = 0 if plan.zero_tokens else sum(len(out.token_ids) for out in outputs)
-    metrics = [out.metrics for out in outputs]
-    generated = sum(len(out.token_ids) for out in outputs)
-    steps = sum(m.get("num_steps") or 0 for m in metrics)
-    return {"prompt_tokens": prompts, "completion_tokens": completion, "total_tokens": prompts + completion,
-            "acceptance_length": generated / steps if steps else None,  # tokens per target forward, all choices
-            "num_drafts": sum(m.get("num_drafts", 0) for m in metrics),
-            "num_draft_tokens": sum(m.get("num_draft_tokens", 0) for m in metrics),
-            "num_accepted_tokens": sum(m.get("num_accepted_tokens", 0) for m in metrics)}
+def checked_chat(chat: dict, field: str) -> ChatBody:
+    """A chat body built from another API's body (Responses, Messages, /tokenize); what it cannot hold is a 400
+    naming `field`."""
+    try:
+        return ChatBody.model_validate(chat)
+    except ValidationError as e:
+        err = e.errors()[0]
+        where = ".".join(str(p) for p in err["loc"])
+        raise APIError(400, f"{field}: invalid value at {where}: {err['msg']}", param=field) from None
 
 
-# -- streaming ------------------------------------------------------------------------------------------------
-def streamable_length(text: str, stops: list[str]) -> int:
-    """How much of `text` may be sent now: not a trailing incomplete UTF-8 character ("\\ufffd"), and not
-    a tail that could still grow into a stop string (text past a stop string must never be sent)."""
-    end = len(text.rstrip("\ufffd"))
-    held = 0
-    for stop in stops:
-        for k in range(min(len(stop) - 1, end), held, -1):
-            if text.startswith(stop[:k], end - k):
-                held = k
-                break
-    return end - held
-
-
-class ChoiceStream:
-    """One choice's SSE deltas: its text's new suffix as it becomes safe to send (never past a stop string, never
-    half a character), with the logprobs of the tokens since the previous chunk, tool calls once complete, and
-    last the rest of the final text with the finish reason."""
-
-    def __init__(self, protocol: OpenAIProtocol, plan: Plan, index: int) -> None:
-        self.protocol, self.plan, self.index = protocol, plan, index
-        self.sent = ""  # text sent so far (of the generated text; an echoed prompt goes first, separately)
-        self.pending: list[TokenLogprob] = []  # logprobs received and not sent yet
-        self.count, self.offset = 0, 0  # logprobs sent, and the characters of their tokens (text_offset)
-        tools = plan.tools
-        self.parser = StreamParser({f["name"] for f in tools.offered}) if tools and tools.choice != "none" else None
-        self.calls = 0
-
-    def start(self) -> list[dict]:
-        """The first chunks: chat's role, or an echoed prompt (and its logprobs)."""
-        if self.plan.chat:
-            return [self._choice({"role": "assistant", "content": ""}, with_logprobs=False)]
-        return []
-
-    def echo(self, prompt: str, prompt_ids: list[int], prompt_logprobs: list[TokenLogprob] | None) -> list[dict]:
-        """Completions with echo: the prompt first (and its logprobs, known once it was prefilled)."""
-        lps = None
-        if self.plan.logprobs:
-            lps = self.protocol.logprobs_json([None] + list(prompt_logprobs or []), False, 0, prompt_ids)
-        self.offset = len(prompt)
-        return [self._text_choice(prompt, lps)]
-
-    def update(self, text: str, logprobs: list[TokenLogprob] | None) -> list[dict]:
-        """A step's progress: the whole generated text so far and the new tokens' logprobs."""
-        self.pending += logprobs or []
-        if self.plan.zero_tokens:
-            return []
-        safe = streamable_length(text, self.plan.stops)
-        if safe <= len(self.sent) or not text.startswith(self.sent):
-            return []
-        delta, self.sent = text[len(self.sent):safe], text[:safe]
-        return self._deltas(delta)
-
-    def finish(self, out: RequestOutput) -> list[dict]:
-        """The last chunks: the rest of the final (stop-truncated) text and the finish reason."""
-        self.pending = list(out.logprobs[self.count:]) if out.logprobs is not None else []
-        if self.plan.zero_tokens:
-            self.pending, rest = [], ""
-        else:
-            rest = out.text[len(self.sent):] if out.text.startswith(self.sent) else ""
-        chunks = self._deltas(rest, final=True) if rest or self.pending or self.parser else []
-        reason = _tool_finish(out.finish_reason) if self.calls else out.finish_reason
-        if self.plan.chat:
-            chunks.append(self._choice({}, reason, with_logprobs=False))
-        elif chunks:
-            chunks[-1]["finish_reason"] = reason
-        else:
-            chunks.append(self._text_choice("", None, reason))
-        return chunks
-
-    def _deltas(self, delta: str, final: bool = False) -> list[dict]:
-        if not self.plan.chat:
-            return [self._text_choice(delta, self._logprobs())]
-        calls: list[ToolCall] = []
-        if self.parser is not None:
-            delta, calls = self.parser.feed(delta)
-            if final:
-                delta += _rest(self.parser, self.plan.tools)
-        chunks = []
-        if delta or (self.pending and not calls):
-            chunks.append(self._choice({"content": delta}))
-        if calls:
-            chunks.append(self._choice({"tool_calls": [c.json(self.calls + k) for k, c in enumerate(calls)]}))
-            self.calls += len(calls)
-        return chunks
-
-    def _logprobs(self) -> dict | None:
-        if not (self.plan.logprobs and self.pending):
-            return None
-        lps = self.protocol.logprobs_json(self.pending, self.plan.chat, self.offset)
-        self.count += len(self.pending)
-        self.offset += sum(len(self.protocol.token_text(e.token)) for e in self.pending)
-        self.pending = []
-        return lps
-
-    def _choice(self, delta: dict, finish: str | None = None, with_logprobs: bool = True) -> dict:
-        return {"index": self.index, "delta": delta, "logprobs": self._logprobs() if with_logprobs else None,
-                "finish_reason": finish}
-
-    def _text_choice(self, text: str, logprobs: dict | None, finish: str | None = None) -> dict:
-        return {"index": self.index, "text": text, "logprobs": logprobs, "finish_reason": finish}
+@contextlib.contextmanager
+def renamed_fields(names: dict[str, str]) -> Iterator[None]:
+    """An APIError about a chat field, raised while another API's request is planned or admitted, names that API's
+    field instead (Responses' max_output_tokens for max_completion_tokens)."""
+    try:
+        yield
+    except APIError as e:
+        if e.param in names:
+            e.message = e.message.replace(e.param, names[e.param])
+            e.param = names[e.param]
+        raise
