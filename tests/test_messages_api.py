@@ -140,6 +140,7 @@ OK = {"model": MODEL, "max_tokens": 2, "messages": ASK}
     (OK | {"tools": [TOOL], "tool_choice": {"type": "tool", "name": "nope"}}, 400, "tool_choice"),
     (OK | {"tool_choice": {"type": "sometimes"}}, 400, "tool_choice"),
     (OK | {"thinking": {"type": "enabled", "budget_tokens": 1024}}, 400, "thinking"),
+    (OK | {"output_format": {"type": "json_schema", "schema": {"type": "object"}}}, 400, "output_format"),
     (OK | {"model": "claude-opus"}, 404, "model"),
 ])
 def test_errors_come_in_anthropics_shape(plain, body, status, word):

@@ -132,6 +132,17 @@ class RequestResult:
 
 
 async def one_request(client: httpx.AsyncClient, url: str, index: int, prompt: str, max_tokens: int) -> RequestResult:
+    """One streamed greedy chat completion. A connection the server closed while idle (llama-server drops kept-alive
+    ones) fails before the request reaches it: such a request is sent again once, on a new connection."""
+
+    r = await _stream_once(client, url, index, prompt, max_tokens)
+    if r.error is not None and r.error.startswith("RemoteProtocolError") and r.first is None:
+        r = await _stream_once(client, url, index, prompt, max_tokens)
+    return r
+
+
+async def _stream_once(client: httpx.AsyncClient, url: str, index: int, prompt: str, max_tokens: int
+                       ) -> RequestResult:
     body = {"model": "bench", "messages": [{"role": "user", "content": prompt}], "max_tokens": max_tokens,
             "temperature": 0, "stream": True, "stream_options": {"include_usage": True}}
     r = RequestResult(index, sent=time.perf_counter())

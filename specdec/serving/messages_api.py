@@ -32,7 +32,8 @@ if TYPE_CHECKING:
 
 # Fields whose effect we do not provide, refused when set rather than silently ignored.
 REFUSED = {"thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled"),
-           "mcp_servers": lambda v: bool(v), "container": lambda v: v is not None}
+           "mcp_servers": lambda v: bool(v), "container": lambda v: v is not None,
+           "output_format": lambda v: v is not None, "output_config": lambda v: bool(v)}  # structured output, effort
 TOOL_CHOICES = {"auto": "auto", "any": "required", "none": "none"}
 # Sampling extensions (vLLM's) passed on to the chat pipeline as they are (it checks them, naming them).
 PASSED = ("seed", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty", "repetition_penalty")
