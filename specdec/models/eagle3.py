@@ -31,8 +31,8 @@ from torch import nn
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers
-from specdec.models.head_files import TensorCopier, check_made_for, init_random
-from specdec.models.head_formats import HeadCheckpoint, read_head
+from specdec.models.head_files import HeadCheckpoint, TensorCopier, check_made_for, init_random
+from specdec.models.head_formats import read_head
 from specdec.models.kernels import greedy_with_logprob, linear, on_native
 from specdec.models.llama import (
     DecoderLayer,

@@ -6,7 +6,9 @@ from __future__ import annotations
 
 import json
 import math
+from dataclasses import dataclass
 from pathlib import Path
+from typing import Any
 
 import torch
 
@@ -14,6 +16,18 @@ from specdec.config import ModelConfig, SpecdecError
 from specdec.models.hub import is_hub_id, resolve_hub
 
 PICKLE_SUFFIXES = (".bin", ".pt", ".pth")  # the reference implementations' PyTorch pickles
+
+
+@dataclass
+class HeadCheckpoint:
+    """A head's config and tensors in our layout for `method` (see `head_formats`), and the layout they were read
+    from: `source`, one of `head_formats.FORMATS` or "mtp"."""
+
+    method: str
+    config: dict[str, Any]
+    tensors: dict[str, torch.Tensor]
+    path: Path
+    source: str = "specforge"
 
 def head_location(path: str | Path, what: str) -> tuple[Path, Path | None]:
     """(the head's directory, its one weight file where `path` names a file: a `.pt`, `.bin`, `.safetensors` or

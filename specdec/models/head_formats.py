@@ -24,32 +24,19 @@ from __future__ import annotations
 
 import json
 import re
-from dataclasses import dataclass
 from pathlib import Path
-from typing import Any
 
 import torch
 
 from specdec.config import SpecdecError
-from specdec.models.head_files import head_location, read_head_config, read_head_tensors
+from specdec.models.head_files import HeadCheckpoint, head_location, read_head_config, read_head_tensors
+from specdec.models.head_gguf import read_gguf_head, write_gguf_head
 
 METHOD_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE", "mtp": "MTP", "medusa": "Medusa"}
 FORMATS = ("specforge", "eagle", "speculators", "medusa", "gguf")
 _OUR_ARCHITECTURES = {"eagle": "EagleHead", "mtp": "DeepseekMTPHead", "medusa": "MedusaModel"}
 WRITES = {"eagle3": ("specforge", "eagle", "speculators", "gguf"), "eagle": ("specforge", "eagle", "speculators"),
           "mtp": ("specforge",), "medusa": ("specforge", "medusa")}
-
-
-@dataclass
-class HeadCheckpoint:
-    """A head's config and tensors in our layout for `method` (see the module docstring), and where they came
-    from: `source`, one of FORMATS or "mtp"."""
-
-    method: str
-    config: dict[str, Any]
-    tensors: dict[str, torch.Tensor]
-    path: Path
-    source: str = "specforge"
 
 
 def read_head(path: str | Path, method: str) -> HeadCheckpoint:
@@ -60,8 +47,6 @@ def read_head(path: str | Path, method: str) -> HeadCheckpoint:
     directory, file = head_location(path, what)
     gguf = file if file is not None and file.suffix == ".gguf" else _lone_gguf(directory)
     if gguf is not None:
-        from specdec.models.head_gguf import read_gguf_head
-
         return read_gguf_head(gguf, method)
     directory, config = read_head_config(directory, what)
     if method == "mtp" and config.get("num_nextn_predict_layers"):
@@ -295,8 +280,6 @@ def write_head(ckpt: HeadCheckpoint, fmt: str, out: str | Path) -> Path:
         raise SpecdecError(f"a {ckpt.method} head converts to {list(WRITES.get(ckpt.method, ()))}, not {fmt!r}")
     out = Path(out)
     if fmt == "gguf":
-        from specdec.models.head_gguf import write_gguf_head
-
         return write_gguf_head(ckpt, out)
     out.mkdir(parents=True, exist_ok=True)
     config, tensors, weights = _layout(ckpt, fmt)

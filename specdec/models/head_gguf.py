@@ -2,7 +2,7 @@
 `src/models/eagle3.cpp`, `conversion/llama.py`): its EAGLE-3 heads (`general.architecture` "eagle3") read and
 written, and the MTP (`nextn`) layers a GGUF model may carry after its main layers, read.
 
-llama.cpp's EAGLE-3 file, against our layout (`head_formats`):
+llama.cpp's EAGLE-3 file, against our layout (`head_formats`, which reads and writes through this module):
 
     eagle3.target_layers         the INPUTS of those target layers (llama.cpp extracts layer inputs): ours + 1
                                  (`eagle3.extract_layers` in the first version of the format, read too)
@@ -31,7 +31,7 @@ from gguf.quants import quantize
 from specdec.config import SpecdecError
 from specdec.models.gguf import _LAYER_TENSORS, _QK_NORM_TENSORS, _dequantize, _f32, _field, _hf_config, _to_torch
 from specdec.models.gguf import _unpermute_qk as unpermute_qk
-from specdec.models.head_formats import HeadCheckpoint
+from specdec.models.head_files import HeadCheckpoint
 
 _EAGLE3_LAYER = {**_LAYER_TENSORS, "attn_norm_2.weight": "hidden_norm.weight"}
 _EAGLE3_TOP = {"fc.weight": "fc.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight",

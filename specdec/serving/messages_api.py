@@ -23,12 +23,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from specdec.serving.api import APIError, ChatBody, error_responses
+from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import Plan, checked_chat, renamed_fields
 from specdec.serving.responses_api import new_id, sse_events
 
 if TYPE_CHECKING:
     from specdec.serving.engine_thread import EngineRequest
-    from specdec.serving.server import OpenAIServer
 
 # Fields whose effect we do not provide, refused when set rather than silently ignored.
 REFUSED = {"thinking": lambda v: isinstance(v, dict) and v.get("type") not in (None, "disabled"),
@@ -252,7 +252,7 @@ class MessageEvents:
 class MessagesEndpoint:
     """`/v1/messages` and its count_tokens, answered through the server's chat path."""
 
-    def __init__(self, server: OpenAIServer) -> None:
+    def __init__(self, server: ChatPath) -> None:
         self.server = server
 
     def router(self) -> APIRouter:

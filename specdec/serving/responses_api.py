@@ -29,12 +29,12 @@ from fastapi.responses import JSONResponse, Response
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
 
 from specdec.serving.api import APIError, ChatBody, error_responses
+from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import Plan, checked_chat, renamed_fields
 from specdec.serving.response_store import ResponseStore
 
 if TYPE_CHECKING:
     from specdec.serving.engine_thread import EngineRequest
-    from specdec.serving.server import OpenAIServer
 
 # Fields of the Responses API whose effect we do not provide, refused when set rather than silently ignored.
 REFUSED = {"background": lambda v: v is True, "conversation": lambda v: v is not None,
@@ -334,9 +334,9 @@ def sse_events(events: list[dict]) -> str:
 
 
 class ResponsesEndpoint:
-    """`/v1/responses`, answered through the server's chat path (`OpenAIServer.start`, `answer`, `chunks`)."""
+    """`/v1/responses`, answered through the server's chat path (`ChatPath.start`, `answer`, `chunks`)."""
 
-    def __init__(self, server: OpenAIServer, store: ResponseStore) -> None:
+    def __init__(self, server: ChatPath, store: ResponseStore) -> None:
         self.server, self.store = server, store
 
     async def create(self, body: ResponsesBody, request: Request) -> Response:

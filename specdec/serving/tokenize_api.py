@@ -11,16 +11,14 @@ from __future__ import annotations
 
 import json
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from fastapi import APIRouter
 from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
 
 from specdec.serving.api import APIError, check_text, error_responses
+from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import checked_chat
-
-if TYPE_CHECKING:
-    from specdec.serving.server import OpenAIServer
 
 # vLLM's fields whose effect we do not provide, refused when set
 REFUSED = ("chat_template", "chat_template_kwargs", "continue_final_message", "mm_processor_kwargs")
@@ -44,7 +42,7 @@ class DetokenizeBody(BaseModel):
 
 
 class TokenizeEndpoint:
-    def __init__(self, server: OpenAIServer) -> None:
+    def __init__(self, server: ChatPath) -> None:
         self.server = server
 
     def router(self) -> APIRouter:
