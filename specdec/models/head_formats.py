@@ -166,10 +166,19 @@ def _check_eagle_bias(config: dict, tensors: dict[str, torch.Tensor], where: Pat
 
 
 # ---- vLLM speculators --------------------------------------------------------------------------------------------
-_SPECULATORS_META = {"architectures", "speculators_model_type", "speculators_version", "speculators_config",
-                     "transformer_layer_config", "transformer_layer_architecture", "draft_vocab_size",
-                     "eagle_aux_hidden_state_layer_ids", "target_hidden_size", "embed_requires_grad",
-                     "torch_dtype", "dtype", "transformers_version", "auto_map"}
+_SPECULATORS_META = {"speculators_model_type", "speculators_version", "speculators_config", "transformer_layer_config",
+                     "transformer_layer_architecture", "draft_vocab_size", "eagle_aux_hidden_state_layer_ids",
+                     "target_hidden_size", "embed_requires_grad", "has_no_defaults_at_init", "auto_map"}
+# What transformers' PretrainedConfig writes into every config.json (4.x and 5.x): never a speculators option.
+_HF_GENERIC = set("""_name_or_path architectures model_type transformers_version torch_dtype dtype use_cache return_dict
+output_hidden_states output_attentions torchscript use_bfloat16 tf_legacy_loss pruned_heads tie_word_embeddings
+chunk_size_feed_forward is_encoder_decoder is_decoder cross_attention_hidden_size add_cross_attention
+tie_encoder_decoder max_length min_length do_sample early_stopping num_beams num_beam_groups diversity_penalty
+temperature top_k top_p typical_p repetition_penalty length_penalty no_repeat_ngram_size
+encoder_no_repeat_ngram_size bad_words_ids num_return_sequences output_scores return_dict_in_generate
+forced_bos_token_id forced_eos_token_id remove_invalid_values exponential_decay_length_penalty suppress_tokens
+begin_suppress_tokens finetuning_task id2label label2id tokenizer_class prefix bos_token_id pad_token_id
+eos_token_id sep_token_id decoder_start_token_id task_specific_params problem_type""".split())
 _SPECULATORS_OPTIONS = {"eagle3": ("norm_before_residual", "norm_before_fc", "fc_norm", "norm_output"),
                         "eagle": ("layernorms", "fusion_bias")}
 
@@ -181,7 +190,7 @@ def _from_speculators(where: Path, config: dict, tensors: dict[str, torch.Tensor
                            f"(it reads {sorted(_SPECULATORS_OPTIONS)})")
     if kind != method:
         raise SpecdecError(f"{where} is a speculators {kind!r} head, not {method!r}: use method {kind!r}")
-    unknown = sorted(k for k, v in config.items() if k not in _SPECULATORS_META and
+    unknown = sorted(k for k, v in config.items() if k not in _SPECULATORS_META | _HF_GENERIC and
                      k not in _SPECULATORS_OPTIONS[kind] and v not in (None, False))
     if unknown:
         raise SpecdecError(f"speculators head {where}: option(s) {unknown} are not implemented")
