@@ -12,7 +12,7 @@ from conftest import assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.models.eagle import EagleHead
-from specdec.training.train import target_outputs
+from specdec.training.targets import target_outputs
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)

@@ -53,7 +53,7 @@ def test_the_engine_hands_over_the_targets_top_k_of_every_kept_token(target_dir)
     out = llm.generate({"prompt_token_ids": [5, 6, 7]}, GREEDY)[0]
     full = [5, 6, 7] + out.token_ids
     plain = LLM(str(target_dir)).engine.model
-    from specdec.training.train import target_outputs
+    from specdec.training.targets import target_outputs
     _, _, logits = target_outputs(plain, full, ())
     assert [t for tokens, _ in seen for t in tokens] == full[3:len(full) - 1]  # every generated token but the last
     for n, (_, candidates) in enumerate(seen):

@@ -130,7 +130,7 @@ SAMPLED_PROMPT = [5, 6, 7]
 def likely_corpus(path, model) -> str:
     """Token documents continuing the prompt's end ([6, 7]) with each of the target's 3 likeliest first tokens,
     then its 1st, 2nd and 4th choices after that token: drafts that are often, not always, accepted."""
-    from specdec.training.train import target_outputs
+    from specdec.training.targets import target_outputs
 
     docs = []
     for first in target_outputs(model, SAMPLED_PROMPT, ())[2][-1].topk(3).indices.tolist():

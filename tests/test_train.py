@@ -14,7 +14,8 @@ from specdec.cli import main
 from specdec.kv_cache import KVPool
 from specdec.models.attention import AttentionMetadata
 from specdec.models.eagle3 import Eagle3Head, default_aux_layers
-from specdec.training.train import head_loss, target_outputs
+from specdec.training.losses import head_loss
+from specdec.training.targets import target_outputs
 
 
 @pytest.fixture(scope="module")
@@ -190,7 +191,7 @@ def test_feature_cache_gives_the_targets_outputs_in_bfloat16(target_dir, tmp_pat
     """Cached outputs are the target's own, rounded to bfloat16 (features and hidden state: relative error
     below 2^-8 per element; logits recomputed from the rounded hidden state stay within 0.05); a second
     cache over the same samples reuses the shards instead of rerunning the target."""
-    from specdec.training.train import FeatureCache
+    from specdec.training.targets import FeatureCache
 
     model = LLM(str(target_dir)).engine.model
     layers = default_aux_layers(model.config.num_hidden_layers)
@@ -360,7 +361,7 @@ def test_data_parallel_ranks_end_their_process_group(target_dir, tmp_path):
 
 def test_the_objectives_on_a_hand_checked_row():
     """ce: -sum p log q; topk: the same over p's top k renormalized; acceptance: -log sum min(p, q) + ce / 10."""
-    from specdec.training.train import distribution_term
+    from specdec.training.losses import distribution_term
 
     p = torch.tensor([[0.5, 0.3, 0.2, 0.0]])
     q = torch.tensor([[0.25, 0.25, 0.25, 0.25]])
@@ -422,7 +423,8 @@ def test_the_curves_first_position_is_the_heads_greedy_agreement_with_the_target
     count of rows where the head's argmax is the target's argmax (two computations of one figure)."""
     import argparse
 
-    from specdec.training.train import curve_point, held_out_outputs, sequence_loss
+    from specdec.training.curve import curve_point, held_out_outputs
+    from specdec.training.losses import sequence_loss
 
     model = LLM(str(target_dir)).engine.model
     V = model.config.vocab_size

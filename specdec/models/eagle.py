@@ -100,6 +100,11 @@ class EagleHead(nn.Module):
             x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
         return x
 
+    @property
+    def logit_norm(self) -> nn.Module:
+        """The norm the LM head reads outputs through (an Identity where the layout has none)."""
+        return self.norm
+
     def recycled(self, out: torch.Tensor) -> torch.Tensor:
         """What a later draft step reads of the previous step's output: itself (EAGLE), or its final norm
         (`shared_head.norm`, DeepSeek's MTP, as vLLM and SGLang recycle it)."""

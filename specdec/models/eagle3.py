@@ -200,6 +200,11 @@ class Eagle3Head(nn.Module):
             features = torch.cat([norm(c) for norm, c in zip(self.fc_norm, chunks, strict=True)], -1)
         return self.fc(features)
 
+    @property
+    def logit_norm(self) -> RMSNorm | None:
+        """The norm the LM head reads outputs through (None: they are normed already, `norm_output`)."""
+        return None if self.variant.norm_output else self.norm
+
     def logits_input(self, out: torch.Tensor) -> torch.Tensor:
         """What the LM head reads from an output: norm(out), or out itself where it is already normed
         (`norm_output`)."""
@@ -291,7 +296,7 @@ class Eagle3Head(nn.Module):
     def training_terms(self, embeds: torch.Tensor, features: torch.Tensor, hidden: torch.Tensor,
                        normed: torch.Tensor, steps: int) -> tuple[list[tuple[torch.Tensor, int, int]], torch.Tensor,
                                                                   torch.Tensor | None]:
-        """What the trainer fits for one sequence of T tokens (see `specdec.training.train.sequence_loss`): terms
+        """What the trainer fits for one sequence of T tokens (see `specdec.training.losses.sequence_loss`): terms
         (head output [n, H], ahead, first row), the regression goal per token and the target ids of the
         head's vocabulary. The target's features, last-layer output and normed state are [T, *]; embeds are
         tokens 1..T-1. Unrolled step s is meaningful from row s on; EAGLE-3 regresses the last layer's output."""

@@ -51,21 +51,19 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import torch
-import torch.nn.functional as F
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError
 from specdec.drafting.registry import method_info, registered_methods
-from specdec.models.kernels import linear
+from specdec.training.curve import curve_point, held_out_outputs
+from specdec.training.losses import sequence_loss
+from specdec.training.targets import FeatureCache
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
 
     from specdec.llm import LLM
     from specdec.models.llama import LlamaModel
-
-CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
-TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
 
 
 # ---------------------------------------------------------------------------------------------- data
@@ -138,129 +136,6 @@ def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, voc
 
 # ---------------------------------------------------------------------------------------------- target
 @torch.inference_mode()
-def target_outputs(model: LlamaModel, ids: list[int], layers: tuple[int, ...], logits: bool = True
-                   ) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-    """One causal forward of the target over `ids` with a private cache: (the outputs of `layers` concatenated
-    [T, len(layers) * H], or None without any; the last layer's output before the final norm [T, H];
-    logits [T, V], or None with logits=False)."""
-    from specdec.kv_cache import KVPool
-    from specdec.models.attention import AttentionMetadata
-
-    T, bs = len(ids), 16
-    kv = KVPool(model.config, -(-T // bs) + 1, bs, model.kv_dtype, model.device)
-    pos = torch.arange(T, device=model.device)
-    slots = (pos + bs)[None]  # block 0 is the null block
-    meta = AttentionMetadata.causal(pos[None], slots, pos[None], slots[0], [T])
-    last = model.config.num_hidden_layers - 1
-    normed, captured = model(torch.tensor(ids, device=model.device), pos, meta, kv, output_layers=(*layers, last))
-    features = torch.cat([captured[i] for i in layers], -1) if layers else None
-    return features, captured[last], model.compute_logits(normed) if logits else None
-
-
-class FeatureCache:
-    """The target's outputs for every training sample, computed once so that epochs never rerun it: per sample
-    the head's input features and the last layer's output (before the final norm), in bfloat16 (half the
-    bytes; the rounding is far below what the head fits), in shards of `SHARD` samples under a directory
-    keyed by the target, the layers and the samples. Logits are recomputed from the stored hidden state
-    (the LM head is a small share of the target's work). Building resumes at the first missing shard."""
-
-    SHARD = 64
-
-    def __init__(self, root: Path, model: LlamaModel, layers: tuple[int, ...],
-                 samples: list[tuple[list[int], list[bool]]]) -> None:
-        from specdec.models.loader import model_fingerprint
-
-        self.dir = Path(root).expanduser() / model_fingerprint(model, [list(layers), [ids for ids, _ in samples]])
-        self.model, self.layers, self.samples = model, layers, samples
-        self._shard: tuple[int, dict] | None = None
-
-    def shard_path(self, k: int) -> Path:
-        return self.dir / f"shard-{k:05d}.pt"
-
-    def build(self) -> None:
-        self.dir.mkdir(parents=True, exist_ok=True)
-        n_shards = -(-len(self.samples) // self.SHARD)
-        todo = [k for k in range(n_shards) if not self.shard_path(k).is_file()]
-        for k in tqdm(todo, desc="target features", unit="shard", file=sys.stderr, disable=not todo):
-            feats, hiddens, offsets = [], [], [0]
-            for ids, _ in self.samples[k * self.SHARD:(k + 1) * self.SHARD]:
-                f, hidden, _ = target_outputs(self.model, ids, self.layers, logits=False)
-                feats.append(f.to(torch.bfloat16) if f is not None else torch.empty(len(ids), 0, dtype=torch.bfloat16))
-                hiddens.append(hidden.to(torch.bfloat16))
-                offsets.append(offsets[-1] + len(ids))
-            tmp = self.shard_path(k).with_suffix(".tmp")
-            torch.save({"features": torch.cat(feats), "hidden": torch.cat(hiddens),
-                        "offsets": torch.tensor(offsets)}, tmp)
-            tmp.replace(self.shard_path(k))
-
-    @torch.inference_mode()
-    def outputs(self, i: int, logits: bool = True) -> tuple[torch.Tensor | None, torch.Tensor, torch.Tensor | None]:
-        """What `target_outputs` gives sample i (features and hidden read back as float32)."""
-        k = i // self.SHARD
-        if self._shard is None or self._shard[0] != k:
-            self._shard = (k, torch.load(self.shard_path(k), mmap=True))
-        z = self._shard[1]
-        a, b = int(z["offsets"][i % self.SHARD]), int(z["offsets"][i % self.SHARD + 1])
-        hidden = z["hidden"][a:b].float()
-        features = z["features"][a:b].float() if self.layers else None
-        return features, hidden, self.model.compute_logits(self.model.norm(hidden)) if logits else None
-
-
-# ---------------------------------------------------------------------------------------------- loss
-def _norm(norm: torch.nn.Module, x: torch.Tensor) -> torch.Tensor:
-    """A head's RMSNorm, differentiable (an absent one is an Identity)."""
-    return F.rms_norm(x.float(), norm.weight.shape, norm.weight.float(), norm.eps) if hasattr(norm, "weight") else x
-
-
-OBJECTIVES = ("ce", "topk", "acceptance")
-
-
-def distribution_term(logits: torch.Tensor, target_logits: torch.Tensor, objective: str = "ce", topk: int = 8
-                      ) -> torch.Tensor:
-    """The term that fits the head's distribution q (logits [N, V]) to the target's p (target_logits [N, V]),
-    averaged over the rows:
-
-    - "ce": cross-entropy against the whole of p, -sum p log q (EAGLE's);
-    - "topk": cross-entropy against p's `topk` most likely tokens only, renormalized (HASS-style top-K
-      distillation: the tail, which a draft is never accepted on, takes no capacity);
-    - "acceptance": -log sum_x min(p(x), q(x)), the log of the probability that a token sampled from q is
-      accepted against p (a total-variation loss, as the LK losses), plus a tenth of "ce" to give rows where
-      q and p do not overlap a gradient."""
-    logq = torch.log_softmax(logits.float(), -1)
-    p = torch.softmax(target_logits.float(), -1)
-    if objective == "ce":
-        return -(p * logq).sum(-1).mean()
-    if objective == "topk":
-        top = p.topk(min(topk, p.shape[-1]), -1)
-        weights = top.values / top.values.sum(-1, keepdim=True)
-        return -(weights * logq.gather(-1, top.indices)).sum(-1).mean()
-    if objective == "acceptance":
-        accepted = torch.minimum(p, logq.exp()).sum(-1).clamp_min(1e-6)
-        return -accepted.log().mean() - 0.1 * (p * logq).sum(-1).mean()
-    raise SpecdecError(f"unknown objective {objective!r}: one of {OBJECTIVES}")
-
-
-def head_loss(head: torch.nn.Module, out: torch.Tensor, target_hidden: torch.Tensor, target_logits: torch.Tensor,
-              mask: torch.Tensor, draft_ids: torch.Tensor | None,
-              weights: tuple[float, float] = (CE_WEIGHT, REGRESSION_WEIGHT), objective: str = "ce", topk: int = 8
-              ) -> tuple[torch.Tensor, dict]:
-    """Equation 1 on rows whose predicted token (t + 2) is an assistant token, its distribution term chosen by
-    `objective` (`distribution_term`). out: [T, H] head outputs; target_hidden / target_logits: the target at
-    t + 1 for row t ([T, H], [T, V]); mask [T] bool; draft_ids: the target ids of the head's vocabulary (None:
-    the target's whole vocabulary)."""
-    out, target_hidden, target_logits = out[mask], target_hidden[mask], target_logits[mask].float()
-    if draft_ids is not None:
-        target_logits = target_logits[:, draft_ids]
-    logits = F.linear(_norm(getattr(head, "norm", None), out), head.lm_head)  # [N, draft_vocab]
-    fit = distribution_term(logits, target_logits, objective, topk)
-    regression = F.smooth_l1_loss(out.float(), target_hidden.float())
-    with torch.no_grad():  # how often the head's top-1 / top-2 / top-4 hold the target's top-1
-        best = logits.topk(min(4, logits.shape[-1]), -1).indices == target_logits.argmax(-1)[:, None]
-        recall = {f"top{k}": best[:, :k].any(-1).float().mean().item() for k in (1, 2, 4)}
-    return weights[0] * fit + weights[1] * regression, {"ce": fit.item(), "l1": regression.item(), **recall,
-                                                             "n": len(out)}
-
-
 # ---------------------------------------------------------------------------------------------- run
 def head_class(method: str) -> type:
     """The model class of a registered draft-head method
@@ -491,47 +366,6 @@ def autocast_context(device: torch.device, mode: str) -> contextlib.AbstractCont
     return torch.autocast(device.type, dtype=torch.bfloat16)
 
 
-@torch.inference_mode()
-def held_out_outputs(target: LlamaModel, head: torch.nn.Module, held: list[tuple[list[int], list[bool]]]
-                     ) -> list[tuple]:
-    """Per held-out sample, what the curve needs of the target, computed once: (features, last layer's output,
-    normed state, the target's top-1 over its whole vocabulary at every position)."""
-    out = []
-    for ids, _ in held:
-        features, hidden, logits = target_outputs(target, ids, head.aux_layers)
-        out.append((features, hidden, target.norm(hidden), logits.argmax(-1)))
-    return out
-
-
-@torch.no_grad()
-def curve_point(head: torch.nn.Module, target: LlamaModel, held: list[tuple[list[int], list[bool]]],
-                outputs: list[tuple], steps: int, autocast: contextlib.AbstractContextManager) -> dict:
-    """Per unrolled draft step (or Medusa head), over the held-out answers' rows: how often the head's top-1 /
-    top-2 / top-4 hold the target's own top-1 over its whole vocabulary. Step 1's top-1 is the greedy
-    first-position acceptance of a chain; a token outside the draft vocabulary is always a miss."""
-    hits: dict[int, list[float]] = {}
-    for (ids, mask), (features, hidden, normed, top1) in zip(held, outputs):
-        embeds = target.embed(torch.tensor(ids[1:], device=target.device)).float()
-        with autocast:
-            terms, _, _ = head.training_terms(embeds, features, hidden, normed, steps)
-        for s, (out, ahead, first_row) in enumerate(terms):
-            n = len(out)
-            rows = torch.tensor(mask[ahead + 1:ahead + 1 + n], device=out.device)
-            rows &= torch.arange(n, device=out.device) >= first_row
-            if n <= 0 or not rows.any():
-                continue
-            logits = F.linear(_norm(getattr(head, "norm", None), out[rows].float()), head.lm_head.float())
-            best = logits.topk(min(4, logits.shape[-1]), -1).indices
-            best = head.target_ids(best) if hasattr(head, "d2t") else best
-            hit = best == top1[ahead:ahead + n][rows][:, None]
-            acc = hits.setdefault(s, [0.0, 0.0, 0.0, 0.0])
-            for j, k in enumerate((1, 2, 4)):
-                acc[j] += hit[:, :k].any(-1).sum().item()
-            acc[3] += len(hit)
-    return {f"step{s + 1}": {"top1": round(a[0] / a[3], 4), "top2": round(a[1] / a[3], 4),
-                             "top4": round(a[2] / a[3], 4), "rows": int(a[3])} for s, a in sorted(hits.items())}
-
-
 def data_parallel() -> tuple[int, int]:
     """(rank, world size): joins torchrun's ranks (gloo on CPU) when started by it, else (0, 1)."""
     import os
@@ -593,38 +427,6 @@ def warm_start(head: torch.nn.Module, old: torch.nn.Module) -> None:
 
 def trainable_parameters(head: torch.nn.Module) -> list[torch.nn.Parameter]:
     return head.trainable_parameters() if hasattr(head, "trainable_parameters") else list(head.parameters())
-
-
-def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mask: list[bool], args: argparse.Namespace,
-                  outputs: tuple[torch.Tensor | None, torch.Tensor, None] | None = None,
-                  lm_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
-    """Equation 1 over one training sequence; the target runs once, under inference mode.
-
-    Row t pairs the target's feature of token t with the embedding of token t + 1 and is trained against the
-    target at t + 1 (token t + 2). lm_rows: the target's LM head rows of the head's vocabulary, when the caller
-    has them at hand. The head says what it fits (`training_terms`): each term is (head output
-    [n, H], ahead, first row): row t is trained against the target at t + ahead (predicting token
-    t + ahead + 1), from `first row` on; later terms (unrolled steps, further heads) weigh less."""
-    features, hidden, _ = outputs or target_outputs(target, ids, head.aux_layers, logits=False)
-    with torch.inference_mode():
-        normed = target.norm(hidden)
-    embeds = target.embed(torch.tensor(ids[1:])).float()
-    terms, goal, draft_ids = head.training_terms(embeds, features, hidden, normed, args.ttt_steps)
-    with torch.inference_mode():  # the target's logits over the head's vocabulary only (a sixth of the rows)
-        goal_logits = (target.compute_logits(normed) if draft_ids is None
-                       else linear(normed, lm_rows if lm_rows is not None else target.lm_head[draft_ids]).float())
-    loss, stats = 0.0, {}
-    for s, (out, ahead, first_row) in enumerate(terms):
-        n = len(out)
-        step_mask = torch.tensor(mask[ahead + 1:ahead + 1 + n]) & (torch.arange(n) >= first_row)
-        if n <= 0 or not step_mask.any():
-            continue
-        step_loss, step_stats = head_loss(head, out, goal[ahead:ahead + n], goal_logits[ahead:ahead + n], step_mask,
-                                          None, (args.ce_weight, args.regression_weight),
-                                          getattr(args, "objective", "ce"), getattr(args, "topk", 8))
-        loss = loss + TTT_DECAY ** s * step_loss
-        stats = stats or step_stats  # the progress bar reports the first step / head
-    return loss, stats
 
 
 def save_checkpoint(head: torch.nn.Module, opt: torch.optim.Optimizer, step: int, out_dir: Path, ckpt: Path,
