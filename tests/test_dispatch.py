@@ -86,10 +86,15 @@ def test_a_config_without_a_table_measures_both_sides_and_keeps_the_output(tiny_
                                         "prompt_lookup_min": 1})
     prompts = [{"prompt_token_ids": [1, 2, 3, 1, 2, 3, 1, 2]}, {"prompt_token_ids": [5, 6, 7, 5, 6, 7]}]
     params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    measured = spec.engine.speculator.measured
+    sides = []  # whether each recorded step of two sequences speculated
+    record = measured.record
+    measured.record = lambda b, speculated, tokens, seconds: (sides.append(speculated) if b == 2 else None,
+                                                              record(b, speculated, tokens, seconds))
     assert [o.token_ids for o in spec.generate(prompts, params)] == \
         [o.token_ids for o in llm.generate(prompts, params)]
-    measured = spec.engine.speculator.measured
-    bucket = measured.buckets[1]  # batch size 2
-    assert len(bucket.speculative.steps) >= WARMUP - 1 and bucket.plain.steps  # both sides measured
+    # Both sides measured: the bucket opens speculating, then probes plain (which one wins after that is the
+    # machine's to say: a loaded machine may make either faster).
+    assert sides[:WARMUP] == [True] * WARMUP and False in sides
     tuned = llm.with_speculative_config({"method": "ngram", "num_speculative_tokens": 3, "dispatch": {"1": "chain"}})
     assert tuned.engine.speculator.measured is None  # a table is followed as written
