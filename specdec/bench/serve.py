@@ -55,15 +55,20 @@ def parse_levels(text: str) -> list[int]:
 
 
 # ------------------------------------------------------------------------------------------ servers
+def free_port() -> tuple[int, str]:
+    """A free loopback port and its URL."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        port = s.getsockname()[1]
+    return port, f"http://127.0.0.1:{port}"
+
+
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port; stopped on exit."""
 
     def __init__(self, args: argparse.Namespace, speculative_config: str, max_num_seqs: int, log: Path,
                  replicas: int = 0) -> None:
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            self.port = s.getsockname()[1]
-        self.url = f"http://127.0.0.1:{self.port}"
+        self.port, self.url = free_port()
         cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
                "--device", str(parse_device(args.device)), "--port", str(self.port),
                "--max-num-seqs", str(max_num_seqs), "--speculative-config", speculative_config,
@@ -78,10 +83,7 @@ class ServerProcess:
         """llama.cpp's `llama-server` on `gguf`: `slots` parallel sequences of 4,096 tokens each, `threads`
         threads for decoding and prefill, its own defaults otherwise (continuous batching, its prompt cache)."""
         server = object.__new__(cls)
-        with socket.socket() as s:
-            s.bind(("127.0.0.1", 0))
-            server.port = s.getsockname()[1]
-        server.url = f"http://127.0.0.1:{server.port}"
+        server.port, server.url = free_port()
         cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port), "-np", str(slots),
                "-c", str(4096 * slots), "-t", str(threads), "-tb", str(threads), "-a", "bench"]
         server.log = log.open("w")
