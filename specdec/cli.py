@@ -170,9 +170,10 @@ def build_parser() -> argparse.ArgumentParser:
     tr.add_argument("--distilled", nargs="+", default=None,
                     help="train on the target's own answers made by `specdec distill` (.npz files or answer "
                          "directories); --data is then the directory of the prompts they answer")
-    tr.add_argument("--objective", choices=("ce", "topk", "acceptance"), default="ce",
+    tr.add_argument("--objective", choices=("ce", "topk", "acceptance", "replay"), default="ce",
                     help="how the head's distribution is fitted to the target's: cross-entropy (default), "
-                         "cross-entropy on the target's --topk tokens, or the log of the sampled acceptance rate")
+                         "cross-entropy on the target's --topk tokens, the log of the sampled acceptance rate, or "
+                         "cross-entropy weighted to the rows where the head's own draft would be rejected")
     tr.add_argument("--topk", type=int, default=8, help="tokens of --objective topk (default 8)")
     tr.add_argument("--held-out", type=int, default=64,
                     help="with --distilled or --from-traffic: answers never trained on (at most a fifth), on which "

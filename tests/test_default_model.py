@@ -109,6 +109,9 @@ SPEC_CONFIGS = {
     "suffix": {"method": "suffix", "num_speculative_tokens": 8},
     "recycle": {"method": "recycle", "num_speculative_tokens": 4},
     "retrieval": {"method": "retrieval", "corpus": str(DISTILLED), "num_speculative_tokens": 6},
+    "switch": {"method": "switch", "num_speculative_tokens": 4, "sources": [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "eagle3", "model": str(HEADS_DIR / "smollm2-135m-eagle3"), "num_speculative_tokens": 1}]},
 }
 SPEC_PROMPTS = PROMPTS + [[{"role": "user", "content": "Summarize: The city council met on Monday to discuss "
                                                       "the new park. The council approved the park."}]]
@@ -192,6 +195,9 @@ def test_the_default_model_speculates_with_the_tuned_default_unless_off():
         str(b): str(spec.parse_shape(v, "dispatch")) for b, v in shipped["dispatch"].items()}
     if "model" in shipped:  # a shipped head, named relative to the heads directory
         assert spec.options.model == str(HEADS_DIR / shipped["model"])
+    for shipped_source, source in zip(shipped.get("sources", []), getattr(spec.options, "sources", [])):
+        if "model" in shipped_source:  # ... also inside a method that nests others
+            assert source["model"] == str(HEADS_DIR / shipped_source["model"])
     assert LLM("smollm2-135m", speculative_config="off").engine.speculative is None
 
 
@@ -264,17 +270,21 @@ ACCEPTANCE_FLOORS = {
     "ngram": ({"method": "ngram", "num_speculative_tokens": 4}, 1.30),  # 1.377
     "suffix": (SPEC_CONFIGS["suffix"], 1.22),  # 1.293
     "retrieval": (SPEC_CONFIGS["retrieval"], 1.20),  # 1.266 (the self-distilled answers as corpus)
+    # the shipped default (switch: n-gram where the text repeats, the head elsewhere)  1.493 (2026-11-28)
+    "default": (None, 1.42),
 }
 
 
 @pytest.mark.parametrize("name", list(ACCEPTANCE_FLOORS))
 def test_acceptance_length_does_not_regress(llm, name):
     """Acceptance length of the shipped head and the lookup drafters on a fixed prompt set, against a floor."""
-    from specdec.models.loader import shipped_head
+    from specdec.models.loader import default_speculative_config, shipped_head
 
     config, floor = ACCEPTANCE_FLOORS[name]
     if name == "eagle3":
         config = {**config, "model": str(shipped_head("smollm2-135m"))}
+    if name == "default":
+        config = {k: v for k, v in default_speculative_config("smollm2-135m").items() if k != "dispatch"}
     spec = llm.with_speculative_config(every_step(config))
     params = SamplingParams(temperature=0, max_tokens=96)
     outs = [spec.chat([{"role": "user", "content": p}], params)[0] for p in FLOOR_PROMPTS]

@@ -139,7 +139,7 @@ def test_sampled_output_with_a_mixed_tree_follows_the_target(target_dir, other_d
     ({"sources": [{"method": "hybrid", "sources": []}]}, "cannot itself be 'hybrid'"),
     ({"sources": [{"method": "ngram", "num_speculative_tokens": 9}]}, "more than the hybrid's"),
     ({"sources": [{"method": "layer_skip", "num_layers": 2,
-                   "tree": {"topk": 2, "num_steps": 2, "num_draft_tokens": 3}}]}, "dynamic trees are not merged"),
+                   "tree": {"topk": 2, "num_steps": 2, "num_draft_tokens": 3}}]}, "dynamic trees cannot be nested"),
     ({"sources": [{"method": "ngram"}], "min_score": 2}, "min_score"),
     ({"sources": [{"method": "magic"}]}, "unknown speculative method"),
 ])

@@ -122,7 +122,7 @@ def test_bad_lookahead_options_are_refused(target_dir, key, value):  # noqa: F81
 
 
 def test_a_hybrid_does_not_merge_lookahead(target_dir):  # noqa: F811
-    with pytest.raises(SpecdecError, match="does not merge 'lookahead'"):
+    with pytest.raises(SpecdecError, match="does not take 'lookahead'"):
         LLM(str(target_dir), speculative_config=every_step({"method": "hybrid", "num_speculative_tokens": 6,
                                                             "sources": [
             {"method": "ngram", "num_speculative_tokens": 3}, {"method": "lookahead", "num_speculative_tokens": 6}]}))

@@ -182,6 +182,7 @@ CAPABILITIES = {
     "recycle": (False, False, None, False, False, ()),
     "retrieval": (False, False, None, False, False, ()),
     "suffix": (False, False, None, False, False, ()),
+    "switch": (False, False, None, False, False, ("token_cost",)),
 }
 
 

@@ -379,7 +379,22 @@ def test_the_objectives_on_a_hand_checked_row():
         distribution_term(logits, target_logits, "kl")
 
 
-@pytest.mark.parametrize("objective", ["ce", "topk", "acceptance"])
+def test_replay_weighs_the_rows_the_heads_own_draft_gets_wrong():
+    """Two rows: the head's top-1 is the target's on the first (kept) and not on the second (rejected): replay is
+    ce with the second row counted REPLAY_WEIGHT times, (ce1 + w ce2) / (1 + w)."""
+    from specdec.training.losses import REPLAY_WEIGHT, distribution_term
+
+    p = torch.tensor([[0.7, 0.2, 0.1], [0.6, 0.3, 0.1]])
+    q = torch.tensor([[0.5, 0.3, 0.2], [0.2, 0.7, 0.1]])
+    target_logits, logits = p.log(), q.log()
+    ce = -(p * q.log()).sum(-1)
+    want = (ce[0] + REPLAY_WEIGHT * ce[1]) / (1 + REPLAY_WEIGHT)
+    assert distribution_term(logits, target_logits, "replay").item() == pytest.approx(want.item(), rel=1e-5)
+    assert distribution_term(target_logits, target_logits, "replay").item() == pytest.approx(
+        distribution_term(target_logits, target_logits, "ce").item(), rel=1e-6)  # no row rejected: plain ce
+
+
+@pytest.mark.parametrize("objective", ["ce", "topk", "acceptance", "replay"])
 def test_training_on_answers_draws_the_curve_keeps_the_best_head_and_resumes_after_its_time(
         target_dir, tmp_path, objective):
     """`specdec train --distilled DIR`: answers held out by their prompt (never trained on), a point of the curve

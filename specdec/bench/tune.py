@@ -137,10 +137,13 @@ def pick_default(configs: list[dict], results: list[dict]) -> dict:
 
 
 def shippable(config: dict) -> dict:
-    """A default config as shipped: a head inside the shipped heads directory is named relative to it."""
+    """A default config as shipped: a head inside the shipped heads directory is named relative to it (a nested
+    source's too)."""
     model = config.get("model")
     if model and Path(model).resolve().parent == HEADS_DIR:
         config = {**config, "model": Path(model).resolve().name}
+    if isinstance(config.get("sources"), list):
+        config = {**config, "sources": [shippable(s) if isinstance(s, dict) else s for s in config["sources"]]}
     return config
 
 

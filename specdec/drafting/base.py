@@ -313,6 +313,10 @@ class Drafter(ABC):
     # Set by whoever weighs nodes from several drafters (the hybrid): a drafter that knows its own belief in a node
     # (a head's probability of the path) then gives it as `Draft.scores`; otherwise it saves building them.
     path_scores: bool = False
+    # True for a drafter that chooses per request and step how much to draft from what its drafts kept (switch): the
+    # speculator's single token while a request's recent acceptance is low, made for one drafter's drafts, would
+    # cut the long drafts it chose for the steps where they pay (its pauses after failed drafts still apply).
+    sizes_own_drafts: bool = False
 
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:

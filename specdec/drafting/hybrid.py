@@ -36,6 +36,7 @@ from dataclasses import dataclass, field
 
 from specdec.config import SpecdecError
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_number
+from specdec.drafting.nested import NestedDrafter, build_sources
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.tree import PAD, ROOT
 
@@ -80,57 +81,30 @@ class _Pending:
 
 
 @register_method("hybrid", HybridOptions, verify_cost_keys=("min_score",))  # `specdec tune` measures min_score
-class HybridDrafter(Drafter):
+class HybridDrafter(NestedDrafter):
     MAX_DEPTH = 16
     PROBE_EVERY = 8  # a source whose g(1) is under min_score drafts only this one step in so many
 
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> HybridDrafter:
-        sources = []
-        for src in cfg.options.sources:
-            sub = SpeculativeConfig.parse(src)
-            if env is not None:
-                sub.info.check_tensor_parallel(env.tensor_parallel_size)
-            if sub.shape.dynamic:
-                raise SpecdecError(f"hybrid source {sub.method!r}: dynamic trees are not merged; give a chain or "
-                                   "a static tree")
-            if sub.num_draft_tokens > cfg.num_speculative_tokens:
-                raise SpecdecError(f"hybrid source {sub.method!r} drafts up to {sub.num_draft_tokens} tokens, more "
-                                   f"than the hybrid's num_speculative_tokens={cfg.num_speculative_tokens}")
-            sources.append((sub.info.build(sub, env), sub))
-        return cls(sources, cfg.num_speculative_tokens, cfg.options.min_score)
+        return cls(build_sources(cfg, env), cfg.num_speculative_tokens, cfg.options.min_score)
 
     def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], num_speculative_tokens: int,
                  min_score: float = 0.15) -> None:
         self.sources = [_Source(d, c, [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH) for d, c in sources]
         for s in self.sources:
             s.drafter.path_scores = True  # a head's belief in its nodes (b below), where it has one
-        if any(s.drafter.observe_drafts for s in self.sources):
-            raise SpecdecError("a hybrid tree does not merge 'lookahead': its Jacobi window needs the target's "
-                               "guess after each of its own nodes, which the merged tree may drop")
-        featured = [s for s in self.sources if s.drafter.feature_layers]
-        if len(featured) > 1:
-            raise SpecdecError("a hybrid tree merges at most one source that reads the target's features")
-        self.featured = featured[0] if featured else None
-        self.feature_layers = tuple(self.featured.drafter.feature_layers) if featured else ()
-        self.reloads_head = self.featured is not None and self.featured.drafter.reloads_head
-        self.observe_topk = max(s.drafter.observe_topk for s in self.sources)
-        self.cache_reads_next_token = any(s.drafter.cache_reads_next_token for s in self.sources)
+        self.nest([s.drafter for s in self.sources], "hybrid")
+        self.featured = self.sources[self.featured_index] if self.featured_index is not None else None
         self.k, self.min_score = num_speculative_tokens, min_score
         self.pending: dict[int, _Pending] = {}
         self.steps = 0  # propose calls, for the probes of sources that do not pay
         self.known: set[int] = set()  # requests every source has seen
         self.asked = [0] * len(self.sources)  # per source: steps it drafted (for reports and tests)
 
-    @property
-    def head_path(self) -> str | None:
-        return self.featured.drafter.head_path if self.featured is not None else None
-
     def reload_head(self, path: str) -> None:
         """The head source takes the head in `path`; its calibration starts over (it described the old head)."""
-        if not self.reloads_head:
-            super().reload_head(path)
-        self.featured.drafter.reload_head(path)
+        super().reload_head(path)
         self.featured.accepted, self.featured.believed = [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH
 
     # ---- learning from the last verification ---------------------------------------------------------
@@ -221,25 +195,14 @@ class HybridDrafter(Drafter):
             self.pending[r.seq_id] = _Pending(len(r.token_ids), r.epoch, paths, [nodes[p] for p in paths])
         return tokens, parents
 
-    # ---- forwarded hooks -----------------------------------------------------------------------------
+    # ---- forwarded hooks (NestedDrafter), and this method's own state -------------------------------------
     def forget(self) -> None:
+        super().forget()
         for s in self.sources:
-            s.drafter.forget()
             s.accepted, s.believed = [0.0] * self.MAX_DEPTH, [0.0] * self.MAX_DEPTH
         self.steps, self.asked = 0, [0] * len(self.sources)
 
     def release(self, seq_id: int) -> None:
         self.pending.pop(seq_id, None)
         self.known.discard(seq_id)
-        for s in self.sources:
-            s.drafter.release(seq_id)
-
-    def observe(self, seq_id: int, tokens: list[int], candidates: list[list[int]]) -> None:
-        for s in self.sources:
-            if s.drafter.observe_topk:
-                s.drafter.observe(seq_id, tokens, [c[:s.drafter.observe_topk] for c in candidates])
-
-    def cached_prefix(self, request: DraftRequest) -> int | None:
-        found = [n for n in (s.drafter.cached_prefix(request) for s in self.sources) if n is not None]
-        return min(found) if found else None
-
+        super().release(seq_id)

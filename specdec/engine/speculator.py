@@ -68,12 +68,12 @@ class Speculator:
     PROBE_EVERY = 8  # with min_acceptance: every 8th draft of a request takes the full shape, to keep learning
 
     def draft_budget(self, seq: Sequence, shape: SpecShape) -> int:
-        """Draft tokens worth verifying: none past the context, none past max_tokens, a single one while
-        this request's recent acceptance is low (verifying one draft costs about a plain step on our CPU
-        kernels, verifying k costs more, so a poorly predicted request should not pay for k), none while
-        it is paused after its drafts kept failing (see `back_off`), and with `min_acceptance` a chain only
-        as deep as this request's own acceptance per position stays above that cost (every PROBE_EVERY-th
-        draft takes the full shape, so a position that starts to pay is seen)."""
+        """Draft tokens worth verifying: none past the context, none past max_tokens, a single one while this
+        request's recent acceptance is low unless the drafter sizes its own drafts (verifying one draft costs
+        about a plain step on our CPU kernels, verifying k costs more, so a poorly predicted request should not
+        pay for k), none while it is paused after its drafts kept failing (see `back_off`), and with
+        `min_acceptance` a chain only as deep as this request's own acceptance per position stays above that
+        cost (every PROBE_EVERY-th draft takes the full shape, so a position that starts to pay is seen)."""
         if not (self.cfg.sampled or seq.params.greedy) or seq.spec.draft_error is not None:
             return 0
         if seq.spec.paused:
@@ -83,7 +83,8 @@ class Speculator:
         room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
         if shape.dynamic and room_in_context < shape.num_slots:
             return 0  # the candidates it would feed do not fit before the end of the context
-        k = shape.num_tokens if seq.spec.recent_acceptance >= LOW_ACCEPTANCE else min(1, shape.num_tokens)
+        low = seq.spec.recent_acceptance < LOW_ACCEPTANCE and not self.drafter.sizes_own_drafts
+        k = min(1, shape.num_tokens) if low else shape.num_tokens
         cost = self.cfg.min_acceptance
         if cost and shape.tree is None and not shape.dynamic and seq.spec.num_drafts % self.PROBE_EVERY:
             k = max(1, seq.spec.positions_worth_drafting(cost, k)) if k else 0

@@ -56,9 +56,17 @@ def default_speculative_config(model: str | os.PathLike) -> dict | None:
     path = default_config_path(model)
     if path is None or not path.is_file():
         return None
-    config = json.loads(path.read_text())
+    return _shipped_paths(json.loads(path.read_text()))
+
+
+def _shipped_paths(config: dict) -> dict:
+    """A shipped config with its heads' `model` (its own, and its sources' in a method that nests others) named
+    as paths: a relative name is a directory among the shipped heads."""
+    config = dict(config)
     if "model" in config and not Path(config["model"]).is_absolute():
         config["model"] = str(HEADS_DIR / config["model"])
+    if isinstance(config.get("sources"), list):
+        config["sources"] = [_shipped_paths(s) if isinstance(s, dict) else s for s in config["sources"]]
     return config
 
 

@@ -29,7 +29,8 @@ def logits_input(head: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
         else out
 
 
-OBJECTIVES = ("ce", "topk", "acceptance")
+OBJECTIVES = ("ce", "topk", "acceptance", "replay")
+REPLAY_WEIGHT = 4.0  # "replay": a row whose draft the target would reject counts this many times a kept one
 
 
 def distribution_term(logits: torch.Tensor, target_logits: torch.Tensor, objective: str = "ce", topk: int = 8
@@ -42,7 +43,11 @@ def distribution_term(logits: torch.Tensor, target_logits: torch.Tensor, objecti
       distillation: the tail, which a draft is never accepted on, takes no capacity);
     - "acceptance": -log sum_x min(p(x), q(x)), the log of the probability that a token sampled from q is
       accepted against p (a total-variation loss, as the LK losses), plus a tenth of "ce" to give rows where
-      q and p do not overlap a gradient."""
+      q and p do not overlap a gradient;
+    - "replay": "ce" with each row weighted by whether the head's own greedy draft there would be rejected (its
+      top-1 is not the target's): rejected rows count REPLAY_WEIGHT times, the weights renormalized. On-policy
+      replay from the rejected positions (DistillSpec, Draft-OPD): the head's capacity goes where serving finds
+      it wrong, on the target's own answers."""
     logq = torch.log_softmax(logits.float(), -1)
     p = torch.softmax(target_logits.float(), -1)
     if objective == "ce":
@@ -54,6 +59,10 @@ def distribution_term(logits: torch.Tensor, target_logits: torch.Tensor, objecti
     if objective == "acceptance":
         accepted = torch.minimum(p, logq.exp()).sum(-1).clamp_min(1e-6)
         return -accepted.log().mean() - 0.1 * (p * logq).sum(-1).mean()
+    if objective == "replay":
+        with torch.no_grad():
+            weights = 1.0 + (REPLAY_WEIGHT - 1.0) * (logits.argmax(-1) != target_logits.argmax(-1)).float()
+        return -((p * logq).sum(-1) * weights).sum() / weights.sum()
     raise SpecdecError(f"unknown objective {objective!r}: one of {OBJECTIVES}")
 
 

@@ -20,11 +20,12 @@ assistant turns with the target's own greedy answers (self-distillation). Checkp
 serving layout, plus optimizer state and position) are written every `--save-every` steps and at the end;
 `--resume` continues from the last one. Validation measures the acceptance length with the real engine.
 
-`--objective` picks the distribution term in place of CE (`distribution_term`: top-K distillation, or the log of
-the sampled acceptance rate). Trained on answers (`--distilled`, or `--from-traffic`: the requests a server
-recorded), `--held-out` answers are never trained on and every `--eval-every` updates give a point of the curve:
-per unrolled step, how often the head's top-1 / 2 / 4 hold the target's own top-1 on them, against the answer
-tokens trained on; the best head so far is kept in OUT/best. `--train-seconds` stops a run with a checkpoint.
+`--objective` picks the distribution term in place of CE (`distribution_term`: top-K distillation, the log of the
+sampled acceptance rate, or CE replayed on the rows the head's own draft gets wrong). Trained on answers
+(`--distilled`, or `--from-traffic`: the requests a server recorded), `--held-out` answers are never trained on and
+every `--eval-every` updates give a point of the curve: per unrolled step, how often the head's top-1 / 2 / 4 hold
+the target's own top-1 on them, against the answer tokens trained on; the best head so far is kept in OUT/best.
+`--train-seconds` stops a run with a checkpoint.
 
 Data parallel: under `torchrun --nproc-per-node N -m specdec.cli train ...` (or `specdec train --nproc N`,
 which starts it) the N ranks deal every `--batch` of conversations round-robin, each runs the target on its

@@ -1,0 +1,316 @@
+"""Switch drafting: each step, each request drafts with one of several methods, chosen by what each one's drafts
+have been keeping.
+
+    {"method": "switch", "num_speculative_tokens": 4, "sources": [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "eagle3", "model": "...", "num_speculative_tokens": 1}]}
+
+Each source's drafts are weighed by what a step with them is worth, tokens emitted over cost in plain steps:
+
+    a draft of L nodes:       (1 + kept(L)) / (1 + L c)              c = token_cost + context_cost * context / 1000
+    asking a source:          (1 + kept) / (1 + size c + head_cost + rows head_row_cost / horizon)
+
+where kept(L) is the mean accepted tokens of the source's drafts of L nodes, learnt online per source and size and
+scaled by how the request's own drafts of that source have kept against that mean (shrunk toward it by REQUEST_PRIOR
+drafts: a head that fails on one request's text is asked less there, not elsewhere), and c is what verifying one
+node costs at the request's context (each verified row attends over all of it: on two Zen 4 cores 0.03-0.1 of a
+plain step at 64 tokens of context, 0.2-0.25 at 2,000). The sources are asked in order, each only for the requests
+the ones before it left undecided; a source's draft is taken when it is worth at least a plain step (1) and at least
+what asking any later source is worth, else the request goes on. A source whose drafting costs (a head: head_cost)
+is asked only where that is worth more than a plain step, its first catch-up on a request's prompt included (and on
+one request in PROBE_EVERY where it is not, to keep its estimate live). So where the request's own text repeats (a
+long n-gram match keeps several tokens) the n-gram's chain is verified and the head is not run at all; where it does
+not, the head drafts; where nothing pays (a long context, drafts that keep little) nothing is drafted.
+
+What a draft keeps is read off the sequence itself, once its committed tokens decide it: its longest path that
+they follow. That is what verification kept where the draft was verified (greedy, or keyed sampling:
+a node is accepted exactly when it is the target's own token), and what it would have kept where it was passed
+over, so every draft a source makes teaches its estimate, taken or not, and a source that lost at a size is still
+measured there.
+
+Unlike `hybrid`, nothing is merged: a step verifies one source's chain (or static tree) per request, so a chain
+keeps the engine's causal fast path and a step costs one drafter.
+
+A source that reads the target's features (a head: at most one) consumes them only when asked: the switch keeps
+each request's features gathered while other sources drafted, and hands them over when the head is next asked,
+so its catch-up covers every committed token and it drafts what it would have drafted running every step.
+
+Proposals are deterministic (q = one-hot), whatever the source drew them from, as in `hybrid`: greedy output is
+plain decoding's and sampled output keeps the target's distribution.
+"""
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass, field
+
+import torch
+
+from specdec.config import SpecdecError
+from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_number
+from specdec.drafting.nested import NestedDrafter, build_sources
+from specdec.drafting.registry import SpeculativeConfig, register_method
+from specdec.tree import ROOT
+
+MAX_SIZE = 16  # draft sizes are learnt separately up to this many nodes (larger ones share the last estimate)
+PRIOR_KEPT, PRIOR_DRAFTS = 0.5, 1.0  # every estimate starts at half a token per draft
+HORIZON = 128  # a head's catch-up is spread over at most this many tokens still to come
+PROBE_MAX_ROWS = 64  # a probe never asks a head to catch up on more rows than this
+REQUEST_PRIOR = 4.0  # a request's own drafts of a source weigh in against the source's mean as if it had this many
+
+
+@dataclass
+class SwitchOptions:
+    sources: list = field(default_factory=list)  # speculative configs (dicts), in the order they are asked
+    # What a draft costs, in plain steps at the request's context: verifying each node costs token_cost + context_cost
+    # per 1,000 tokens of context (each verified row attends over all of it), and a source that reads the target's
+    # features (a head) costs head_cost more for its forward, and its first forward for a request catches up on
+    # every feature row gathered until then (the prompt's, on its first call): head_row_cost a row, spread over the
+    # tokens the request may still emit (at most HORIZON). `specdec tune` measures token_cost when left out.
+    token_cost: float = 0.1
+    context_cost: float = 0.07
+    head_cost: float = 0.15
+    head_row_cost: float = 0.015
+
+    def __post_init__(self) -> None:
+        check_number("token_cost", self.token_cost, 0, 1)
+        check_number("context_cost", self.context_cost, 0, 1)
+        check_number("head_cost", self.head_cost, 0, 1)
+        check_number("head_row_cost", self.head_row_cost, 0, 1)
+        if not isinstance(self.sources, list) or len(self.sources) < 2:
+            raise SpecdecError("method 'switch' needs 'sources': a list of at least two speculative configs, asked in "
+                               'order, e.g. [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "eagle3", '
+                               '"model": "HEAD", "num_speculative_tokens": 1}]')
+        for src in self.sources:
+            if not isinstance(src, dict) or "method" not in src:
+                raise SpecdecError(f"switch source {src!r} must be a speculative config with a 'method'")
+            if src["method"] in ("switch", "hybrid"):
+                raise SpecdecError(f"a switch source cannot itself be {src['method']!r}")
+
+
+@dataclass
+class _Source:
+    drafter: Drafter
+    cfg: SpeculativeConfig
+    kept: list[float]  # per draft size (index = nodes - 1): tokens its drafts of that size kept
+    drafts: list[float]  # per draft size: drafts measured
+    cost: float = 0.0  # plain steps its drafting costs beside the verification (a head's forward)
+    skipped: int = 0  # requests it was not asked for since its last probe
+
+    def expected(self, size: int) -> float:
+        """Tokens a draft of `size` nodes keeps, as far as its measured drafts of that size say."""
+        s = min(size, MAX_SIZE) - 1
+        return (self.kept[s] + PRIOR_KEPT) / (self.drafts[s] + PRIOR_DRAFTS)
+
+    def mean(self) -> float:
+        """Tokens a draft of this source keeps, over every size it drafted."""
+        return (sum(self.kept) + PRIOR_KEPT) / (sum(self.drafts) + PRIOR_DRAFTS)
+
+    def scale(self, record: list[float] | None) -> float:
+        """How this request's drafts of the source have kept against the source's mean: its own kept tokens and
+        drafts `record` shrunk toward the mean by REQUEST_PRIOR drafts' worth (1 for a request with none yet)."""
+        mean = self.mean()
+        if not record:
+            return 1.0
+        return (record[0] + REQUEST_PRIOR * mean) / ((record[1] + REQUEST_PRIOR) * mean)
+
+    def mean_size(self) -> float:
+        """Nodes in a draft of this source, on average (1 before any is measured)."""
+        n = sum(self.drafts)
+        return sum((s + 1) * d for s, d in enumerate(self.drafts)) / n if n else 1.0
+
+    def worth(self, node_cost: float, scale: float = 1.0, extra: float = 0.0) -> float:
+        """What asking this source is worth: tokens a step emits with its draft over the step's cost, in plain
+        steps (1 + kept) / (1 + its nodes' verification + its own drafting + `extra`); `scale`: the request's own
+        (`scale`)."""
+        return (1.0 + scale * self.mean()) / (1.0 + self.mean_size() * node_cost + self.cost + extra)
+
+
+@dataclass
+class _Made:
+    """A draft a source made for a request, measured once the committed tokens decide it."""
+
+    source: int
+    length: int  # the sequence length when it was drafted
+    paths: list[tuple[int, ...]]  # per node, its token path from the root
+
+    def kept(self, token_ids: list[int]) -> int | None:
+        """Nodes of its longest path that the committed tokens follow; None until they decide it (every path
+        either left by them or covered)."""
+        after = token_ids[self.length:]
+        best = 0
+        for path in self.paths:
+            n = 0
+            while n < len(path) and n < len(after) and after[n] == path[n]:
+                n += 1
+            if n == len(after) < len(path):  # followed so far, not covered yet
+                return None
+            best = max(best, n)
+        return best
+
+
+@dataclass
+class _Held:
+    """Target features of a request gathered while the head was not asked: rows from token `start` on."""
+
+    epoch: int
+    start: int
+    rows: list[torch.Tensor]
+
+    def end(self) -> int:
+        return self.start + sum(len(t) for t in self.rows)
+
+
+@register_method("switch", SwitchOptions, verify_cost_keys=("token_cost",))
+class SwitchDrafter(NestedDrafter):
+    sizes_own_drafts = True
+    PROBE_EVERY = 16  # a source that does not pay to ask is asked once in so many requests anyway
+    MAX_MADE = 32  # drafts of a request awaiting their measure (the oldest dropped beyond it)
+
+    @classmethod
+    def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> SwitchDrafter:
+        o = cfg.options
+        return cls(build_sources(cfg, env), o.token_cost, o.context_cost, o.head_cost, o.head_row_cost)
+
+    def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], token_cost: float = 0.1,
+                 context_cost: float = 0.07, head_cost: float = 0.15, head_row_cost: float = 0.015) -> None:
+        self.sources = [_Source(d, c, [0.0] * MAX_SIZE, [0.0] * MAX_SIZE, head_cost if d.feature_layers else 0.0)
+                        for d, c in sources]
+        self.nest([s.drafter for s in self.sources], "switch")
+        self.featured = self.sources[self.featured_index] if self.featured_index is not None else None
+        self.token_cost, self.context_cost, self.head_row_cost = token_cost, context_cost, head_row_cost
+        self.made: dict[int, list[_Made]] = {}  # seq_id -> its drafts not measured yet
+        self.records: dict[int, list[list[float]]] = {}  # seq_id -> per source: [kept tokens, drafts] measured
+        self.held: dict[int, _Held] = {}
+        self.taken = [0] * len(self.sources)  # per source: request-steps whose draft was verified (reports, tests)
+
+    def reload_head(self, path: str) -> None:
+        """The head source takes the head in `path`; what its drafts kept starts over (it described the old head)."""
+        super().reload_head(path)
+        self.featured.kept, self.featured.drafts = [0.0] * MAX_SIZE, [0.0] * MAX_SIZE
+
+    # ---- learning from the committed tokens ------------------------------------------------------------
+    def learn(self, r: DraftRequest) -> None:
+        """Measure the request's drafts that its committed tokens decide."""
+        waiting = []
+        for made in self.made.get(r.seq_id, []):
+            kept = made.kept(r.token_ids)
+            if kept is None:
+                waiting.append(made)
+                continue
+            src, s = self.sources[made.source], min(len(made.paths), MAX_SIZE) - 1
+            src.kept[s] += kept
+            src.drafts[s] += 1
+            record = self.records.setdefault(r.seq_id, [[0.0, 0.0] for _ in self.sources])[made.source]
+            record[0] += kept
+            record[1] += 1
+        self.made[r.seq_id] = waiting[-self.MAX_MADE:]
+
+    # ---- drafting ------------------------------------------------------------------------------------
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        rows: list[tuple[list[int], list[int]]] = [([], []) for _ in requests]
+        undecided = []
+        for i, r in enumerate(requests):
+            self.learn(r)
+            self.hold(r)
+            if r.max_tokens > 0:
+                undecided.append(i)
+        for n, src in enumerate(self.sources):
+            if src.cost:  # a source that costs to ask is asked only where that pays, and on probes
+                undecided = [i for i in undecided if self.asks(n, requests[i])]
+            if not undecided:
+                continue
+            subs = [self.request_for(src, requests[i], src.cfg.shape) for i in undecided]
+            tokens, parents = src.drafter.propose(subs).host_rows()
+            left = []
+            for i, t, p in zip(undecided, tokens, parents):
+                if not t:
+                    left.append(i)
+                    continue
+                r = requests[i]
+                self.made.setdefault(r.seq_id, []).append(_Made(n, len(r.token_ids), node_paths(t, p)))
+                record = self.records.get(r.seq_id)
+                scale = src.scale(record and record[n])
+                mine = (1.0 + scale * src.expected(len(t))) / (1.0 + len(t) * self.node_cost(r))  # drafting done
+                later = max((self.worth_asking(m, r) for m in range(n + 1, len(self.sources))), default=0.0)
+                if mine < max(later, 1.0):
+                    left.append(i)
+                    continue
+                rows[i] = (t, p)
+                self.taken[n] += 1
+            undecided = left
+        return Draft.from_rows(rows)
+
+    def asks(self, n: int, r: DraftRequest) -> bool:
+        """Whether source n, whose drafting costs, is asked for this request: where asking it is worth more than a
+        plain step (`worth_asking`), and every PROBE_EVERY-th time it was not (its estimates learn only from its
+        own drafts) unless its catch-up would be long (a new request's prompt)."""
+        src = self.sources[n]
+        if self.worth_asking(n, r) >= 1.0:
+            return True
+        if src is self.featured and self.held_rows(r) > PROBE_MAX_ROWS:
+            return False
+        src.skipped += 1
+        if src.skipped < self.PROBE_EVERY:
+            return False
+        src.skipped = 0
+        return True
+
+    def worth_asking(self, n: int, r: DraftRequest) -> float:
+        """What asking source n for this request is worth (`_Source.worth`), scaled by the request's own record of
+        it; for the head with its catch-up on the rows held for it spread over the tokens still to come."""
+        src, record = self.sources[n], self.records.get(r.seq_id)
+        catch_up = 0.0
+        if src is self.featured:
+            horizon = min(HORIZON, r.max_depth + 1) if r.max_depth is not None else HORIZON
+            catch_up = self.held_rows(r) * self.head_row_cost / max(1, horizon)
+        return src.worth(self.node_cost(r), src.scale(record and record[n]), catch_up)
+
+    def held_rows(self, r: DraftRequest) -> int:
+        """Feature rows the head would catch up on for this request now."""
+        held = self.held.get(r.seq_id)
+        return held.end() - held.start if held is not None else 0
+
+    def node_cost(self, r: DraftRequest) -> float:
+        """Plain steps that verifying one node costs at the request's context."""
+        return self.token_cost + self.context_cost * len(r.token_ids) / 1000
+
+    def request_for(self, src: _Source, r: DraftRequest, shape: object) -> DraftRequest:
+        """The request as source `src` sees it: its own budget and shape, and for the head every feature row
+        gathered since it was last asked."""
+        features, start = None, r.features_start
+        if src is self.featured:
+            held = self.held.pop(r.seq_id, None)
+            if held is not None and held.rows:
+                start, features = held.start, held.rows[0] if len(held.rows) == 1 else torch.cat(held.rows)
+        return dataclasses.replace(r, max_tokens=min(shape.num_tokens, r.max_tokens), tree=shape.tree, dynamic=None,
+                                   features=features, features_start=start)
+
+    def hold(self, r: DraftRequest) -> None:
+        """Keep the request's new target features until the head is asked (a new epoch starts over)."""
+        if self.featured is None or r.features is None:
+            return
+        held = self.held.get(r.seq_id)
+        if held is None or held.epoch != r.epoch or held.end() != r.features_start:
+            held = self.held[r.seq_id] = _Held(r.epoch, r.features_start, [])
+        held.rows.append(r.features)
+
+    # ---- forwarded hooks (NestedDrafter), and this method's own state -------------------------------------
+    def forget(self) -> None:
+        super().forget()
+        for s in self.sources:
+            s.kept, s.drafts, s.skipped = [0.0] * MAX_SIZE, [0.0] * MAX_SIZE, 0
+        self.taken = [0] * len(self.sources)
+
+    def release(self, seq_id: int) -> None:
+        self.made.pop(seq_id, None)
+        self.records.pop(seq_id, None)
+        self.held.pop(seq_id, None)
+        super().release(seq_id)
+
+
+def node_paths(tokens: list[int], parents: list[int]) -> list[tuple[int, ...]]:
+    """Each node's token path from the root (parents come before their children)."""
+    paths: list[tuple[int, ...]] = []
+    for t, p in zip(tokens, parents):
+        paths.append((t,) if p == ROOT else paths[p] + (t,))
+    return paths
