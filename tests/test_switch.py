@@ -43,9 +43,9 @@ def step(drafter, tokens, seq_id=0, **kw):
 
 def test_the_first_source_drafts_until_its_drafts_keep_less_than_the_next_ones():
     """A drafts 1 2 3, which the target never follows; B drafts 7, which it always does. Both start at the prior
-    (half a token a draft), so A's draft is taken; once the sequence has left it, it measures 0 kept and A's
-    3-node drafts expect 0.5 / 2 = 0.25 < 0.5: B drafts from then on. A is still asked (its draft costs nothing to
-    look at) and each of its drafts is measured against the committed tokens as if it had been verified."""
+    (half a token a draft, as if from 8 drafts), so A's draft is taken; once the sequence has left it, it measures
+    0 kept and A's 3-node drafts expect 4 / 9 = 0.44 < 0.5: B drafts from then on. A is still asked (its draft
+    costs nothing to look at) and each of its drafts is measured against the committed tokens as if verified."""
     a, b = Fixed([1, 2, 3]), Fixed([7])
     drafter = switch(a, b)
     tokens = [9, 9]
@@ -66,7 +66,7 @@ def test_a_source_with_nothing_to_draft_passes_the_request_on():
     a, b = Fixed([]), Fixed([7])
     drafter = switch(a, b)
     assert step(drafter, [9, 9]) == [7] and b.asked == 1
-    a.tokens = [4]  # A's 1-token drafts expect the prior, 0.5, against B's 1.5 / 2 once its draft was kept
+    a.tokens = [4]  # A's 1-token drafts expect the prior, 0.5, against B's 5 / 9 once its draft was kept
     assert step(drafter, [9, 9, 7, 5]) == [7] and a.asked == b.asked == 2
 
 

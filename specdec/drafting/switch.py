@@ -52,7 +52,7 @@ from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.tree import ROOT
 
 MAX_SIZE = 16  # draft sizes are learnt separately up to this many nodes (larger ones share the last estimate)
-PRIOR_KEPT, PRIOR_DRAFTS = 0.5, 1.0  # every estimate starts at half a token per draft
+PRIOR_KEPT, PRIOR_DRAFTS = 4.0, 8.0  # every estimate starts at half a token per draft, as if from 8 drafts
 HORIZON = 128  # a head's catch-up is spread over at most this many tokens still to come
 PROBE_MAX_ROWS = 64  # a probe never asks a head to catch up on more rows than this
 REQUEST_PRIOR = 4.0  # a request's own drafts of a source weigh in against the source's mean as if it had this many
