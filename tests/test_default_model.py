@@ -270,21 +270,19 @@ ACCEPTANCE_FLOORS = {
     "ngram": ({"method": "ngram", "num_speculative_tokens": 4}, 1.30),  # 1.377
     "suffix": (SPEC_CONFIGS["suffix"], 1.22),  # 1.293
     "retrieval": (SPEC_CONFIGS["retrieval"], 1.20),  # 1.266 (the self-distilled answers as corpus)
-    # the shipped default (switch: n-gram where the text repeats, the head elsewhere)  1.525 (2026-11-28)
-    "default": (None, 1.45),
+    # switch: n-gram where the text repeats, the shipped head elsewhere                 1.525 (2026-11-28)
+    "switch": (SPEC_CONFIGS["switch"], 1.45),
 }
 
 
 @pytest.mark.parametrize("name", list(ACCEPTANCE_FLOORS))
 def test_acceptance_length_does_not_regress(llm, name):
     """Acceptance length of the shipped head and the lookup drafters on a fixed prompt set, against a floor."""
-    from specdec.models.loader import default_speculative_config, shipped_head
+    from specdec.models.loader import shipped_head
 
     config, floor = ACCEPTANCE_FLOORS[name]
     if name == "eagle3":
         config = {**config, "model": str(shipped_head("smollm2-135m"))}
-    if name == "default":
-        config = {k: v for k, v in default_speculative_config("smollm2-135m").items() if k != "dispatch"}
     spec = llm.with_speculative_config(every_step(config))
     params = SamplingParams(temperature=0, max_tokens=96)
     outs = [spec.chat([{"role": "user", "content": p}], params)[0] for p in FLOOR_PROMPTS]

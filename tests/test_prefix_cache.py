@@ -250,3 +250,24 @@ def test_a_choice_shares_nothing_without_the_prefix_cache_and_still_runs(tiny_ll
     while eng.has_unfinished():
         eng.step()
     assert other.output_token_ids == first.output_token_ids and other.num_prefix_hit == 0
+
+
+@pytest.mark.parametrize("which", ["head_off", "switch"])
+def test_a_feature_drafter_that_drafts_nothing_still_lets_prompts_share_blocks(tiny_llama_dir, tmp_path, which):
+    """A head whose steps draft nothing (a dispatch table that says off, or a switch whose n-gram drafts every
+    step) still takes the target's features (`Speculator.catch_up`: every CATCH_UP_ROWS rows, the rest at the end),
+    so its K/V follows each sequence and a shared system prompt is a cache hit, as with a head that drafts."""
+    head = str(eagle3_head_dir(tiny_llama_dir, tmp_path))
+    eagle = {"method": "eagle3", "model": head, "num_speculative_tokens": 1}
+    spec = {**eagle, "dispatch": {"1": "off"}} if which == "head_off" else {
+        "method": "switch", "num_speculative_tokens": 3, "head_cost": 1.0, "dispatch": {"1": "chain"},
+        "sources": [{"method": "ngram", "num_speculative_tokens": 3}, eagle]}
+    params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
+    prompts = [{"prompt_token_ids": SYSTEM + [100 + i, 101 + i, 102]} for i in range(3)]
+    plain = [o.token_ids for o in LLM(str(tiny_llama_dir), block_size=4).generate(prompts, params)]
+    llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
+    outs = [llm.generate(p, params)[0] for p in prompts]
+    assert_greedy_equal(llm, outs, plain)
+    # as for a head that drafts: the head's row at the system prompt's last slot holds the token after it
+    assert [o.metrics["num_cached_tokens"] for o in outs] == [0, len(SYSTEM) - 4, len(SYSTEM) - 4]
+    assert llm.engine.allocator.num_used == 0

@@ -13,7 +13,7 @@ from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft, Drafter, DraftRequest
 from specdec.drafting.eagle import EagleDrafter
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting.switch import PRIOR_DRAFTS, PRIOR_KEPT, SwitchDrafter
+from specdec.drafting.switch import CATCH_UP_ROWS, PRIOR_DRAFTS, PRIOR_KEPT, SwitchDrafter
 
 
 class Fixed(Drafter):
@@ -104,20 +104,22 @@ def test_a_head_that_does_not_pay_to_ask_is_asked_only_on_probes():
     assert head.asked == 2 and drafts.count([7]) == 2
 
 
-def test_a_heads_catch_up_on_a_long_prompt_is_weighed_and_never_probed():
-    """head_row_cost 0.1: with 1,000 prompt rows held and 128 tokens to come, the head's first forward costs
-    1000 x 0.1 / 128 = 0.78 plain steps a token more: asking it is worth 1.5 / (1 + 0.1 + 0.1 + 0.78) < 1, and a
-    catch-up that long is never a probe. A request with 10 rows held is asked (1.5 / 1.21)."""
-    head = Fixed([7], features=True)
-    drafter = switch(Fixed([]), head, token_cost=0.1, head_cost=0.1, head_row_cost=0.1)
-    for n in range(2 * SwitchDrafter.PROBE_EVERY):
-        start = 0 if n == 0 else 1000 + n - 1
-        rows = 1000 if n == 0 else 1
-        draft = drafter.propose([DraftRequest(0, [9] * (start + rows + 1), 1, 4, max_depth=127,
-                                              features=torch.zeros(rows, 4), features_start=start)])
-        assert draft.num_nodes() == [0]
-    assert head.asked == 0
-    assert step(drafter, [9] * 11, seq_id=1, max_depth=127, features=torch.zeros(10, 4)) == [7]
+def test_a_head_not_asked_catches_up_once_catch_up_rows_wait():
+    """A drafts every step, so the head is never asked; the rows held for it go to it once CATCH_UP_ROWS wait
+    (the prompt's 70 at once), then every CATCH_UP_ROWS steps of one row; its catch-up drafts are measured, never
+    verified."""
+    a, head = Fixed([9]), Fixed([7], features=True)
+    drafter = switch(a, head)
+    seen = [step(drafter, [9] * 71, features=torch.zeros(70, 4), features_start=0)]
+    for n in range(70, 70 + 2 * CATCH_UP_ROWS):
+        seen.append(step(drafter, [9] * (n + 2), features=torch.zeros(1, 4), features_start=n))
+    assert all(d == [9] for d in seen)  # A's drafts, every step
+    assert head.seen == [(0, 70), (70, CATCH_UP_ROWS), (70 + CATCH_UP_ROWS, CATCH_UP_ROWS)]
+    assert drafter.taken == [1 + 2 * CATCH_UP_ROWS, 0]
+    assert sum(drafter.sources[1].drafts) > 0  # the head's catch-up drafts, measured against the sequence
+    end = 70 + 2 * CATCH_UP_ROWS
+    drafter.catch_up([DraftRequest(0, [9] * (end + 3), 1, 1, features=torch.zeros(2, 4), features_start=end)])
+    assert head.seen[-1] == (end, 2)  # the engine's catch-up (steps that drafted nothing, a request's end): all rows
 
 
 def test_the_head_gets_every_feature_row_gathered_while_it_was_not_asked():
@@ -145,7 +147,7 @@ def with_head(target_dir, tmp_path):
 def test_switch_is_lossless_and_the_head_drafts_what_it_drafts_alone(target_dir, tmp_path, monkeypatch):
     """Greedy output is plain decoding's; where both run, the head's first draft after the same committed tokens
     is the one it drafts when it runs every step, also right after steps the n-gram drafted (its catch-up over the
-    held features reaches the same state)."""
+    held features reaches the same state, up to float32 rounding)."""
     head = with_head(target_dir, tmp_path)
     seen: dict[tuple[str, tuple[int, ...]], tuple[int, int]] = {}  # (run, committed ids) -> (draft, feature rows)
     run = {"name": ""}
@@ -175,7 +177,11 @@ def test_switch_is_lossless_and_the_head_drafts_what_it_drafts_alone(target_dir,
     assert taken[0] > 0 and taken[1] > 0  # both sources drafted
     alone = {k[1]: v for k, v in seen.items() if k[0] == "alone"}
     both = [(v, alone[k[1]]) for k, v in seen.items() if k[0] == "switch" and k[1] in alone]
-    assert all(s[0] == a[0] for s, a in both), both
+    # the tiny model runs torch's float32 GEMM, whose rounding depends on how many rows a forward has: a catch-up
+    # over held rows sums in another order than row-by-row, and a random head's near ties may flip (as in
+    # test_prefix_cache), so drafts are compared to 90%
+    agree = sum(s[0] == a[0] for s, a in both)
+    assert agree >= 0.9 * len(both), [(s, a) for s, a in both if s[0] != a[0]]
     assert any(s[1] > a[1] for s, a in both), both  # after held features: more rows than running every step
 
 

@@ -17,6 +17,7 @@ means adding one file here that defines its options dataclass and its Drafter an
 """
 from __future__ import annotations
 
+import dataclasses
 import time
 from abc import ABC, abstractmethod
 from collections.abc import Callable
@@ -321,6 +322,13 @@ class Drafter(ABC):
     @abstractmethod
     def propose(self, requests: list[DraftRequest]) -> Draft:
         """A draft for every request (a request may get zero nodes)."""
+
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        """With `feature_layers`: take the target features these requests carry (rows of steps that drafted
+        nothing) without drafting for them, so the drafter's own K/V follows each sequence: the prefix cache shares
+        a block only where the drafter's K/V holds it too (`cached_prefix`). By default it drafts one token for each
+        and drops it."""
+        self.propose([dataclasses.replace(r, max_tokens=1) for r in requests])
 
     def reload_head(self, path: str) -> None:
         """With `reloads_head`: draft with the head in `path` from the next call on, loaded and prepared as the

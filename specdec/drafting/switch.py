@@ -8,7 +8,7 @@ have been keeping.
 Each source's drafts are weighed by what a step with them is worth, tokens emitted over cost in plain steps:
 
     a draft of L nodes:       (1 + kept(L)) / (1 + L c)              c = token_cost + context_cost * context / 1000
-    asking a source:          (1 + kept) / (1 + size c + head_cost + rows head_row_cost / horizon)
+    asking a source:          (1 + kept) / (1 + size c + head_cost)   its mean kept tokens and draft size
 
 where kept(L) is the mean accepted tokens of the source's drafts of L nodes, learnt online per source and size and
 scaled by how the request's own drafts of that source have kept against that mean (shrunk toward it by REQUEST_PRIOR
@@ -17,10 +17,10 @@ node costs at the request's context (each verified row attends over all of it: o
 plain step at 64 tokens of context, 0.2-0.25 at 2,000). The sources are asked in order, each only for the requests
 the ones before it left undecided; a source's draft is taken when it is worth at least a plain step (1) and at least
 what asking any later source is worth, else the request goes on. A source whose drafting costs (a head: head_cost)
-is asked only where that is worth more than a plain step, its first catch-up on a request's prompt included (and on
-one request in PROBE_EVERY where it is not, to keep its estimate live). So where the request's own text repeats (a
-long n-gram match keeps several tokens) the n-gram's chain is verified and the head is not run at all; where it does
-not, the head drafts; where nothing pays (a long context, drafts that keep little) nothing is drafted.
+is asked only where that is worth more than a plain step (and on one request in PROBE_EVERY where it is not, to keep
+its estimate live). So where the request's own text repeats (a long n-gram match keeps several tokens) the n-gram's
+chain is verified and the head is not asked; where it does not, the head drafts; where nothing pays (a long context,
+drafts that keep little) nothing is drafted.
 
 What a draft keeps is read off the sequence itself, once its committed tokens decide it: its longest path that
 they follow. That is what verification kept where the draft was verified (greedy, or keyed sampling:
@@ -31,9 +31,11 @@ measured there.
 Unlike `hybrid`, nothing is merged: a step verifies one source's chain (or static tree) per request, so a chain
 keeps the engine's causal fast path and a step costs one drafter.
 
-A source that reads the target's features (a head: at most one) consumes them only when asked: the switch keeps
-each request's features gathered while other sources drafted, and hands them over when the head is next asked,
-so its catch-up covers every committed token and it drafts what it would have drafted running every step.
+A source that reads the target's features (a head: at most one) consumes them when asked, and otherwise once
+CATCH_UP_ROWS of them wait (the prompt's at a request's first step; `catch_up` for steps that draft nothing and at a
+request's end): the switch holds each request's rows meanwhile and hands them over at once, so the head drafts what
+it would have drafted running every step, and its K/V follows the sequence within CATCH_UP_ROWS, which the prefix cache
+needs (a block is shared only where the head's K/V holds it too).
 
 Proposals are deterministic (q = one-hot), whatever the source drew them from, as in `hybrid`: greedy output is
 plain decoding's and sampled output keeps the target's distribution.
@@ -53,8 +55,7 @@ from specdec.tree import ROOT
 
 MAX_SIZE = 16  # draft sizes are learnt separately up to this many nodes (larger ones share the last estimate)
 PRIOR_KEPT, PRIOR_DRAFTS = 4.0, 8.0  # every estimate starts at half a token per draft, as if from 8 drafts
-HORIZON = 128  # a head's catch-up is spread over at most this many tokens still to come
-PROBE_MAX_ROWS = 64  # a probe never asks a head to catch up on more rows than this
+CATCH_UP_ROWS = 64  # a head not asked catches up anyway once this many feature rows wait for it
 REQUEST_PRIOR = 4.0  # a request's own drafts of a source weigh in against the source's mean as if it had this many
 
 
@@ -63,19 +64,15 @@ class SwitchOptions:
     sources: list = field(default_factory=list)  # speculative configs (dicts), in the order they are asked
     # What a draft costs, in plain steps at the request's context: verifying each node costs token_cost + context_cost
     # per 1,000 tokens of context (each verified row attends over all of it), and a source that reads the target's
-    # features (a head) costs head_cost more for its forward, and its first forward for a request catches up on
-    # every feature row gathered until then (the prompt's, on its first call): head_row_cost a row, spread over the
-    # tokens the request may still emit (at most HORIZON). `specdec tune` measures token_cost when left out.
+    # features (a head) costs head_cost more for its forward. `specdec tune` measures token_cost when left out.
     token_cost: float = 0.1
     context_cost: float = 0.07
     head_cost: float = 0.15
-    head_row_cost: float = 0.015
 
     def __post_init__(self) -> None:
         check_number("token_cost", self.token_cost, 0, 1)
         check_number("context_cost", self.context_cost, 0, 1)
         check_number("head_cost", self.head_cost, 0, 1)
-        check_number("head_row_cost", self.head_row_cost, 0, 1)
         if not isinstance(self.sources, list) or len(self.sources) < 2:
             raise SpecdecError("method 'switch' needs 'sources': a list of at least two speculative configs, asked in "
                                'order, e.g. [{"method": "ngram", "num_speculative_tokens": 4}, {"method": "eagle3", '
@@ -169,15 +166,15 @@ class SwitchDrafter(NestedDrafter):
     @classmethod
     def from_config(cls, cfg: SpeculativeConfig, env: DraftEnv | None = None) -> SwitchDrafter:
         o = cfg.options
-        return cls(build_sources(cfg, env), o.token_cost, o.context_cost, o.head_cost, o.head_row_cost)
+        return cls(build_sources(cfg, env), o.token_cost, o.context_cost, o.head_cost)
 
     def __init__(self, sources: list[tuple[Drafter, SpeculativeConfig]], token_cost: float = 0.1,
-                 context_cost: float = 0.07, head_cost: float = 0.15, head_row_cost: float = 0.015) -> None:
+                 context_cost: float = 0.07, head_cost: float = 0.15) -> None:
         self.sources = [_Source(d, c, [0.0] * MAX_SIZE, [0.0] * MAX_SIZE, head_cost if d.feature_layers else 0.0)
                         for d, c in sources]
         self.nest([s.drafter for s in self.sources], "switch")
         self.featured = self.sources[self.featured_index] if self.featured_index is not None else None
-        self.token_cost, self.context_cost, self.head_row_cost = token_cost, context_cost, head_row_cost
+        self.token_cost, self.context_cost = token_cost, context_cost
         self.made: dict[int, list[_Made]] = {}  # seq_id -> its drafts not measured yet
         self.records: dict[int, list[list[float]]] = {}  # seq_id -> per source: [kept tokens, drafts] measured
         self.held: dict[int, _Held] = {}
@@ -238,17 +235,40 @@ class SwitchDrafter(NestedDrafter):
                 rows[i] = (t, p)
                 self.taken[n] += 1
             undecided = left
+        self.feed_head(requests, CATCH_UP_ROWS)
         return Draft.from_rows(rows)
+
+    def catch_up(self, requests: list[DraftRequest]) -> None:
+        """The engine's catch-up (steps that drafted nothing, a finishing sequence): every row held for these
+        requests goes to the head now."""
+        for r in requests:
+            self.hold(r)
+        self.feed_head(requests, 1)
+
+    def feed_head(self, requests: list[DraftRequest], min_rows: int) -> None:
+        """Feed the head the feature rows held for each request with at least `min_rows` of them (at every step:
+        CATCH_UP_ROWS, the prompt's at the request's first): its K/V then follows the sequence within them, so
+        the request's blocks enter the prefix cache (a block is shared only where the head's K/V holds it too) and
+        a later ask never waits on a long catch-up. Its draft there (one token) is measured like any other."""
+        if self.featured is None:
+            return
+        late = [r for r in requests if self.held_rows(r) >= min_rows]
+        if not late:
+            return
+        subs = [dataclasses.replace(self.request_for(self.featured, r, self.featured.cfg.shape), max_tokens=1)
+                for r in late]
+        for r, t, p in zip(late, *self.featured.drafter.propose(subs).host_rows()):
+            if t:
+                self.made.setdefault(r.seq_id, []).append(_Made(self.featured_index, len(r.token_ids),
+                                                                node_paths(t, p)))
 
     def asks(self, n: int, r: DraftRequest) -> bool:
         """Whether source n, whose drafting costs, is asked for this request: where asking it is worth more than a
         plain step (`worth_asking`), and every PROBE_EVERY-th time it was not (its estimates learn only from its
-        own drafts) unless its catch-up would be long (a new request's prompt)."""
+        own drafts)."""
         src = self.sources[n]
         if self.worth_asking(n, r) >= 1.0:
             return True
-        if src is self.featured and self.held_rows(r) > PROBE_MAX_ROWS:
-            return False
         src.skipped += 1
         if src.skipped < self.PROBE_EVERY:
             return False
@@ -256,17 +276,12 @@ class SwitchDrafter(NestedDrafter):
         return True
 
     def worth_asking(self, n: int, r: DraftRequest) -> float:
-        """What asking source n for this request is worth (`_Source.worth`), scaled by the request's own record of
-        it; for the head with its catch-up on the rows held for it spread over the tokens still to come."""
-        src, record = self.sources[n], self.records.get(r.seq_id)
-        catch_up = 0.0
-        if src is self.featured:
-            horizon = min(HORIZON, r.max_depth + 1) if r.max_depth is not None else HORIZON
-            catch_up = self.held_rows(r) * self.head_row_cost / max(1, horizon)
-        return src.worth(self.node_cost(r), src.scale(record and record[n]), catch_up)
+        """What asking source n for this request is worth (`_Source.worth`), scaled by the request's own record."""
+        record = self.records.get(r.seq_id)
+        return self.sources[n].worth(self.node_cost(r), self.sources[n].scale(record and record[n]))
 
     def held_rows(self, r: DraftRequest) -> int:
-        """Feature rows the head would catch up on for this request now."""
+        """Feature rows held for the head for this request."""
         held = self.held.get(r.seq_id)
         return held.end() - held.start if held is not None else 0
 

@@ -147,6 +147,8 @@ class LLMEngine:
         return self._requests[request_id]
 
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+        if self.speculator is not None:  # a feature drafter's K/V follows it to the end, for the prefix cache
+            self.speculator.catch_up([seq], final=True)
         self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
         self.outputs.finished(seq)
         self.scheduler.finish(seq, reason)
@@ -242,9 +244,11 @@ class LLMEngine:
             if new_logprobs is not None:
                 seq.logprobs += new_logprobs
             updates.append(self._update(seq, kept, new_logprobs))
-        for seq in batch.seqs:
-            if not seq.is_finished:
-                self._register_prefix(seq)
+        running = [seq for seq in batch.seqs if not seq.is_finished]
+        if self.speculator is not None:
+            self.speculator.catch_up(running)
+        for seq in running:
+            self._register_prefix(seq)
         return updates
 
     def _update(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestUpdate:

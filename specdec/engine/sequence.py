@@ -98,11 +98,16 @@ class Sequence:
     # n > 1: the choice whose prefill this one waits for, to share its prompt's K/V blocks (see Scheduler)
     prompt_source: Sequence | None = None
 
-    def take_features(self) -> tuple[int, torch.Tensor | None]:
-        """The pending target features and the token index of their first row; they are handed over once."""
+    def take_features(self, leave: int = 0) -> tuple[int, torch.Tensor | None]:
+        """The pending target features and the token index of their first row; they are handed over once. `leave`:
+        that many last rows stay pending (a drafter's next draft starts from the row of the last cached token)."""
         start, pending = self.features_start, self.pending_features
+        rows = pending[0] if len(pending) == 1 else torch.cat(pending) if pending else None
+        if leave and rows is not None and len(rows) > leave:
+            self.features_start, self.pending_features = self.num_cached - leave, [rows[-leave:]]
+            return start, rows[:-leave]
         self.features_start, self.pending_features = self.num_cached, []
-        return start, (pending[0] if len(pending) == 1 else torch.cat(pending) if pending else None)
+        return start, rows
 
     def __post_init__(self) -> None:
         if not self.token_ids:

@@ -39,6 +39,9 @@ OFF = SpecShape(0)  # no drafting
 LOW_ACCEPTANCE = 0.3  # below: one draft token per step
 PAUSE_ACCEPTANCE = 0.1  # below: no drafting for 2, 4, ... MAX_PAUSE steps, then a one-token probe
 MAX_PAUSE = 32
+# A feature drafter takes the target features of steps it drafted nothing in once this many rows wait, and the rest
+# when its sequence finishes (`Speculator.catch_up`): a forward of its every 64 tokens costs little at any batch size.
+CATCH_UP_ROWS = 64
 
 
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None, keyed: bool = True
@@ -252,6 +255,38 @@ class Speculator:
     def cache_reads_next_token(self) -> bool:
         """Whether the drafter's K/V at slot t also encode token t + 1 (the prefix cache must then match it)."""
         return self.drafter.cache_reads_next_token
+
+    def catch_up(self, seqs: list[Sequence], final: bool = False) -> None:
+        """Hand a feature drafter the target features gathered over decode steps it drafted nothing in (the
+        dispatcher said off, the request was paused) once CATCH_UP_ROWS of them wait, or whatever waits when
+        `final` (the sequence finishes): all rows but the last (a row pairs a token's feature with the token after
+        it; the next draft starts there), so its K/V follows the sequence and the sequence's blocks enter the
+        prefix cache. A prompt's rows wait for the first decode step, which drafts from them. A drafter that fails
+        here stops drafting for the request, as in `propose`; the output never depends on it."""
+        if not self.feature_layers:
+            return
+        least = 2 if final else CATCH_UP_ROWS  # rows waiting (one stays behind)
+
+        def waits(s: Sequence) -> bool:
+            return s.spec.draft_error is None and bool(s.pending_features) and bool(s.block_table.blocks) and \
+                s.num_cached - s.features_start >= least and (final or len(s.output_token_ids) > 1)
+
+        late = [s for s in seqs if waits(s)]
+        if not late:
+            return
+        requests = []
+        for s in late:
+            r = draft_request(s, 1)
+            r.features_start, r.features = s.take_features(leave=1)
+            requests.append(r)
+        try:
+            self.drafter.catch_up(requests)
+        except Exception as e:  # noqa: BLE001  a drafter's failure costs speed, never a request
+            for s in late:
+                s.spec.draft_error = f"{type(e).__name__}: {e}"
+            self.totals.num_draft_failures += len(late)
+            log.warning("the drafter failed catching up on %d request(s) (%s); they decode without drafts", len(late),
+                        late[0].spec.draft_error)
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: the drafter drops what it kept for it."""
