@@ -115,11 +115,10 @@ class _Source:
         n = sum(self.drafts)
         return sum((s + 1) * d for s, d in enumerate(self.drafts)) / n if n else 1.0
 
-    def worth(self, node_cost: float, scale: float = 1.0, extra: float = 0.0) -> float:
+    def worth(self, node_cost: float, scale: float = 1.0) -> float:
         """What asking this source is worth: tokens a step emits with its draft over the step's cost, in plain
-        steps (1 + kept) / (1 + its nodes' verification + its own drafting + `extra`); `scale`: the request's own
-        (`scale`)."""
-        return (1.0 + scale * self.mean()) / (1.0 + self.mean_size() * node_cost + self.cost + extra)
+        steps (1 + kept) / (1 + its nodes' verification + its own drafting); `scale`: the request's own (`scale`)."""
+        return (1.0 + scale * self.mean()) / (1.0 + self.mean_size() * node_cost + self.cost)
 
 
 @dataclass
