@@ -13,6 +13,7 @@ from specdec.sampling import (
     apply_min_p,
     apply_top_k,
     apply_top_p,
+    keyed_noise,
     keyed_sample,
     logits_to_probs,
     penalize,
@@ -109,6 +110,38 @@ def test_a_key_decides_its_token_alone():
     assert batch[1].item() == alone
     assert all(0 <= sampling_key(seed, pos) < 2**63 for seed in (0, -1, 2**70) for pos in (0, 1, 10**9))
     assert sampling_key(3, 4) != sampling_key(4, 3) and sampling_key(3, 4) == sampling_key(3, 4)
+
+
+def test_the_keyed_race_is_one_function_of_key_and_token_on_every_path():
+    """The native kernel (every instruction-set build this CPU runs: 8 lanes, then the scalar tail of widths that are
+    no multiple of 8) draws the tokens of the tensor version's noise, row by row; the noise is never 0 or infinite
+    (u is a float strictly inside (0, 1): its largest value once rounded up to 1, which made E = 0); a vocabulary-wide
+    row over many keys follows its distribution (chi-square, 0.999 quantile), the lanes included."""
+    from specdec.models import native
+    assert native.available()
+    g = torch.Generator().manual_seed(0)
+    from specdec.sampling import _uniform
+    extremes = _uniform(torch.tensor([0, 2**32 - 1]))
+    assert 0 < extremes[0] and extremes[1] < 1
+    noise = keyed_noise([sampling_key(s, 3) for s in range(64)], 49152)
+    assert torch.isfinite(noise).all() and (noise > 0).all()
+    for width in (1, 7, 8, 9, 33, 1000, 49152):
+        probs = torch.softmax(torch.randn(96, width, generator=g) * 3, -1)
+        probs[:, ::5] = 0.0  # masked tokens are never drawn
+        keys = [sampling_key(s, width) for s in range(96)]
+        expected = (probs / keyed_noise(keys, width)).argmax(-1)
+        for isa in native.distinct_isas():
+            got = native.ops(isa).race_rows(probs, torch.tensor(keys))
+            assert torch.equal(got, expected), (isa, width)
+            if width > 1:
+                assert (got % 5 != 0).all()
+    p = torch.rand(24, generator=g) + 0.05  # 24 tokens: three 8-lane blocks
+    n = 30_000
+    draws = keyed_sample(p.expand(n, 24).contiguous(), [sampling_key(seed, 11) for seed in range(n)])
+    counts = torch.bincount(draws, minlength=24).double()
+    q = (p / p.sum()).double()
+    chi2 = (((counts - n * q) ** 2) / (n * q)).sum().item()
+    assert chi2 < 49.73  # 23 dof, 0.999 quantile
 
 
 def test_zero_probability_tokens_are_never_sampled():
