@@ -284,6 +284,21 @@ def _uniform(bits: torch.Tensor) -> torch.Tensor:
     return ((bits >> 9).float() + 0.5) * (1.0 / 8388608.0)
 
 
+def only_temperature(params: SamplingParams) -> bool:
+    """A sampled request whose distribution is its logits at a temperature, nothing else (no top-k, top-p, min-p)."""
+    return not params.greedy and params.top_k == 0 and params.top_p >= 1 and params.min_p <= 0
+
+
+def keyed_logit_sample(row: torch.Tensor, temperature: float, key: int) -> int:
+    """The keyed sample of softmax(row / temperature) for one row of logits [V] (an `only_temperature` request's): on
+    CPU one native pass over the logits (`race_logit_row`: 0.1 ms for a 49k vocabulary), no distribution written.
+    The same distribution as `keyed_sample` over `logits_to_probs`, and the same token but at near-ties (the exp's
+    and the normalization's last bits); a request always takes one path, so its tokens never depend on the other."""
+    if row.device.type == "cpu" and row.dtype == torch.float32 and native.available():
+        return int(native.ops().race_logit_row(row.contiguous(), 1.0 / temperature, key))
+    return int(keyed_sample(torch.softmax(row[None] / temperature, -1), [key])[0])
+
+
 def keyed_sample(probs: torch.Tensor, keys: list[int]) -> torch.Tensor:
     """One token per row of probs [R, V] (unnormalized is fine): argmax of p / E with the row's keyed noise. A token
     of probability 0 is never chosen. Returns [R] long, on probs' device."""

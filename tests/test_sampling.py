@@ -144,6 +144,36 @@ def test_the_keyed_race_is_one_function_of_key_and_token_on_every_path():
     assert chi2 < 49.73  # 23 dof, 0.999 quantile
 
 
+def test_a_temperature_alone_is_raced_straight_from_the_logits():
+    """A request that sets only a temperature draws from its logits in one native pass (`race_logit_row`, every
+    instruction-set build): the token `keyed_sample` draws from softmax(logits / T) with the same key, row by row
+    (the vector builds pad the last block, so widths that are no multiple of 8 are covered); -inf logits (a grammar's
+    mask) are never drawn; over many keys a row follows softmax(logits / T) (chi-square, 0.999 quantile)."""
+    from specdec.models import native
+    from specdec.sampling import keyed_logit_sample
+    assert native.available()
+    g = torch.Generator().manual_seed(1)
+    for width, temperature in ((1, 0.7), (9, 1.0), (33, 0.5), (1000, 1.3), (49152, 0.7)):
+        logits = torch.randn(48, width, generator=g) * 3
+        logits[:, 1::6] = -INF
+        for r in range(48):
+            key = sampling_key(r, width)
+            expected = int(keyed_sample(torch.softmax(logits[r:r + 1] / temperature, -1), [key])[0])
+            for isa in native.distinct_isas():
+                got = native.ops(isa).race_logit_row(logits[r], 1.0 / temperature, key)
+                if native.ops(isa).isa() != "portable":  # the scalar build's exp may differ in the last bit
+                    assert got == expected, (isa, width, r)
+                assert width == 1 or got % 6 != 1
+            assert keyed_logit_sample(logits[r], temperature, key) == expected
+    logits = torch.randn(24, generator=g)
+    n = 30_000
+    draws = torch.tensor([keyed_logit_sample(logits, 0.8, sampling_key(seed, 2)) for seed in range(n)])
+    counts = torch.bincount(draws, minlength=24).double()
+    q = torch.softmax(logits.double() / 0.8, -1)
+    chi2 = (((counts - n * q) ** 2) / (n * q)).sum().item()
+    assert chi2 < 49.73  # 23 dof, 0.999 quantile
+
+
 def test_zero_probability_tokens_are_never_sampled():
     p = torch.tensor([[0.0, 0.7, 0.0, 0.3]]).expand(5000, 4)
     draws = sample_from_probs(p, [None] * 5000)

@@ -38,8 +38,10 @@ from specdec.sampling import (
     SamplingTensors,
     TokenLogprob,
     greedy_tokens,
+    keyed_logit_sample,
     keyed_sample,
     logits_to_probs,
+    only_temperature,
     penalize,
     sampling_key,
     token_logprobs,
@@ -134,32 +136,46 @@ def target_tokens(seqs: list[Sequence], drafts: StepDrafts, layout: StepLayout, 
                   top: list[int] | None) -> torch.Tensor:
     """The target's own token at every row [T], on the logits' device: greedy rows its argmax (`top`, when masking
     computed it), sampled rows its keyed sample, keyed by the request's seed and the output position the row
-    predicts. On CPU a sampled sequence draws noise only on the rows verification reaches (from its first row,
-    down the child equal to each draw: accepted + 1 rows, not 1 + n; the rows it never reaches keep their argmax,
-    which verification never reads); elsewhere every row draws at once (no host read per row)."""
-    ids = torch.tensor(top, device=logits.device) if top is not None else greedy_tokens(logits)
+    predicts. On CPU a sampled sequence draws only on the rows verification reaches (from its first row, down the
+    child equal to each draw: accepted + 1 rows, not 1 + n; verification never reads the others), a request that
+    sets a temperature alone straight from its logits (`keyed_logit_sample`), the others from their processed
+    distributions; elsewhere every row draws at once (no host read per row)."""
+    if top is not None:
+        ids = torch.tensor(top, device=logits.device)
+    elif any(s.params.greedy for s in seqs):
+        ids = greedy_tokens(logits)
+    else:  # every row is sampled: the rows verification reaches are drawn below, the others never read
+        ids = torch.zeros(logits.shape[0], dtype=torch.long, device=logits.device)
     if all(s.params.greedy for s in seqs):
         return ids
+    cpu = logits.device.type == "cpu"
     rows, owners, keys, spans = [], [], [], []
     for i, seq in enumerate(seqs):
         if not seq.params.greedy:
             position = len(seq.token_ids) - seq.num_prompt_tokens  # the output position row 0 predicts
-            spans.append((i, layout.starts[i], len(rows)))
-            rows += layout.rows(i)
-            owners += [i] * len(layout.rows(i))
+            spans.append((i, layout.starts[i], len(keys)))
             keys += [sampling_key(seq.sampling_seed, position + level) for level in row_levels(drafts.parents[i])]
-    st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
-    probs = logits_to_probs(logits[torch.tensor(rows, device=logits.device)], st)  # [R, V]
-    ids = ids.clone()
-    if logits.device.type != "cpu":
+            if not (cpu and only_temperature(seq.params)):  # drawn from its processed distribution
+                rows += layout.rows(i)
+                owners += [i] * len(layout.rows(i))
+    probs = None  # [R, V] the processed distributions of `rows`
+    if rows:
+        st = SamplingTensors.from_requests(seqs, logits.device).select(owners)
+        probs = logits_to_probs(logits[torch.tensor(rows, device=logits.device)], st)
+    if not cpu:
         ids[torch.tensor(rows, device=logits.device)] = keyed_sample(probs, keys)
         return ids
+    at = {row: k for k, row in enumerate(rows)}  # logits row -> its processed row
     for i, first_row, first in spans:
-        tokens, parents = drafts.tokens[i], drafts.parents[i]
+        tokens, parents, params = drafts.tokens[i], drafts.parents[i], seqs[i].params
         node = -1  # the last committed token; then the deepest node kept so far
         while True:
-            token = int(keyed_sample(probs[first + node + 1:first + node + 2], [keys[first + node + 1]])[0])
-            ids[first_row + node + 1] = token
+            row, key = first_row + node + 1, keys[first + node + 1]
+            if row in at:
+                token = int(keyed_sample(probs[at[row]:at[row] + 1], [key])[0])
+            else:
+                token = keyed_logit_sample(logits[row], params.temperature, key)
+            ids[row] = token
             node = next((c for c, (t, p) in enumerate(zip(tokens, parents)) if p == node and t == token), None)
             if node is None:
                 break

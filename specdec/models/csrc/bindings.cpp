@@ -20,7 +20,7 @@
 //   activations.h  int8 activation quantization
 //   gemm.h         integer and float GEMM tiles, QMatrix, matmul, linear, dequantize_rows
 //   layer.h        the fused decoder layer and the whole-model Stack
-//   rows.h         argmax_rows, logprob_rows, mask_rows, race_rows
+//   rows.h         argmax_rows, logprob_rows, mask_rows, race_rows, race_logit_row
 //   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
 //   inputs.h       a step's causal layout over the paged cache (causal_inputs)
 #include "memory.h"
@@ -91,6 +91,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("race_rows", &race_rows, "a keyed sample of each row of probs float32 [N, V] for keys int64 [N]: the first index "
         "of the largest p / E, E ~ Exp(1) a hash of (key, token) (sampling.keyed_sample)");
+  m.def("race_logit_row", &race_logit_row, py::arg("logits"), py::arg("inv_t"), py::arg("key"),
+        "race_rows over exp((logits - max) * inv_t) for one float32 row: the keyed sample at a temperature alone");
   m.def("mask_rows", &mask_rows, "logits float32 [N, V] of tokens a bitmask int32 [N, V / 32] forbids -> -inf");
   m.def("causal_inputs", &causal_inputs, py::arg("tables"), py::arg("starts"), py::arg("feeds"), py::arg("block_size"),
         py::arg("null_block"), "a step's causal layout over the paged cache: tokens, positions, slot_mapping, "

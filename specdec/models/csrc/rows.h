@@ -1,6 +1,7 @@
 // Row kernels over the model's output logits, float32 [N, V]: argmax_rows (greedy), logprob_rows (a token's
-// log-softmax and the k largest), mask_rows (structured output's bitmask) and race_rows (a keyed sample). Independent of the weights: they only
-// share simd.h's instruction-set choice, and each row's result does not depend on the others.
+// log-softmax and the k largest), mask_rows (structured output's bitmask), race_rows and race_logit_row (a keyed
+// sample). Independent of the weights: they only share simd.h's instruction-set choice, and each row's result does
+// not depend on the others.
 #pragma once
 #include "simd.h"
 
@@ -252,6 +253,53 @@ torch::Tensor race_rows(const torch::Tensor& probs, const torch::Tensor& keys) {
     out.data_ptr<int64_t>()[n] = best;
   }
   return out;
+}
+
+// The keyed race straight from one row of logits at an inverse temperature (a request that sets no top-k, top-p or
+// min-p): p[v] = exp((x[v] - max) inv_t), unnormalized, raced as race_rows does, in two passes over the row (its
+// maximum, then the race) where a softmax would write a new row first. A value of -inf (a grammar's mask) or one
+// whose exponent falls under -87 gets p = 0: never drawn. The 8-lane path runs the last block padded with -inf, so
+// every value goes through the same operations (the portable build's scalar exp may differ in the last bit).
+int64_t race_logit_row(const torch::Tensor& logits, double inv_t, int64_t key) {
+  TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 1 && logits.is_contiguous() && logits.numel() > 0 &&
+              logits.numel() < (int64_t(1) << 31), "logits must be a contiguous float32 row of 1 to 2^31 - 1 values");
+  const float* r = logits.data_ptr<float>();
+  const int64_t V = logits.numel();
+  const float t = (float)inv_t;
+  const uint32_t k0 = (uint32_t)(uint64_t)key, k1 = (uint32_t)((uint64_t)key >> 32);
+  float mx = -INFINITY;
+  for (int64_t i = 0; i < V; i++) mx = std::max(mx, r[i]);
+  int64_t best = 0;
+  float top = -1.f;
+#ifdef SPECDEC_AVX2
+  const __m256i step = _mm256_set1_epi32(8), gold = _mm256_set1_epi32((int32_t)0x9E3779B9U);
+  const __m256i kk0 = _mm256_set1_epi32((int32_t)k0), kk1 = _mm256_set1_epi32((int32_t)k1);
+  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t), floor = _mm256_set1_ps(-87.f);
+  __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vidx = cur;
+  __m256 vmax = _mm256_set1_ps(-1.f);
+  alignas(32) float pad[8];
+  for (int64_t i = 0; i < V; i += 8) {
+    const float* src = r + i;
+    if (i + 8 > V) {
+      for (int l = 0; l < 8; l++) pad[l] = i + l < V ? r[i + l] : -INFINITY;
+      src = pad;
+    }
+    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(src), vm), vt);
+    const __m256 p = _mm256_and_ps(exp_ps(a), _mm256_cmp_ps(a, floor, _CMP_GE_OQ));
+    const __m256i bits = mix32x8(_mm256_xor_si256(mix32x8(_mm256_add_epi32(_mm256_mullo_epi32(cur, gold), kk0)), kk1));
+    keep_larger(_mm256_div_ps(p, race_exp1x8(bits)), cur, vmax, vidx);
+    cur = _mm256_add_epi32(cur, step);
+  }
+  best_lane(vmax, vidx, top, best);
+#else
+  for (int64_t i = 0; i < V; i++) {
+    const float a = (r[i] - mx) * t;
+    const float p = a >= -87.f ? std::exp(a) : 0.f;
+    const float v = p / race_exp1(race_bits(k0, k1, (uint32_t)i));
+    if (v > top) { top = v; best = i; }
+  }
+#endif
+  return best;
 }
 
 }  // namespace
