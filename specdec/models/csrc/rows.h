@@ -149,9 +149,10 @@ void mask_rows(torch::Tensor& logits, const torch::Tensor& bitmask) {
 // ---- the keyed exponential race (sampling.py's keyed_sample) ----------------------------------------------------
 // Row n's token is argmax_v p[v] / E(key_n, v), with E ~ Exp(1) a function of the key and the token id alone: the
 // 32 bits of a counter-based hash of (key, v) (two rounds of the lowbias32 mixer) give a uniform u = (bits / 2^9 +
-// 1/2) / 2^23, exactly a float strictly inside (0, 1), and E = -log u (Cephes' logf polynomial, fixed operations). No generator state: a row is
-// drawn in one pass over its V values (torch's exponential_ took 0.9 ms for a 49k vocabulary on Zen 4, a quarter of
-// a decode step), and the scalar and vector paths run the same float operations, so every build draws the same token.
+// 1/2) / 2^23, exactly a float strictly inside (0, 1), and E = -log u (Cephes' logf polynomial, fixed operations).
+// No generator state: a row is drawn in one pass over its V values (torch's exponential_ took 0.9 ms for a 49k
+// vocabulary on Zen 4, a quarter of a decode step), and the scalar and vector paths run the same float operations,
+// so every build draws the same token.
 inline uint32_t mix32(uint32_t h) {
   h ^= h >> 16; h *= 0x7feb352dU; h ^= h >> 15; h *= 0x846ca68bU; h ^= h >> 16;
   return h;
@@ -213,6 +214,49 @@ inline __m256 race_exp1x8(__m256i bits) {
 }
 #endif
 
+#ifdef SPECDEC_AVX2
+// race_bits of 8 consecutive token ids (lanes of `ids`), the same operations.
+inline __m256i race_bits8(__m256i ids, __m256i k0, __m256i k1) {
+  const __m256i gold = _mm256_set1_epi32((int32_t)0x9E3779B9U);
+  return mix32x8(_mm256_xor_si256(mix32x8(_mm256_add_epi32(_mm256_mullo_epi32(ids, gold), k0)), k1));
+}
+#endif
+
+// The race over one row of V values: the first index of the largest p[v] / E(key, v). The 8-lane path maps each block
+// of values to p with p8 (the last block padded with `pad`, a value p8 maps to 0, so every value goes through the same
+// lanes' operations and a padded lane never wins: a real lane scores as much and comes first); the portable path
+// maps each value with p1. Scores are >= 0, so -1 starts below every lane.
+template <class P8, class P1>
+int64_t race_row(const float* r, int64_t V, uint64_t key, float pad, P8 p8, P1 p1) {
+  const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
+  int64_t best = 0;
+  float top = -1.f;
+#ifdef SPECDEC_AVX2
+  (void)p1;
+  const __m256i step = _mm256_set1_epi32(8), kk0 = _mm256_set1_epi32((int32_t)k0), kk1 = _mm256_set1_epi32((int32_t)k1);
+  __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vidx = cur;
+  __m256 vmax = _mm256_set1_ps(-1.f);
+  alignas(32) float tail[8];
+  for (int64_t i = 0; i < V; i += 8) {
+    const float* src = r + i;
+    if (i + 8 > V) {
+      for (int l = 0; l < 8; l++) tail[l] = i + l < V ? r[i + l] : pad;
+      src = tail;
+    }
+    keep_larger(_mm256_div_ps(p8(_mm256_loadu_ps(src)), race_exp1x8(race_bits8(cur, kk0, kk1))), cur, vmax, vidx);
+    cur = _mm256_add_epi32(cur, step);
+  }
+  best_lane(vmax, vidx, top, best);
+#else
+  (void)p8; (void)pad;
+  for (int64_t i = 0; i < V; i++) {
+    const float v = p1(r[i]) / race_exp1(race_bits(k0, k1, (uint32_t)i));
+    if (v > top) { top = v; best = i; }
+  }
+#endif
+  return best;
+}
+
 // One token per row of probs float32 [N, V] (unnormalized is fine; a zero is never chosen while any value is
 // positive) for keys int64 [N]: the first index of the largest p / E. Returns int64 [N].
 torch::Tensor race_rows(const torch::Tensor& probs, const torch::Tensor& keys) {
@@ -224,82 +268,50 @@ torch::Tensor race_rows(const torch::Tensor& probs, const torch::Tensor& keys) {
   const int64_t N = x.size(0), V = x.size(1);
   TORCH_CHECK(V > 0 && V < (int64_t(1) << 31), "rows of 1 to 2^31 - 1 values");
   auto out = torch::empty({N}, torch::kInt64);
-  for (int64_t n = 0; n < N; n++) {
-    const float* r = x.data_ptr<float>() + n * V;
-    const uint64_t key = (uint64_t)k.data_ptr<int64_t>()[n];
-    const uint32_t k0 = (uint32_t)key, k1 = (uint32_t)(key >> 32);
-    int64_t best = 0, i = 0;
-    float top = -1.f;
 #ifdef SPECDEC_AVX2
-    if (V >= 8) {  // per lane: the largest score and its first index; then the lanes' best, lowest index on ties
-      __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vidx = cur;
-      const __m256i step = _mm256_set1_epi32(8), gold = _mm256_set1_epi32((int32_t)0x9E3779B9U);
-      const __m256i kk0 = _mm256_set1_epi32((int32_t)k0), kk1 = _mm256_set1_epi32((int32_t)k1);
-      __m256 vmax = _mm256_set1_ps(-1.f);
-      for (i = 0; i + 8 <= V; i += 8) {
-        const __m256i bits = mix32x8(_mm256_xor_si256(
-            mix32x8(_mm256_add_epi32(_mm256_mullo_epi32(cur, gold), kk0)), kk1));
-        const __m256 v = _mm256_div_ps(_mm256_loadu_ps(r + i), race_exp1x8(bits));
-        keep_larger(v, cur, vmax, vidx);
-        cur = _mm256_add_epi32(cur, step);
-      }
-      best_lane(vmax, vidx, top, best);
-    }
+  const auto p8 = [](__m256 p) { return p; };
+#else
+  const auto p8 = [](float p) { return p; };  // unused: the portable path maps each value alone
 #endif
-    for (; i < V; i++) {
-      const float v = r[i] / race_exp1(race_bits(k0, k1, (uint32_t)i));
-      if (v > top) { top = v; best = i; }
-    }
-    out.data_ptr<int64_t>()[n] = best;
-  }
+  for (int64_t n = 0; n < N; n++)
+    out.data_ptr<int64_t>()[n] = race_row(x.data_ptr<float>() + n * V, V, (uint64_t)k.data_ptr<int64_t>()[n], 0.f, p8,
+                                          [](float p) { return p; });
   return out;
 }
 
 // The keyed race straight from one row of logits at an inverse temperature (a request that sets no top-k, top-p or
 // min-p): p[v] = exp((x[v] - max) inv_t), unnormalized, raced as race_rows does, in two passes over the row (its
 // maximum, then the race) where a softmax would write a new row first. A value of -inf (a grammar's mask) or one
-// whose exponent falls under -87 gets p = 0: never drawn. The 8-lane path runs the last block padded with -inf, so
-// every value goes through the same operations (the portable build's scalar exp may differ in the last bit).
+// whose exponent falls under -87 gets p = 0: never drawn (the portable build's scalar exp may differ in the last bit).
 int64_t race_logit_row(const torch::Tensor& logits, double inv_t, int64_t key) {
   TORCH_CHECK(logits.dtype() == torch::kFloat32 && logits.dim() == 1 && logits.is_contiguous() && logits.numel() > 0 &&
               logits.numel() < (int64_t(1) << 31), "logits must be a contiguous float32 row of 1 to 2^31 - 1 values");
   const float* r = logits.data_ptr<float>();
   const int64_t V = logits.numel();
   const float t = (float)inv_t;
-  const uint32_t k0 = (uint32_t)(uint64_t)key, k1 = (uint32_t)((uint64_t)key >> 32);
   float mx = -INFINITY;
-  for (int64_t i = 0; i < V; i++) mx = std::max(mx, r[i]);
-  int64_t best = 0;
-  float top = -1.f;
+  int64_t i = 0;
 #ifdef SPECDEC_AVX2
-  const __m256i step = _mm256_set1_epi32(8), gold = _mm256_set1_epi32((int32_t)0x9E3779B9U);
-  const __m256i kk0 = _mm256_set1_epi32((int32_t)k0), kk1 = _mm256_set1_epi32((int32_t)k1);
-  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t), floor = _mm256_set1_ps(-87.f);
-  __m256i cur = _mm256_setr_epi32(0, 1, 2, 3, 4, 5, 6, 7), vidx = cur;
-  __m256 vmax = _mm256_set1_ps(-1.f);
-  alignas(32) float pad[8];
-  for (int64_t i = 0; i < V; i += 8) {
-    const float* src = r + i;
-    if (i + 8 > V) {
-      for (int l = 0; l < 8; l++) pad[l] = i + l < V ? r[i + l] : -INFINITY;
-      src = pad;
-    }
-    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(_mm256_loadu_ps(src), vm), vt);
-    const __m256 p = _mm256_and_ps(exp_ps(a), _mm256_cmp_ps(a, floor, _CMP_GE_OQ));
-    const __m256i bits = mix32x8(_mm256_xor_si256(mix32x8(_mm256_add_epi32(_mm256_mullo_epi32(cur, gold), kk0)), kk1));
-    keep_larger(_mm256_div_ps(p, race_exp1x8(bits)), cur, vmax, vidx);
-    cur = _mm256_add_epi32(cur, step);
-  }
-  best_lane(vmax, vidx, top, best);
-#else
-  for (int64_t i = 0; i < V; i++) {
-    const float a = (r[i] - mx) * t;
-    const float p = a >= -87.f ? std::exp(a) : 0.f;
-    const float v = p / race_exp1(race_bits(k0, k1, (uint32_t)i));
-    if (v > top) { top = v; best = i; }
-  }
+  __m256 m8 = _mm256_set1_ps(-INFINITY);
+  for (; i + 8 <= V; i += 8) m8 = _mm256_max_ps(m8, _mm256_loadu_ps(r + i));
+  alignas(32) float lanes[8];
+  _mm256_store_ps(lanes, m8);
+  for (int l = 0; l < 8; l++) mx = std::max(mx, lanes[l]);
 #endif
-  return best;
+  for (; i < V; i++) mx = std::max(mx, r[i]);
+#ifdef SPECDEC_AVX2
+  const __m256 vm = _mm256_set1_ps(mx), vt = _mm256_set1_ps(t), floor = _mm256_set1_ps(-87.f);
+  const auto p8 = [&](__m256 x) {
+    const __m256 a = _mm256_mul_ps(_mm256_sub_ps(x, vm), vt);
+    return _mm256_and_ps(exp_ps(a), _mm256_cmp_ps(a, floor, _CMP_GE_OQ));
+  };
+#else
+  const auto p8 = [](float x) { return x; };  // unused: the portable path maps each value alone
+#endif
+  return race_row(r, V, (uint64_t)key, -INFINITY, p8, [&](float x) {
+    const float a = (x - mx) * t;
+    return a >= -87.f ? std::exp(a) : 0.f;
+  });
 }
 
 }  // namespace
