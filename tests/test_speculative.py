@@ -193,6 +193,38 @@ def test_stop_conditions_inside_an_accepted_draft(tiny_llama_dir, plain, referen
     assert llm.generate(PROMPTS, short)[1].token_ids == reference[1][:7]
 
 
+class PairingDrafter(ScriptedDrafter):
+    """The scripted drafter reading target features: it refuses a row whose next token was not kept, as a head's
+    feed does (`EagleDrafter._catch_up` pairs row t's feature with token t + 1)."""
+
+    feature_layers = (0,)
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        for r in requests:
+            if r.features is not None and len(r.features) > len(r.token_ids) - 1 - r.features_start:
+                raise RuntimeError(f"{len(r.features)} feature rows, {len(r.token_ids) - 1 - r.features_start} "
+                                   "tokens to pair them with")
+        return super().propose(requests)
+
+
+def test_a_stop_inside_an_accepted_draft_hands_a_feature_drafter_only_rows_it_can_pair(tiny_llama_dir, plain,
+                                                                                       reference):
+    """The step that accepts a stop token mid-draft caches rows past it; the catch-up at the request's end hands
+    the drafter only the rows whose next token was kept (before, a head failed there and the sequence's blocks
+    missed the prefix cache)."""
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    first = reference[0]
+    stop = next(i for i in range(2, 5) if first[i] not in first[:i])  # inside the first step's 5 accepted drafts
+    params = SamplingParams(temperature=0, max_tokens=24, stop_token_ids=[first[stop]])
+    drafter = PairingDrafter(truth, 5)
+    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 5,
+                                                                  "drafter": drafter}))
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids == first[:stop + 1] == plain.generate(PROMPTS[0], params)[0].token_ids
+    assert out.finish_reason == "stop" and out.metrics["num_accepted_tokens"] == 5  # verified past the stop
+    assert llm.engine.stats()["spec_draft_failures"] == 0 and llm.engine.allocator.num_used == 0
+
+
 def chi_square_two_sample(a: torch.Tensor, b: torch.Tensor, min_count: int = 20) -> tuple[float, int]:
     """Two-sample chi-square over categories; rare categories are pooled so expected counts are large."""
     size = int(max(a.max(), b.max())) + 1

@@ -278,7 +278,15 @@ class Speculator:
         for s in late:
             r = draft_request(s, 1)
             r.features_start, r.features = s.take_features(leave=1)
-            requests.append(r)
+            # a stop inside an accepted draft (EOS, a stop token or string) keeps fewer tokens than the step cached:
+            # the rows whose next token was not kept pair with nothing and are dropped
+            paired = len(s.token_ids) - 1 - r.features_start
+            if paired < len(r.features):
+                r.features = r.features[:max(paired, 0)]
+            if len(r.features):
+                requests.append(r)
+        if not requests:
+            return
         try:
             self.drafter.catch_up(requests)
         except Exception as e:  # noqa: BLE001  a drafter's failure costs speed, never a request
