@@ -219,6 +219,9 @@ def build_parser() -> argparse.ArgumentParser:
                          "e.g. ~/.cache/specdec/features) so epochs never rerun the target")
     tr.add_argument("--max-conversations", type=int, default=0,
                     help="use only the first N training conversations after shuffling (default: all)")
+    tr.add_argument("--skip-conversations", type=int, default=0,
+                    help="leave out the first N training conversations after shuffling, before --max-conversations "
+                         "(a later pass over what an earlier run's --max-conversations left; same --seed)")
     tr.add_argument("--ce-weight", type=float, default=0.1, help="weight of the CE term of the loss (default 0.1)")
     tr.add_argument("--regression-weight", type=float, default=1.0,
                     help="weight of the SmoothL1 hidden-state term of the loss (default 1.0)")

@@ -433,6 +433,29 @@ def test_training_on_answers_draws_the_curve_keeps_the_best_head_and_resumes_aft
     assert best.draft_vocab_size == 64
 
 
+def test_skip_and_max_conversations_split_the_corpus_into_passes_that_follow_one_another(target_dir, tmp_path,
+                                                                                          capsys):
+    """--max-conversations N, then --skip-conversations N (the same seed's order), take the two halves of what one
+    pass over 2N takes; a skip past the corpus, or a negative count, is refused by name."""
+    import argparse
+
+    from specdec.config import SpecdecError
+    from specdec.training.train import window
+
+    order = list(range(10))  # the shuffled conversations
+    take = lambda skip, most: window(order, argparse.Namespace(skip_conversations=skip, max_conversations=most))  # noqa: E731
+    assert take(0, 3) == [0, 1, 2] and take(3, 3) == [3, 4, 5] and take(0, 6) == take(0, 3) + take(3, 3)
+    assert take(3, 0) == list(range(3, 10)) and take(0, 0) == order
+    with pytest.raises(SpecdecError, match="must be >= 0"):
+        take(-1, 0)
+    bad = tmp_path / "one.jsonl"  # through the command line, before any training
+    bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
+                                            {"role": "assistant", "content": "hello there"}]}) + "\n")
+    assert main(["train", "--target", str(target_dir), "--data", str(bad), "--out", str(tmp_path / "o"),
+                 "--val-prompts", "0", "--skip-conversations", "5"]) == 2
+    assert "--skip-conversations 5 leaves none of the 1 training conversations" in capsys.readouterr().err
+
+
 def test_the_curves_first_position_is_the_heads_greedy_agreement_with_the_target(target_dir, tmp_path):
     """With a draft vocabulary of the whole target vocabulary, the curve's step-1 top-1 equals the loss's own
     count of rows where the head's argmax is the target's argmax (two computations of one figure)."""

@@ -147,6 +147,19 @@ def head_class(method: str) -> type:
     return method_info(method).head
 
 
+def window(items: list, args: argparse.Namespace) -> list:
+    """The training conversations a run takes of the shuffled ones: --skip-conversations, then at most
+    --max-conversations (0: all), so passes over disjoint parts of a large corpus can follow one another."""
+    skip = getattr(args, "skip_conversations", 0)
+    if skip < 0 or args.max_conversations < 0:
+        raise SpecdecError(f"invalid --skip-conversations {skip} / --max-conversations {args.max_conversations}: "
+                           "must be >= 0")
+    if skip and skip >= len(items):
+        raise SpecdecError(f"--skip-conversations {skip} leaves none of the {len(items)} training conversations")
+    items = items[skip:]
+    return items[:args.max_conversations] if args.max_conversations else items
+
+
 def run_train(args: argparse.Namespace) -> dict:
     cls = head_class(args.method)
     if args.ttt_steps is None:
@@ -208,14 +221,12 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
         samples = [(ids, mask) for _, ids, mask in keyed[n_held:]]
         random.Random(args.seed).shuffle(samples)
         held_out = []  # validation prompts come with conversations; acceptance is measured by `specdec bench`
-        if args.max_conversations:
-            samples = samples[:args.max_conversations]
+        samples = window(samples, args)
     else:
         convs = load_conversations(args.data)
         random.Random(args.seed).shuffle(convs)
         held_out, train_convs = convs[:args.val_prompts], convs[args.val_prompts:]
-        if args.max_conversations:
-            train_convs = train_convs[:args.max_conversations]
+        train_convs = window(train_convs, args)
         samples = (regenerate(llm, train_convs, args.max_len, out_dir / "regenerated.json") if args.regenerate
                    else [tokenize(tok, c, args.max_len) for c in train_convs])
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
