@@ -103,6 +103,8 @@ class Sequence:
         that many last rows stay pending (a drafter's next draft starts from the row of the last cached token)."""
         start, pending = self.features_start, self.pending_features
         rows = pending[0] if len(pending) == 1 else torch.cat(pending) if pending else None
+        if rows is not None:  # a stop inside an accepted draft keeps fewer tokens than the step cached: rows whose
+            rows = rows[:max(len(self.token_ids) - 1 - start, 0)]  # next token was not kept pair with nothing
         if leave and rows is not None and len(rows) > leave:
             self.features_start, self.pending_features = self.num_cached - leave, [rows[-leave:]]
             return start, rows[:-leave]

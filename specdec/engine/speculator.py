@@ -278,12 +278,7 @@ class Speculator:
         for s in late:
             r = draft_request(s, 1)
             r.features_start, r.features = s.take_features(leave=1)
-            # a stop inside an accepted draft (EOS, a stop token or string) keeps fewer tokens than the step cached:
-            # the rows whose next token was not kept pair with nothing and are dropped
-            paired = len(s.token_ids) - 1 - r.features_start
-            if paired < len(r.features):
-                r.features = r.features[:max(paired, 0)]
-            if len(r.features):
+            if len(r.features):  # none where a stop left no token to pair them with
                 requests.append(r)
         if not requests:
             return
