@@ -12,7 +12,9 @@ from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
+# The dense Llama-shaped families `ModelConfig.from_hf` reads alone; the others (`specdec.models.families`) build on it.
 SUPPORTED_MODEL_TYPES = ("llama", "mistral", "qwen2", "qwen3")
+FULL, SLIDING = "full_attention", "sliding_attention"  # HF's layer_types
 
 
 CACHE_ENV = "SPECDEC_CACHE"
@@ -30,7 +32,8 @@ class SpecdecError(ValueError):
 
 @dataclass(frozen=True)
 class ModelConfig:
-    """The shape of a Llama-family decoder (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3)."""
+    """The shape of a decoder: the Llama form (Llama 2/3, SmolLM2, Mistral, Qwen2, Qwen3) and how the other families
+    (`specdec.models.families`) differ from it, each a field whose default is Llama's."""
 
     model_type: str
     vocab_size: int
@@ -49,12 +52,78 @@ class ModelConfig:
     qk_norm: bool = False  # Qwen3: RMSNorm on q and k per head
     bos_token_id: int | None = None
     eos_token_id: int | list[int] | None = None
+    # Attention per layer: FULL or SLIDING (each query sees its last `sliding_window` keys); None: every layer full.
+    layer_types: tuple[str, ...] | None = None
+    sliding_window: int | None = None
+    rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own rotary base, unscaled
+    partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first part of each head only
+    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
+    sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and around the MLP too (four per layer)
+    embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
+    attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
+    attn_softcap: float | None = None  # Gemma 2: scores become cap * tanh(score / cap)
+    final_softcap: float | None = None  # Gemma 2: the same on the logits
+    qk_norm_full: bool = False  # OLMoE: one RMSNorm over all of q (and of k), not per head
+    clip_qkv: float | None = None  # OLMoE: q, k, v clamped to +-clip
+    # Mixture of experts (no moe_layers: every MLP dense): which layers are sparse, the router's top-k, expert widths.
+    num_experts: int = 0
+    num_experts_per_tok: int = 0
+    moe_intermediate_size: int = 0
+    norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
+    moe_layers: tuple[int, ...] = ()
+    shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by sigmoid
+
+    def identity(self) -> dict[str, Any]:
+        """The fields that name this shape (what a fingerprint hashes): the Llama form's always, a family option only
+        where it differs from its default, so a Llama-form model keeps the name it had before the options existed."""
+        fields = dataclasses.fields(self)
+        first_option = next(i for i, f in enumerate(fields) if f.name == "layer_types")
+        return {f.name: getattr(self, f.name) for i, f in enumerate(fields)
+                if i < first_option or getattr(self, f.name) != f.default}
+
+    def window(self, layer: int) -> int:
+        """Layer `layer`'s sliding window, 0 for a layer that sees every key."""
+        if self.layer_types is None or self.layer_types[layer] != SLIDING:
+            return 0
+        return int(self.sliding_window)
+
+    @property
+    def rotary_dim(self) -> int:
+        """The leading dimensions of each head that RoPE rotates (all of them but for a partial factor)."""
+        return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    @property
+    def llama_form(self) -> bool:
+        """Whether every layer is the Llama-form layer the native fused kernel computes (windows and soft-caps are its
+        options too): no family option of the Python path."""
+        return (self.hidden_act == "silu" and not self.sandwich_norms and self.rope_local_theta is None
+                and self.rotary_dim == self.head_dim and not self.qk_norm_full and self.clip_qkv is None
+                and not self.moe_layers)
+
+    def __post_init__(self) -> None:
+        if self.layer_types is not None:
+            if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {FULL, SLIDING}:
+                raise SpecdecError(f"layer_types must name {FULL!r} or {SLIDING!r} for each of the "
+                                   f"{self.num_hidden_layers} layers; got {list(self.layer_types)}")
+            if SLIDING in self.layer_types:
+                w = self.sliding_window
+                if not isinstance(w, int) or isinstance(w, bool) or w < 1:
+                    raise SpecdecError(f"sliding_window={w!r}: sliding-window layers need a positive window")
+                if w > self.max_position_embeddings:
+                    raise SpecdecError(f"sliding_window={w} is larger than the context (max_position_embeddings="
+                                       f"{self.max_position_embeddings}): not a window any position can reach")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
+            raise SpecdecError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
+            raise SpecdecError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
+                               f"{self.num_experts}]")
 
     @classmethod
-    def from_hf(cls, hf: dict[str, Any]) -> ModelConfig:
-        """Build from a Hugging Face config.json dict; refuses architectures we do not implement."""
+    def from_hf(cls, hf: dict[str, Any], **family: Any) -> ModelConfig:
+        """Build from a Hugging Face config.json dict; refuses architectures we do not implement. `family`: the fields
+        a family other than the dense four sets (`specdec.models.families`, which checks its own model_type)."""
         model_type = hf.get("model_type")
-        if model_type not in SUPPORTED_MODEL_TYPES:
+        if model_type not in SUPPORTED_MODEL_TYPES and not family:
             archs = hf.get("architectures") or [model_type]
             raise SpecdecError(
                 f"unsupported architecture {archs[0]!r} (model_type={model_type!r}); "
@@ -71,7 +140,7 @@ class ModelConfig:
                 rope_scaling = rope_scaling or params
         if rope_scaling and rope_scaling.get("rope_type", rope_scaling.get("type")) in (None, "default"):
             rope_scaling = None
-        return cls(
+        fields = dict(
             model_type=model_type,
             vocab_size=hf["vocab_size"],
             hidden_size=hf["hidden_size"],
@@ -89,7 +158,31 @@ class ModelConfig:
             qk_norm=model_type == "qwen3",
             bos_token_id=hf.get("bos_token_id"),
             eos_token_id=hf.get("eos_token_id"),
+            layer_types=_layer_types(hf),
+            sliding_window=hf.get("sliding_window"),
         )
+        fields.update(family)
+        if fields["layer_types"] is None or SLIDING not in fields["layer_types"]:  # no window: the Llama form's None
+            fields.update(layer_types=None, sliding_window=None)
+        return cls(**fields)
+
+
+def _layer_types(hf: dict[str, Any]) -> tuple[str, ...] | None:
+    """Which layers slide, as transformers decides: `layer_types` where the config lists them; else Mistral's (and
+    Phi-3's, Mixtral's) `sliding_window` on every layer, and Qwen's `use_sliding_window` from layer
+    `max_window_layers` on."""
+    n, window = hf["num_hidden_layers"], hf.get("sliding_window")
+    if hf.get("layer_types") is not None:
+        types = tuple(hf["layer_types"])
+        return types if window is not None or SLIDING not in types else None
+    if window is None:
+        return None
+    if "use_sliding_window" in hf:
+        if not hf["use_sliding_window"]:
+            return None
+        first = hf.get("max_window_layers", n)
+        return tuple(SLIDING if i >= first else FULL for i in range(n))
+    return (SLIDING,) * n
 
 
 @dataclass

@@ -168,17 +168,24 @@ def tokenizer_fields(source: Path) -> dict[str, tuple[object, GGUFValueType, GGU
     return fields
 
 
+def add_shape_keys(writer: GGUFWriter, context: int, hidden: int, layers: int, ff: int, heads: int, kv_heads: int,
+                   rotary_dims: int, rope_theta: float, eps: float) -> None:
+    """The decoder's shape under llama.cpp's keys (every architecture's common ones)."""
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(rotary_dims)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(eps)
+
+
 def _add_metadata(writer: GGUFWriter, shape: Shape, file_type: str, tokenizer: dict, name: str) -> None:
     writer.add_name(name)
-    writer.add_context_length(8192)
-    writer.add_embedding_length(shape.hidden)
-    writer.add_block_count(shape.layers)
-    writer.add_feed_forward_length(shape.intermediate)
-    writer.add_head_count(shape.heads)
-    writer.add_head_count_kv(shape.kv_heads)
-    writer.add_rope_dimension_count(shape.head_dim)
-    writer.add_rope_freq_base(shape.rope_theta)
-    writer.add_layer_norm_rms_eps(1e-5)
+    add_shape_keys(writer, 8192, shape.hidden, shape.layers, shape.intermediate, shape.heads, shape.kv_heads,
+                   shape.head_dim, shape.rope_theta, 1e-5)
     writer.add_vocab_size(len(tokenizer["tokenizer.ggml.tokens"][0]))
     writer.add_file_type(FILE_TYPES[file_type][1].value)
     writer.add_quantization_version(2)

@@ -57,6 +57,17 @@ class AttentionMetadata:
         return AttentionMetadata(self.slot_mapping.to(device), self.context_slots.to(device), self.mask.to(device),
                                  self.query_lens, self.context_lens, self.tree_starts, self.query_starts)
 
+    def windowed(self, window: int) -> AttentionMetadata:
+        """This step's layout for a sliding-window layer: each query keeps its last `window` visible keys. A query
+        sees its whole prefix and, in a tree, one ancestor per position, so its visible keys in slot order are at
+        consecutive positions ending at its own: the last `window` of them are those at positions > its - window
+        (transformers' and llama.cpp's rule). The tree split is off: the mask says everything."""
+        mask = self.mask
+        rank = mask.cumsum(-1)  # [B, S, L] 1-based rank of each visible key in its row
+        keep = rank > rank[..., -1:] - window
+        return AttentionMetadata(self.slot_mapping, self.context_slots, mask & keep, self.query_lens,
+                                 self.context_lens, None, self.query_starts)
+
     @classmethod
     def causal(cls, positions: torch.Tensor, context_slots: torch.Tensor, context_positions: torch.Tensor,
                slot_mapping: torch.Tensor, query_lens: list[int]) -> AttentionMetadata:
@@ -71,24 +82,31 @@ class AttentionMetadata:
         return cls(slot_mapping, context_slots, mask, list(query_lens), context_lens)
 
 
-def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float
-          ) -> torch.Tensor:
+def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
+          softcap: float = 0.0) -> torch.Tensor:
     """q: [B, S, Hq, D]; keys, values: [B, L, Hkv, D]; mask: [B, S, L] -> [B, S, Hq, D].
 
-    The G query heads sharing a KV head are folded into the query axis: GQA without repeating K/V.
+    The G query heads sharing a KV head are folded into the query axis: GQA without repeating K/V. softcap > 0:
+    scores become cap * tanh(score / cap) before the mask (Gemma 2), written out since SDPA has no such option.
     """
     B, S, Hq, D = q.shape
     Hkv, L = keys.shape[2], keys.shape[1]
     G = Hq // Hkv
     qf = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
     mf = mask[:, None].expand(B, G, S, L).reshape(B, 1, G * S, L)
+    if softcap > 0:
+        scores = qf @ keys.permute(0, 2, 3, 1) * scale
+        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mf, float("-inf"))
+        out = torch.softmax(scores.float(), dim=-1).to(qf.dtype) @ values.transpose(1, 2)
+        return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
     out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mf, scale=scale)
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    meta: AttentionMetadata, scale: float) -> torch.Tensor:
-    """Write the new K/V into the pool, then attend over each sequence's context slots.
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+    """Write the new K/V into the pool, then attend over each sequence's context slots (window > 0: each query's
+    last `window` keys, `AttentionMetadata.windowed`; softcap > 0: Gemma 2's capped scores).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; pools: [num_slots, Hkv, D]. Returns [T, Hq, D].
     """
@@ -96,20 +114,22 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     Hkv = k.shape[1]
     k_pool.index_copy_(0, meta.slot_mapping, k)
     v_pool.index_copy_(0, meta.slot_mapping, v)
-    if meta.tree_starts is not None:
+    if window > 0:
+        meta = meta.windowed(window)
+    if meta.tree_starts is not None and softcap == 0:
         return _tree_split(q, k_pool, v_pool, meta, scale)
     if meta.uniform:
         B, S, L = len(meta.query_lens), meta.query_lens[0], meta.context_slots.shape[1]
         slots = meta.context_slots.reshape(-1)
         keys = k_pool.index_select(0, slots).view(B, L, Hkv, D)
         values = v_pool.index_select(0, slots).view(B, L, Hkv, D)
-        return _sdpa(q.reshape(B, S, Hq, D), keys, values, meta.mask, scale).reshape(T, Hq, D)
+        return _sdpa(q.reshape(B, S, Hq, D), keys, values, meta.mask, scale, softcap).reshape(T, Hq, D)
     # Ragged (prefill of different lengths): one attention per sequence, no padded rows at all.
     outs, start = [], 0
     for i, (n, L) in enumerate(zip(meta.query_lens, meta.context_lens)):
         slots = meta.context_slots[i, :L]
         keys, values = k_pool.index_select(0, slots)[None], v_pool.index_select(0, slots)[None]
-        outs.append(_sdpa(q[start:start + n][None], keys, values, meta.mask[i:i + 1, :n, :L], scale)[0])
+        outs.append(_sdpa(q[start:start + n][None], keys, values, meta.mask[i:i + 1, :n, :L], scale, softcap)[0])
         start += n
     return torch.cat(outs)
 

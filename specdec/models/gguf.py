@@ -20,23 +20,30 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
+from specdec.config import FULL, SLIDING
+from specdec.models.families import load_config
 from specdec.models.quant import BY_GGML, FORMATS, QuantWeight
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
-SUPPORTED_ARCHITECTURES = ("llama", "mistral", "qwen2", "qwen3")
-
-_HF_ARCHITECTURE = {
-    "llama": "LlamaForCausalLM",
-    "mistral": "MistralForCausalLM",
-    "qwen2": "Qwen2ForCausalLM",
-    "qwen3": "Qwen3ForCausalLM",
-}
+# GGUF architecture -> the Hugging Face model_type whose family reads it (a llama file with experts is Mixtral's)
+_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
+               "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
+               "olmoe": "olmoe"}
+SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE)
+_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
+                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
+                    "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
+                    "olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+# llama.cpp's routers renormalize their top-k weights for these (build_moe_ffn's norm_w), not for the others
+_NORM_TOPK = ("llama", "qwen3moe")
 
 # llama.cpp's convert_hf_to_gguf.py interleaves the rotary halves of Q and K for these architectures only.
 _PERMUTED_QK = ("llama", "mistral")
 
-_LAYER_TENSORS = {  # GGUF per-layer suffix -> HF suffix under model.layers.N.
+_ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
+# A dense Llama-form layer's GGUF suffix -> HF suffix under model.layers.N. (a draft head's layers: `head_gguf`)
+_LAYER_TENSORS = {
     "attn_norm.weight": "input_layernorm.weight",
     "attn_q.weight": "self_attn.q_proj.weight",
     "attn_k.weight": "self_attn.k_proj.weight",
@@ -47,9 +54,7 @@ _LAYER_TENSORS = {  # GGUF per-layer suffix -> HF suffix under model.layers.N.
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_BIAS_TENSORS = {f"attn_{n}.bias": f"self_attn.{n}_proj.bias" for n in "qkv"}  # Qwen2
 _QK_NORM_TENSORS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
-
 # GGUF rope.scaling.* suffix -> HF rope_scaling key, for files that state their scaling explicitly.
 _ROPE_SCALING_KEYS = {
     "factor": "factor",
@@ -101,15 +106,15 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, arch, tensors)
-    expected = _expected_tensors(config)
+    expected = _expected_tensors(config, tensors)
     state_dict = {}
     mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], _field(reader, f"{arch}.block_count")))
     for name, tensor in tensors.items():
-        if name == "rope_freqs.weight" or name.startswith(mtp_blocks):  # rope scaling is in the config; MTP layers
+        if name in _ROPE_TENSORS or name.startswith(mtp_blocks):  # rope scaling is in the config; MTP layers
             continue  # are a draft head's (`head_gguf`)
         if name not in expected:
             raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch!r}")
-        hf_name, hf_shape = expected.pop(name)
+        parts, hf_shape = expected.pop(name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if shape != hf_shape:
             raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
@@ -123,16 +128,23 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
                     f"compute on (it does {', '.join(f.upper() for f in FORMATS)}); dequantizing the whole model "
                     f"instead costs {f32 / 1e9:.2f} GB in float32 ({f32 / size:.1f}x the file's {size / 1e9:.2f} GB "
                     "read per token; dtype='bfloat16' halves it)")
-            weights = QuantWeight.from_gguf(tensor.data, tensor.tensor_type, shape[1])
-            if permuted:
-                order = _unpermute_qk(np.arange(shape[0]), heads)
-                weights = weights.permute_rows(torch.from_numpy(order))
-            state_dict[hf_name] = weights
+            rows, first = tensor.data.reshape(-1, tensor.data.shape[-1]), 0
+            for hf_name, part in parts:
+                weights = QuantWeight.from_gguf(rows[first:first + part[0]], tensor.tensor_type, part[1])
+                first += part[0]
+                if permuted:
+                    order = _unpermute_qk(np.arange(part[0]), heads)
+                    weights = weights.permute_rows(torch.from_numpy(order))
+                state_dict[hf_name] = weights
             continue
         weights = _dequantize(tensor.data, tensor.tensor_type, name).reshape(shape)
         if permuted:
             weights = _unpermute_qk(weights, heads)
-        state_dict[hf_name] = _to_torch(weights, torch.float32 if keep_blocks else dtype)
+        rows, first = weights.reshape(-1, *parts[0][1][1:]) if len(parts) > 1 else weights, 0
+        for hf_name, part in parts:  # a whole tensor, or its rows split (fused q/k/v, gate/up, experts)
+            piece = rows[first:first + part[0]] if len(parts) > 1 else rows.reshape(part)
+            first += part[0]
+            state_dict[hf_name] = _to_torch(piece, torch.float32 if keep_blocks else dtype)
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
     return config, state_dict
@@ -158,6 +170,7 @@ def _f32(value: float) -> float:
 
 
 def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
+    """The file's config as a Hugging Face config.json would state it, for the family that reads `arch`."""
     def key(suffix: str, default: Any = _REQUIRED) -> Any:
         return _field(reader, f"{arch}.{suffix}", default)
 
@@ -165,14 +178,15 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         raise ValueError("missing tensor 'token_embd.weight'")
     hidden = key("embedding_length")
     heads = key("attention.head_count")
-    head_dim = key("attention.key_length", None) or key("rope.dimension_count", None) or hidden // heads
-    rope_theta = _f32(key("rope.freq_base", 10000.0))
-    return {
-        "model_type": arch,
-        "architectures": [_HF_ARCHITECTURE[arch]],
+    head_dim = key("attention.key_length", None) or hidden // heads  # as llama.cpp: rope.dimension_count is the
+    rope_theta = _f32(key("rope.freq_base", 10000.0))  # rotated part (Phi-4-mini's is 3/4 of the head)
+    layers = key("block_count") - key("nextn_predict_layers", 0)  # MTP layers count in block_count
+    config = {
+        "model_type": _MODEL_TYPE[arch],
+        "architectures": [_HF_ARCHITECTURE[_MODEL_TYPE[arch]]],
         "hidden_size": hidden,
-        "intermediate_size": key("feed_forward_length"),
-        "num_hidden_layers": key("block_count") - key("nextn_predict_layers", 0),  # MTP layers count in it
+        "intermediate_size": key("feed_forward_length", 0),
+        "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,
@@ -182,10 +196,67 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch == "qwen2",
+        "attention_bias": arch in ("qwen2", "qwen2moe"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
     }
+    if (rotary := key("rope.dimension_count", head_dim)) != head_dim:  # RoPE on part of each head (Phi-4-mini)
+        config["partial_rotary_factor"] = rotary / head_dim
+    experts = key("expert_count", 0)
+    if experts:  # Mixtral (a llama file with experts), Qwen2/3-MoE, OLMoE: llama.cpp's MoE keys
+        if arch == "llama":
+            config.update(model_type="mixtral", architectures=[_HF_ARCHITECTURE["mixtral"]])
+        config.update(num_experts=experts, num_experts_per_tok=key("expert_used_count"),
+                      moe_intermediate_size=key("expert_feed_forward_length", 0) or config["intermediate_size"],
+                      shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
+                      norm_topk_prob=arch in _NORM_TOPK, decoder_sparse_step=1,
+                      mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
+        if not config["intermediate_size"]:
+            config["intermediate_size"] = config["moe_intermediate_size"]
+    if (clamp := key("attention.clamp_kqv", None)) is not None:  # OLMoE's clip_qkv (llama.cpp's key for it)
+        config["clip_qkv"] = _f32(clamp)
+    if arch in ("gemma2", "gemma3"):
+        config.update(_gemma(reader, arch, config))
+    elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
+        pattern = key("attention.sliding_window_pattern", None)  # a file states it (llama.cpp reads none for these)
+        config.update(sliding_window=window, layer_types=[
+            SLIDING if pattern is None or pattern[i] else FULL for i in range(layers)])
+    elif arch == "phi3":
+        if (window := key("attention.sliding_window", 0)) > 0:
+            config["sliding_window"] = window  # every layer, as transformers' Phi-3 (llama.cpp turns Phi's off)
+    return config
+
+
+def _gemma(reader: GGUFReader, arch: str, config: dict) -> dict:
+    """Gemma 2 / 3's options from llama.cpp's keys and rules: sliding layers by the window pattern (every 2nd layer
+    full for Gemma 2, every 6th for Gemma 3, or the file's own list), the sliding layers' rotary base (Gemma 3:
+    10000 unless stated), the query scale 1 / sqrt(head_dim) but for the 27B shapes (1 / sqrt(hidden / heads)), and
+    the soft-caps."""
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"{arch}.{suffix}", default)
+
+    n, gemma3 = config["num_hidden_layers"], arch == "gemma3"
+    pattern = key("attention.sliding_window_pattern", 6 if gemma3 else 2)
+    window = key("attention.sliding_window", 0 if gemma3 else 4096)
+    if isinstance(pattern, list):
+        sliding = [bool(p) for p in pattern][:n]
+    else:
+        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+    big = n == (62 if gemma3 else 46)  # llama.cpp's 27B rule, unless the file states its scale
+    scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+    if (scale := key("attention.scale", None)) is not None:
+        scalar = 1.0 / float(scale) ** 2
+    out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+           "final_logit_softcapping": _f32(key("final_logit_softcapping", 0.0)) or None,
+           "sliding_window": window or None,
+           "layer_types": [SLIDING if s and window else FULL for s in sliding]}
+    if gemma3:
+        full = {"rope_type": "default", "rope_theta": config["rope_theta"], **(config["rope_scaling"] or {})}
+        out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+            "rope_type": "default", "rope_theta": _f32(key("rope.freq_base_swa", 10000.0))}}
+    else:
+        out["attn_logit_softcapping"] = _f32(key("attn_logit_softcapping", 0.0)) or None
+    return out
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
@@ -195,6 +266,14 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: floa
     for Llama 3 and stores the per-frequency divisors instead, which _llama3_scaling inverts.
     """
     prefix = f"{arch}.rope.scaling."
+    if "rope_factors_short.weight" in tensors:  # Phi-3's LongRoPE: both factor sets as tensors
+        factors = {k: np.asarray(tensors[f"rope_factors_{k}.weight"].data, dtype=np.float64).ravel().tolist()
+                   for k in ("short", "long")}
+        scaling = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
+                   "original_max_position_embeddings": _field(reader, prefix + "original_context_length")}
+        if (attn := _field(reader, prefix + "attn_factor", None)) is not None:
+            scaling["attention_factor"] = _f32(attn)
+        return scaling
     kind = _field(reader, prefix + "type", None)
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
@@ -239,36 +318,70 @@ def _llama3_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, origi
     }
 
 
-def _expected_tensors(config: dict) -> dict[str, tuple[str, tuple[int, ...]]]:
-    """GGUF name -> (HF name, HF shape) for every tensor the config implies."""
-    hidden, inter = config["hidden_size"], config["intermediate_size"]
-    q_dim = config["num_attention_heads"] * config["head_dim"]
-    kv_dim = config["num_key_value_heads"] * config["head_dim"]
-    shapes = {
-        "input_layernorm.weight": (hidden,), "post_attention_layernorm.weight": (hidden,),
-        "self_attn.q_proj.weight": (q_dim, hidden), "self_attn.k_proj.weight": (kv_dim, hidden),
-        "self_attn.v_proj.weight": (kv_dim, hidden), "self_attn.o_proj.weight": (hidden, q_dim),
-        "self_attn.q_proj.bias": (q_dim,), "self_attn.k_proj.bias": (kv_dim,), "self_attn.v_proj.bias": (kv_dim,),
-        "self_attn.q_norm.weight": (config["head_dim"],), "self_attn.k_norm.weight": (config["head_dim"],),
-        "mlp.gate_proj.weight": (inter, hidden), "mlp.up_proj.weight": (inter, hidden),
-        "mlp.down_proj.weight": (hidden, inter),
-    }
-    per_layer = dict(_LAYER_TENSORS)
-    if config["attention_bias"]:
-        per_layer.update(_BIAS_TENSORS)
-    if config["model_type"] == "qwen3":
-        per_layer.update(_QK_NORM_TENSORS)
-    vocab = config["vocab_size"]
-    expected = {
-        "token_embd.weight": ("model.embed_tokens.weight", (vocab, hidden)),
-        "output_norm.weight": ("model.norm.weight", (hidden,)),
-    }
-    if not config["tie_word_embeddings"]:
-        expected["output.weight"] = ("lm_head.weight", (vocab, hidden))
-    for i in range(config["num_hidden_layers"]):
-        for gguf_suffix, hf_suffix in per_layer.items():
-            expected[f"blk.{i}.{gguf_suffix}"] = (f"model.layers.{i}.{hf_suffix}", shapes[hf_suffix])
+def _expected_tensors(config: dict, tensors: dict) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], tuple]]:
+    """GGUF name -> (its parts: [(HF name, HF shape)] split from its rows in order, the GGUF tensor's shape) for every
+    tensor the config implies, by llama.cpp's names. A tensor is one HF tensor, or several: Phi-3's fused attn_qkv
+    and gate-up ffn_up, or a mixture's experts stacked in one [E, out, in] tensor (`*_exps`)."""
+    cfg = load_config(config)
+    hidden, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
+    q_dim, kv_dim = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
+    vocab = cfg.vocab_size
+    expected = {"token_embd.weight": ([("model.embed_tokens.weight", (vocab, hidden))], (vocab, hidden)),
+                "output_norm.weight": ([("model.norm.weight", (hidden,))], (hidden,))}
+    if not cfg.tie_word_embeddings:
+        expected["output.weight"] = ([("lm_head.weight", (vocab, hidden))], (vocab, hidden))
+
+    def one(gguf: str, hf: str, shape: tuple[int, ...]) -> None:
+        expected[gguf] = ([(hf, shape)], shape)
+
+    def rows(gguf: str, parts: list[tuple[str, tuple[int, ...]]]) -> None:
+        expected[gguf] = (parts, (sum(p[1][0] for p in parts), *parts[0][1][1:]))
+
+    for i in range(cfg.num_hidden_layers):
+        b, h = f"blk.{i}.", f"model.layers.{i}."
+        one(b + "attn_norm.weight", h + "input_layernorm.weight", (hidden,))
+        qkv = [(h + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in zip("qkv", (q_dim, kv_dim, kv_dim))]
+        if b + "attn_qkv.weight" in tensors:
+            rows(b + "attn_qkv.weight", qkv)
+        else:
+            for n, part in zip("qkv", qkv):
+                one(b + f"attn_{n}.weight", *part)
+        if cfg.attention_bias:
+            for n, size in zip("qkv", (q_dim, kv_dim, kv_dim)):
+                one(b + f"attn_{n}.bias", h + f"self_attn.{n}_proj.bias", (size,))
+        if cfg.qk_norm or cfg.qk_norm_full:
+            one(b + "attn_q_norm.weight", h + "self_attn.q_norm.weight", (q_dim if cfg.qk_norm_full else D,))
+            one(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight", (kv_dim if cfg.qk_norm_full else D,))
+        one(b + "attn_output.weight", h + "self_attn.o_proj.weight", (hidden, q_dim))
+        one(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (hidden,))
+        if cfg.sandwich_norms:
+            one(b + "post_attention_norm.weight", h + "attn_out_norm.weight", (hidden,))
+            one(b + "post_ffw_norm.weight", h + "mlp_out_norm.weight", (hidden,))
+        if i in cfg.moe_layers:
+            _expected_experts(expected, b, h + "mlp.", cfg)
+        elif b + "ffn_gate.weight" not in tensors and cfg.model_type == "phi3":  # gate and up fused in ffn_up
+            rows(b + "ffn_up.weight", [(h + "mlp.gate_proj.weight", (inter, hidden)),
+                                       (h + "mlp.up_proj.weight", (inter, hidden))])
+            one(b + "ffn_down.weight", h + "mlp.down_proj.weight", (hidden, inter))
+        else:
+            for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+                one(b + f"ffn_{n}.weight", h + f"mlp.{n}_proj.weight", shape)
     return expected
+
+
+def _expected_experts(expected: dict, b: str, h: str, cfg: Any) -> None:
+    """A mixture's tensors: the router, each of E experts' rows of the stacked [E, out, in] tensors, and a shared
+    expert with its [H] gate where configured."""
+    hidden, inter, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
+    expected[b + "ffn_gate_inp.weight"] = ([(h + "gate.weight", (E, hidden))], (E, hidden))
+    for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
+        expected[b + f"ffn_{n}_exps.weight"] = ([(h + f"experts.{e}.{n}_proj.weight", shape) for e in range(E)],
+                                               (E, *shape))
+    shared = cfg.shared_expert_intermediate_size
+    if shared:
+        expected[b + "ffn_gate_inp_shexp.weight"] = ([(h + "shared_expert_gate.weight", (1, hidden))], (1, hidden))
+        for n, shape in (("gate", (shared, hidden)), ("up", (shared, hidden)), ("down", (hidden, shared))):
+            expected[b + f"ffn_{n}_shexp.weight"] = ([(h + f"shared_expert.{n}_proj.weight", shape)], shape)
 
 
 def _dequantize(data: np.ndarray, qtype: GGMLQuantizationType, name: str) -> np.ndarray:

@@ -1,8 +1,13 @@
-"""One Llama-family decoder for Llama 2/3, SmolLM2, Mistral, Qwen2 (q/k/v bias) and Qwen3 (q/k norm).
+"""The decoder every family runs: the Llama form (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with
+q/k norms, sliding windows) and the options other families add to it (`ModelConfig`'s family fields, set by
+`specdec.models.families`): Gemma's GeGLU, sandwich norms, soft-caps and local rotary base, Phi's partial rotary
+and LongRoPE, OLMoE's whole-q/k norms, and mixture-of-experts MLPs (`moe.MoE`).
 
-On CPU (inference) every layer runs as one C++ call (`native`: norm, fused q/k/v, RoPE, paged attention, o,
-fused gate/up, SiLU, down), whatever the weights are stored in (GGUF blocks or float32/bfloat16/float16), and
-all layers as one stack; the torch code below is the path for CUDA and for training, and the reference.
+On CPU (inference) a Llama-form layer runs as one C++ call (`native`: norm, fused q/k/v, RoPE, paged attention with
+its window, o, fused gate/up, SiLU, down), whatever the weights are stored in (GGUF blocks or float32/bfloat16/
+float16), and all layers as one stack. A layer with other options runs the torch code below, whose products, norms
+and attention are the same C++ kernels called one by one (so a row's bits still never depend on its step's other
+rows); the torch code is also the path for CUDA and for training, and the reference.
 Logits are only computed for the rows that ask for them.
 """
 from __future__ import annotations
@@ -12,82 +17,33 @@ from collections.abc import Callable
 from typing import Any
 
 import torch
-import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
-from specdec.models.kernels import linear, on_native, rms_norm
+from specdec.models.kernels import linear, on_native
+from specdec.models.layers import Linear, RMSNorm, activation, replace_parameter
+from specdec.models.moe import MoE
 from specdec.models.quant import QuantWeight
 
-
-def replace_parameter(module: nn.Module, attr: str, value: QuantWeight) -> None:
-    """Put a block-quantized matrix where a float Parameter was (a QuantWeight is not a Parameter)."""
-    module._parameters.pop(attr, None)
-    setattr(module, attr, value)
+__all__ = ["Linear", "RMSNorm", "DecoderLayer", "LlamaModel", "replace_parameter", "rope_tables"]
 
 
-class Linear(nn.Module):
-    """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints: a float Parameter, or a
-    block-quantized `QuantWeight` (a GGUF's own blocks, or quantized on load) set by `set_weight`."""
-
-    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str,
-                 act_dtype: torch.dtype | None = None) -> None:
-        super().__init__()
-        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
-                                   requires_grad=False)
-        self.bias = nn.Parameter(torch.zeros(out_features, dtype=act_dtype or dtype, device=device),
-                                 requires_grad=False) if bias else None
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return linear(x, self.weight, self.bias)
-
-    @property
-    def quantized(self) -> bool:
-        return isinstance(self.weight, QuantWeight)
-
-    @property
-    def in_features(self) -> int:
-        return self.weight.shape[1]
-
-    def set_weight(self, value: torch.Tensor | QuantWeight, name: str) -> None:
-        """Load a float tensor into the Parameter, or replace the Parameter by a quantized matrix."""
-        if tuple(value.shape) != tuple(self.weight.shape):
-            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects "
-                             f"{tuple(self.weight.shape)}")
-        if isinstance(value, QuantWeight):
-            replace_parameter(self, "weight", value)
-        else:
-            if self.quantized:
-                raise ValueError(f"tensor {name!r}: a float tensor for a quantized layer")
-            self.weight.data.copy_(value.to(self.weight.dtype))
-
-
-class RMSNorm(nn.Module):
-    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
-        super().__init__()
-        self.eps = eps
-        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        if x.dtype == torch.float32:
-            return rms_norm(x, self.weight, self.eps)
-        h = x.float()
-        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
-        return self.weight * h.to(x.dtype)  # as transformers does: normalize in fp32, scale in x's dtype
-
-
-def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
-    """Inverse frequencies, with Llama-3 and linear scaling."""
-    dim = cfg.head_dim
-    inv_freq = 1.0 / (cfg.rope_theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = cfg.rope_scaling
+def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
+    """Inverse frequencies over the rotated dimensions, with Llama-3, linear and LongRoPE scaling; `local`: a
+    sliding layer's own unscaled base (Gemma 3's rope_local_theta)."""
+    dim = cfg.rotary_dim
+    theta = cfg.rope_local_theta if local else cfg.rope_theta
+    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
+    scaling = None if local else cfg.rope_scaling
     if not scaling:
         return inv_freq
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
         return inv_freq / scaling["factor"]
+    if kind in ("longrope", "su"):  # the short factors: positions within the original context (see `rope_tables`)
+        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
     if kind == "llama3":
         factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
         old_len = scaling["original_max_position_embeddings"]
@@ -97,56 +53,92 @@ def rope_inv_freq(cfg: ModelConfig) -> torch.Tensor:
         out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
         is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
         return torch.where(is_medium, smoothed, out)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3")
+    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, longrope")
 
 
-def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [max_position_embeddings, head_dim] for `rotate`, for every position at once (the
-    target and the draft heads index them by position)."""
-    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg))
+def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
+    """What LongRoPE multiplies cos and sin by: sqrt(1 + ln(factor) / ln(original context)), factor the context's
+    growth, unless the config names it (transformers' rule)."""
+    scaling = None if local else cfg.rope_scaling
+    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
+        return 1.0
+    if scaling.get("attention_factor") is not None:
+        return float(scaling["attention_factor"])
+    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
+    factor = cfg.max_position_embeddings / original
+    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
+
+
+def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, local: bool = False
+                ) -> tuple[torch.Tensor, torch.Tensor]:
+    """cos and signed sin [max_position_embeddings, rotary_dim] for `rotate`, for every position at once (the
+    target and the draft heads index them by position). LongRoPE uses its short factors at every position, as
+    llama.cpp does for a context within the original one (transformers switches to the long factors for a sequence
+    past it, re-rotating nothing already cached)."""
+    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg, local))
     emb = torch.cat((freqs, freqs), dim=-1)
     half = emb.shape[-1] // 2
-    signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1)
-    return emb.cos().to(dtype=dtype, device=device), signed_sin.to(dtype=dtype, device=device)
+    scale = rope_attention_factor(cfg, local)
+    signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * scale
+    return (emb.cos() * scale).to(dtype=dtype, device=device), signed_sin.to(dtype=dtype, device=device)
 
 
 def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF 'rotate_half' RoPE in four ops: rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2].
+    """HF 'rotate_half' RoPE in four ops: rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2]; with tables
+    narrower than the heads (a partial rotary factor) the first R dimensions rotate and the rest pass.
 
-    x: [T, H, D]; cos, signed_sin: [T, 1, D].
+    x: [T, H, D]; cos, signed_sin: [T, 1, R], R <= D.
     """
+    R = cos.shape[-1]
+    if R < x.shape[-1]:
+        return torch.cat((rotate(x[..., :R], cos, signed_sin), x[..., R:]), dim=-1)
     return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
-    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, act: torch.dtype) -> None:
-        """dtype: the weight matrices; act: activations, norms and biases (see LlamaModel)."""
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, act: torch.dtype,
+                 index: int | None = None) -> None:
+        """dtype: the weight matrices; act: activations, norms and biases (see LlamaModel). index: the layer's place
+        in its model, which decides its window, rotary base and MLP (None: a draft head's layer, full and dense)."""
         super().__init__()
         H, D = cfg.hidden_size, cfg.head_dim
         self.num_heads, self.num_kv_heads, self.head_dim = cfg.num_attention_heads, cfg.num_key_value_heads, D
         self.q_size, self.kv_size = self.num_heads * D, self.num_kv_heads * D
+        self.window = cfg.window(index) if index is not None else 0
+        self.local_rope = self.window > 0 and cfg.rope_local_theta is not None  # the model's second rotary table
+        self.softcap = cfg.attn_softcap or 0.0
+        self.act, self.clip_qkv = cfg.hidden_act, cfg.clip_qkv
+        self.llama_form = cfg.llama_form
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
         self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device, act)
-        self.q_norm = RMSNorm(D, cfg.rms_norm_eps, act, device) if cfg.qk_norm else None
-        self.k_norm = RMSNorm(D, cfg.rms_norm_eps, act, device) if cfg.qk_norm else None
+        norm_q, norm_k = (self.q_size, self.kv_size) if cfg.qk_norm_full else (D, D)
+        self.q_norm = RMSNorm(norm_q, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.k_norm = RMSNorm(norm_k, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
+        self.qk_norm_full = cfg.qk_norm_full
         self.o_proj = Linear(self.q_size, H, False, dtype, device)
-        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
-        self.gate_up_proj = Linear(H, 2 * cfg.intermediate_size, False, dtype, device)
-        self.down_proj = Linear(cfg.intermediate_size, H, False, dtype, device)
-        self.scale = D ** -0.5
+        self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)  # the MLP's input norm
+        # Gemma's sandwich: the attention's and the MLP's outputs normed before they join the residual stream
+        self.attn_out_norm = RMSNorm(H, cfg.rms_norm_eps, act, device) if cfg.sandwich_norms else None
+        self.mlp_out_norm = RMSNorm(H, cfg.rms_norm_eps, act, device) if cfg.sandwich_norms else None
+        self.moe = MoE(cfg, dtype, device, act) if index is not None and index in cfg.moe_layers else None
+        inter = 0 if self.moe is not None else cfg.intermediate_size
+        self.gate_up_proj = Linear(H, 2 * inter, False, dtype, device) if self.moe is None else None
+        self.down_proj = Linear(inter, H, False, dtype, device) if self.moe is None else None
+        self.scale = cfg.attn_scale or D ** -0.5
         self._native: object | None = None  # the C++ layer over this layer's weights, built on first CPU call
         self.tp = None  # a `parallel.TPGroup` once sharded: this rank's heads and units, all-reduced outputs
 
     @property
     def linears(self) -> tuple[Linear, ...]:
-        return (self.qkv_proj, self.o_proj, self.gate_up_proj, self.down_proj)
+        mlp = self.moe.linears if self.moe is not None else (self.gate_up_proj, self.down_proj)
+        return (self.qkv_proj, self.o_proj, *mlp)
 
     def native_layer(self) -> Any:  # a native Layer (pybind), or None
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16), None where it
         cannot run: a tensor-parallel shard (all-reduces between its halves), weights off the CPU, or an input
         norm other than RMSNorm or none."""
         if self._native is None:
-            if self.tp is not None or not native.available() or not isinstance(
+            if not self.llama_form or self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
                     lin.quantized or (lin.weight.device.type == "cpu" and lin.weight.dtype in kernels.FLOAT_KERNEL_IDS)
                     for lin in self.linears):
@@ -157,7 +149,7 @@ class DecoderLayer(nn.Module):
                 ln1, kernels.matrix(self.qkv_proj.weight), qkv_b, q_norm, k_norm, kernels.matrix(self.o_proj.weight),
                 self.post_attention_layernorm.weight.detach(), kernels.matrix(self.gate_up_proj.weight),
                 kernels.matrix(self.down_proj.weight), self.num_heads, self.num_kv_heads, self.head_dim,
-                self.post_attention_layernorm.eps)
+                self.post_attention_layernorm.eps, self.window, self.softcap)
         return self._native
 
     def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -199,32 +191,45 @@ class DecoderLayer(nn.Module):
         """paged_attention, through the fused layers' own C++ attention on CPU: a query's result then does not
         depend on the other queries of its step (torch's attention picks kernels by shape)."""
         if not on_native(q, k, v) or k_pool.device.type != "cpu":
-            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale)
+            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.window, self.softcap)
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
         return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask,
-                                      meta.row_starts(), self.scale)
+                                      meta.row_starts(), self.scale, self.window, self.softcap)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """Rotated queries and keys, and values, of the normed input x [T, in]: [T, Hq, D], [T, Hkv, D] x 2.
         Differentiable outside inference mode (the draft-head trainer runs the serving layers)."""
         T = x.shape[0]
-        qkv = self.qkv_proj(x).view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
+        qkv = self.qkv_proj(x)
+        if self.qk_norm_full:  # OLMoE: one norm over each whole projection
+            q, k, v = qkv.split([self.q_size, self.kv_size, self.kv_size], dim=-1)
+            qkv = torch.cat((self.q_norm(q.contiguous()), self.k_norm(k.contiguous()), v), dim=-1)
+        if self.clip_qkv is not None:
+            qkv = qkv.clamp(-self.clip_qkv, self.clip_qkv)
+        qkv = qkv.view(T, self.num_heads + 2 * self.num_kv_heads, self.head_dim)
         qk, v = qkv.split([self.num_heads + self.num_kv_heads, self.num_kv_heads], dim=1)
-        if self.q_norm is not None:
+        if self.q_norm is not None and not self.qk_norm_full:
             q, k = qk.split([self.num_heads, self.num_kv_heads], dim=1)
-            qk = torch.cat((self.q_norm(q), self.k_norm(k)), dim=1)
+            qk = torch.cat((self.q_norm(q.reshape(-1, self.head_dim)).view(q.shape),
+                            self.k_norm(k.reshape(-1, self.head_dim)).view(k.shape)), dim=1)
         q, k = rotate(qk, cos, sin).split([self.num_heads, self.num_kv_heads], dim=1)  # q and k in one pass
         return q, k, v.contiguous()
 
     def finish(self, x: torch.Tensor, attn: torch.Tensor) -> torch.Tensor:
         """The residual stream after attention [T, Hq, D]: output projection, then the MLP block."""
         out = self.o_proj(attn.reshape(x.shape[0], self.q_size))
-        x = x + (out if self.tp is None else self.tp.all_reduce(out))
-        gate, up = self.gate_up_proj(self.post_attention_layernorm(x)).chunk(2, dim=-1)
-        out = self.down_proj(F.silu(gate) * up)
-        return x + (out if self.tp is None else self.tp.all_reduce(out))
+        out = out if self.tp is None else self.tp.all_reduce(out)
+        x = x + (self.attn_out_norm(out) if self.attn_out_norm is not None else out)
+        h = self.post_attention_layernorm(x)
+        if self.moe is not None:
+            out = self.moe(h)
+        else:
+            gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
+            out = self.down_proj(activation(self.act, gate) * up)
+        out = out if self.tp is None else self.tp.all_reduce(out)
+        return x + (self.mlp_out_norm(out) if self.mlp_out_norm is not None else out)
 
 
 def _cat(weights: list) -> torch.Tensor | QuantWeight:
@@ -248,16 +253,39 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
             p + "self_attn.qkv_proj.bias")
     layer.o_proj.set_weight(take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
-    if cfg.qk_norm:
+    if layer.q_norm is not None:
         put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
         put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
-    layer.gate_up_proj.set_weight(_cat([take(p + "mlp.gate_proj.weight"), take(p + "mlp.up_proj.weight")]),
-                                  p + "mlp.gate_up_proj.weight")
-    layer.down_proj.set_weight(take(p + "mlp.down_proj.weight"), p + "mlp.down_proj.weight")
+    if layer.moe is not None:
+        load_moe(layer.moe, p + "mlp.", take, put)
+    else:
+        load_mlp(layer.gate_up_proj, layer.down_proj, p + "mlp.", take)
     if isinstance(layer.input_layernorm, RMSNorm):
         put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
     put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
         p + "post_attention_layernorm.weight")
+    if layer.attn_out_norm is not None:
+        put(layer.attn_out_norm.weight, take(p + "attn_out_norm.weight"), p + "attn_out_norm.weight")
+        put(layer.mlp_out_norm.weight, take(p + "mlp_out_norm.weight"), p + "mlp_out_norm.weight")
+
+
+def load_mlp(gate_up: Linear, down: Linear, p: str, take: Callable[[str], torch.Tensor]) -> None:
+    """A gated MLP's `{p}gate_proj`, `{p}up_proj` (fused by rows) and `{p}down_proj`."""
+    gate_up.set_weight(_cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]), p + "gate_up_proj.weight")
+    down.set_weight(take(p + "down_proj.weight"), p + "down_proj.weight")
+
+
+def load_moe(moe: MoE, p: str, take: Callable[[str], torch.Tensor],
+             put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+    """A mixture-of-experts MLP under the canonical names (`families` renames each family's): the router
+    `{p}gate.weight` [E, H], experts `{p}experts.{e}.{gate,up,down}_proj.weight`, and a shared expert
+    `{p}shared_expert.*` with its gate `{p}shared_expert_gate.weight` [1, H] where configured."""
+    put(moe.gate, take(p + "gate.weight"), p + "gate.weight")
+    for e, (gate_up, down) in enumerate(zip(moe.gate_up, moe.down)):
+        load_mlp(gate_up, down, f"{p}experts.{e}.", take)
+    if moe.shared_gate_up is not None:
+        load_mlp(moe.shared_gate_up, moe.shared_down, p + "shared_expert.", take)
+        put(moe.shared_gate, take(p + "shared_expert_gate.weight"), p + "shared_expert_gate.weight")
 
 
 def decoder_layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:
@@ -296,19 +324,27 @@ class LlamaModel(nn.Module):
         # Tied models share one [V, H] tensor between the embedding and the LM head.
         self.lm_head = self.embed_tokens if cfg.tie_word_embeddings else nn.Parameter(
             torch.empty(V, H, dtype=dtype, device=device), requires_grad=False)
-        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, act) for _ in range(cfg.num_hidden_layers))
+        self.layers = nn.ModuleList(DecoderLayer(cfg, dtype, device, act, i) for i in range(cfg.num_hidden_layers))
         self.norm = RMSNorm(H, cfg.rms_norm_eps, act, device)
         cos, sin = rope_tables(cfg, act, device)
         self.register_buffer("rope_cos", cos, persistent=False)
         self.register_buffer("rope_sin", sin, persistent=False)
+        self.local_rope = any(layer.local_rope for layer in self.layers)
+        if self.local_rope:  # Gemma 3's sliding layers: their own base
+            cos, sin = rope_tables(cfg, act, device, local=True)
+            self.register_buffer("rope_local_cos", cos, persistent=False)
+            self.register_buffer("rope_local_sin", sin, persistent=False)
         self._stack: object | None = None  # the C++ stack of all layers (False: not every layer is quantized)
         # tensor parallel (`parallel.shard_model`): the group, this rank's LM-head rows and every rank's count
         self.tp, self.lm_shard, self.vocab_sizes = None, None, None
         self.kv_config = cfg  # the K/V heads this process caches (a shard's own)
 
     def embed(self, tokens: torch.Tensor) -> torch.Tensor:
-        """tokens: [T] -> [T, H] in the activation dtype."""
-        return self.embed_tokens[tokens].to(self.act_dtype)
+        """tokens: [T] -> [T, H] in the activation dtype (times Gemma's sqrt(H), rounded to that dtype first, as
+        transformers does)."""
+        x = self.embed_tokens[tokens].to(self.act_dtype)
+        scale = self.config.embed_scale
+        return x if scale == 1.0 else x * torch.tensor(scale, dtype=self.act_dtype)
 
     @torch.inference_mode()
     def forward(self, tokens: torch.Tensor, positions: torch.Tensor, meta: AttentionMetadata,
@@ -350,9 +386,11 @@ class LlamaModel(nn.Module):
                 logit_rows or [])
             return normed, features if output_layers else None, logits if head is not None else None
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
+        if self.local_rope:
+            local = self.rope_local_cos[positions][:, None, :], self.rope_local_sin[positions][:, None, :]
         captured: dict[int, torch.Tensor] = {}
         for i, layer in enumerate(self.layers[:n]):
-            x = layer(x, cos, sin, meta, kv.k[i], kv.v[i])
+            x = layer(x, *(local if layer.local_rope else (cos, sin)), meta, kv.k[i], kv.v[i])
             if i in output_layers:
                 captured[i] = x
         hidden = self.norm(x)
@@ -384,8 +422,11 @@ class LlamaModel(nn.Module):
         """hidden: [N, H] (only the rows that need logits) -> float32 logits [N, V]. A shard computes its
         vocabulary rows and gathers every rank's (every rank must call this for the same rows)."""
         if self.tp is not None:
-            return self.tp.gather_columns(linear(hidden, self.lm_shard).float(), self.vocab_sizes)
-        return linear(hidden, self.lm_head).float()
+            logits = self.tp.gather_columns(linear(hidden, self.lm_shard).float(), self.vocab_sizes)
+        else:
+            logits = linear(hidden, self.lm_head).float()
+        cap = self.config.final_softcap
+        return logits if not cap else torch.tanh(logits / cap) * cap
 
     def load_hf_state_dict(self, sd: dict[str, torch.Tensor]) -> None:
         """Copy Hugging Face-named weights in, fusing q/k/v and gate/up and transposing linears."""

@@ -20,6 +20,7 @@ import torch
 
 from specdec.config import ModelConfig, SpecdecError, cache_root
 from specdec.models import native
+from specdec.models.families import family_of, load_config
 from specdec.models.hub import is_hub_id, resolve_hub
 from specdec.models.llama import LlamaModel
 from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
@@ -146,8 +147,9 @@ def load_weights(src: ModelSource, keep_blocks: bool = False
         hf_config, state = load_gguf(src.gguf_file, keep_blocks=keep_blocks)
     else:
         hf_config = json.loads((src.path / "config.json").read_text())
-        state = _without_mtp_layers(_load_safetensors(src.path), hf_config)
-    return ModelConfig.from_hf(hf_config), state
+        family = family_of(hf_config)  # refuses an unknown model_type before reading any weights
+        state = family.state(_without_mtp_layers(_load_safetensors(src.path), hf_config), hf_config)
+    return load_config(hf_config), state
 
 
 def _without_mtp_layers(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:
@@ -257,7 +259,7 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
 def model_fingerprint(model: LlamaModel, extra: object = None) -> str:
     """Names a target (not its numerics): its config and its first 64 token embeddings, which every runtime of
     one checkpoint holds alike; `extra` (JSON-able) is hashed in too."""
-    h = hashlib.sha256(json.dumps(vars(model.config), sort_keys=True, default=str).encode())
+    h = hashlib.sha256(json.dumps(model.config.identity(), sort_keys=True, default=str).encode())
     with torch.inference_mode():
         h.update(model.embed(torch.arange(64, device=model.device)).float().cpu().numpy().tobytes())
     if extra is not None:

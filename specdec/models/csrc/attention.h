@@ -34,8 +34,12 @@ struct Visible {
   int64_t B = 0, T = 0;
 };
 
+// window > 0: a sliding-window layer's lists, each query's last `window` visible keys (a key is visible to a query at
+// position p when its position is > p - window; a query sees its whole prefix and, in a tree, one ancestor per
+// position, so its visible keys in slot order are at consecutive positions ending at p). Such a trimmed list no
+// longer starts with its context row (shared 0: it is read as a list of its own).
 Visible visible_lists(const int64_t* context_slots, int64_t Lk, const bool* mask, int64_t S, const int64_t* starts,
-                      int64_t B) {
+                      int64_t B, int64_t window = 0) {
   Visible v;
   v.B = B; v.T = starts[B]; v.starts = starts;
   v.list.resize(v.T); v.len.resize(v.T); v.shared.resize(v.T); v.seq.resize(v.T); v.row_len.assign(B, 0);
@@ -49,14 +53,22 @@ Visible visible_lists(const int64_t* context_slots, int64_t Lk, const bool* mask
       for (int64_t j = e; j < Lk; j++) rest += m[j];
       v.seq[t] = b;
       v.shared[t] = e;
-      v.row_len[b] = std::max(v.row_len[b], e);
-      if (rest == 0) {  // causal: a prefix of the context row
+      if (window <= 0 || e <= window) v.row_len[b] = std::max(v.row_len[b], e);
+      if (rest == 0 && (window <= 0 || e <= window)) {  // causal: a prefix of the context row
         v.list[t] = row;
         v.len[t] = e;
+      } else if (rest == 0) {  // causal in a window: the prefix's last `window` slots
+        v.list[t] = row + (e - window);
+        v.len[t] = window;
+        v.shared[t] = 0;
       } else {
         std::vector<int64_t> own(row, row + e);
         for (int64_t j = e; j < Lk; j++)
           if (m[j]) own.push_back(row[j]);
+        if (window > 0 && (int64_t)own.size() > window) {
+          own.erase(own.begin(), own.end() - window);
+          v.shared[t] = 0;
+        }
         v.own.push_back(std::move(own));
       }
     }
@@ -67,14 +79,22 @@ Visible visible_lists(const int64_t* context_slots, int64_t Lk, const bool* mask
   return v;
 }
 
+// Gemma 2's attention soft-cap: each scaled score s becomes cap * tanh(s / cap) (cap 0: none), element by element.
+inline void cap_scores(float* s, int64_t m, float cap) {
+  if (cap <= 0.f) return;
+  for (int64_t k = 0; k < m; k++) s[k] = cap * std::tanh(s[k] / cap);
+}
+
 // The partial of one query head over m (1..32) keys: rows of kc, vc (D floats each, `ld` apart; rows >= m are
 // never used). Writes o[D] (unnormalized) and returns {max score, sum of exps}. The portable build's path, and a
 // vector build's for head sizes that are no multiple of 8 (the others run chunk_group).
 inline std::pair<float, float> chunk_partial(const float* q, const float* kc, const float* vc, int64_t m, int64_t D,
-                                             int64_t ld, float scale, float* o) {
+                                             int64_t ld, float scale, float softcap, float* o) {
   alignas(32) float p[KCHUNK];
   float top = -INFINITY, total = 0.f;
-  for (int64_t k = 0; k < m; k++) { p[k] = dot_f32(q, kc + k * ld, D) * scale; top = std::max(top, p[k]); }
+  for (int64_t k = 0; k < m; k++) p[k] = dot_f32(q, kc + k * ld, D) * scale;
+  cap_scores(p, m, softcap);
+  for (int64_t k = 0; k < m; k++) top = std::max(top, p[k]);
   for (int64_t k = 0; k < m; k++) { p[k] = std::exp(p[k] - top); total += p[k]; }
   for (int64_t d = 0; d < D; d++) {
     float a = 0.f;
@@ -169,7 +189,7 @@ constexpr int64_t GROUP_HEADS = 8;  // query heads per pass (their scores stay o
 // result at res[h]: {max score, sum of exps, o[D] unnormalized}.
 template <class KV>
 inline void chunk_group(const float* const* q, int64_t nh, int64_t D, const KV* kh, const KV* vh,
-                        const int64_t* slots, int64_t m, int64_t ld, float scale, float* const* res) {
+                        const int64_t* slots, int64_t m, int64_t ld, float scale, float softcap, float* const* res) {
   alignas(32) float sc[GROUP_HEADS][KCHUNK];
   const __m256 lane = _mm256_setr_ps(0, 1, 2, 3, 4, 5, 6, 7), ninf = _mm256_set1_ps(-INFINITY);
   const int64_t groups = (m + 7) / 8;
@@ -178,6 +198,7 @@ inline void chunk_group(const float* const* q, int64_t nh, int64_t D, const KV* 
     int64_t h = 0;
     for (; h + QK_HEADS <= n; h += QK_HEADS) score_tile<KV, QK_HEADS>(q + h, D, kh, slots, m, ld, scale, sc + h);
     for (; h < n; h++) score_tile<KV, 1>(q + h, D, kh, slots, m, ld, scale, sc + h);
+    for (h = 0; h < n; h++) cap_scores(sc[h], m, softcap);
     for (h = 0; h < n; h++) {  // max, exps (masked lanes exactly 0), their sum
       __m256 mx = ninf;
       for (int64_t g = 0; g < groups; g++) {
@@ -315,7 +336,7 @@ int touch_share(const AttentionPlan& plan, const Visible& vis, const KV* kp, con
 template <class KV>
 void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D,
                     const KV* kp, const KV* vp, const int64_t* context_slots, int64_t Lk, const Visible& vis,
-                    float scale, float* out) {
+                    float scale, float softcap, float* out) {
   const int64_t G = Hq / Hkv, HD = Hkv * D, nunits = (int64_t)plan.units.size();
   const int64_t* chunks = plan.nchunks.data();
   const int64_t* part_base = plan.part_base.data();
@@ -347,7 +368,7 @@ void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int6
           rs[i * G + g] = u.keep ? parts + part_base[t] + (h * chunks[t] + c) * (D + 2)
                                  : scratch.data() + (i * G + g) * (D + 2);
         }
-      chunk_group(qs.data(), n * G, D, kp + hk * D, vp + hk * D, slots, m, HD, scale, rs.data());
+      chunk_group(qs.data(), n * G, D, kp + hk * D, vp + hk * D, slots, m, HD, scale, softcap, rs.data());
       if (!u.keep)
         for (int64_t i = 0; i < n; i++)
           for (int64_t g = 0; g < G; g++) {
@@ -395,11 +416,11 @@ void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int6
           const float* q = qkv + t * W + h * D;
           if (u.keep) {
             float* pt = parts + part_base[t] + (h * chunks[t] + c) * (D + 2);
-            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, pt + 2);
+            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, softcap, pt + 2);
             pt[0] = mx; pt[1] = l;
           } else {
             float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
-            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, o);
+            auto [mx, l] = chunk_partial(q, k + hk * D, v + hk * D, m, D, HD, scale, softcap, o);
             fold(st, st + 2, mx, l, o, D, c == 0);
           }
         }
@@ -430,13 +451,13 @@ void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int6
 // attention_team in a team of its own (a layer called alone).
 template <class KV>
 void attention(const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, const KV* kp, const KV* vp,
-               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float* out) {
+               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float softcap, float* out) {
   static thread_local AttentionPlan own;
   AttentionPlan& plan = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
   const int64_t nthreads = at::get_num_threads();
   plan_attention(vis, Hq, D, nthreads, plan);
 #pragma omp parallel num_threads(nthreads)
-  attention_team(plan, qkv, W, Hq, Hkv, D, kp, vp, context_slots, Lk, vis, scale, out);
+  attention_team(plan, qkv, W, Hq, Hkv, D, kp, vp, context_slots, Lk, vis, scale, softcap, out);
 }
 
 }  // namespace

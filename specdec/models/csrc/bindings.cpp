@@ -48,9 +48,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   py::class_<Layer>(m, "Layer")
       .def(py::init([](torch::Tensor ln1, QMatrix qkv, torch::Tensor qkv_b, torch::Tensor q_norm,
                        torch::Tensor k_norm, QMatrix o, torch::Tensor ln2, QMatrix gate_up, QMatrix down,
-                       int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps) {
-        return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps};
-      }))
+                       int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t window, double softcap) {
+        TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
+        return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps, window,
+                     (float)softcap};
+      }), py::arg("ln1"), py::arg("qkv"), py::arg("qkv_b"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"),
+          py::arg("ln2"), py::arg("gate_up"), py::arg("down"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
+          py::arg("eps"), py::arg("window") = 0, py::arg("softcap") = 0.0)
       .def("forward", &layer_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("qkv_input") = torch::Tensor());
@@ -86,7 +90,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
     return out;
   }, "RMSNorm of each row of x [T, H], the layers' own (a row's bits do not depend on T)");
   m.def("dequantize_rows", &dequantize_rows);
-  m.def("attention", &attention_op, "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel)");
+  m.def("attention", &attention_op, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("context_slots"),
+        py::arg("mask"), py::arg("query_starts"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel); window > 0: each query's last `window` "
+        "visible keys; softcap > 0: scores soft-capped");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("race_rows", &race_rows, "a keyed sample of each row of probs float32 [N, V] for keys int64 [N]: the first index "

@@ -42,7 +42,7 @@ struct Eagle3Step {
     const int64_t N = (int64_t)rows.size();
     const int64_t* rp = rows.data();
     for (int64_t n = 0; n < N; n++) TORCH_CHECK(rp[n] >= 0 && rp[n] < T, "row ", rp[n], " out of range [0, ", T, ")");
-    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts, layer.window);
     auto out = torch::empty({T, H}, embeds.options());
     auto logits = torch::empty({N, V}, embeds.options());
     const float *e = embeds.data_ptr<float>(), *in = input.data_ptr<float>();

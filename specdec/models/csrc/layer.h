@@ -26,6 +26,8 @@ struct Layer {
   QMatrix qkv, o, gate_up, down;
   int64_t n_heads, n_kv, head_dim;
   double eps;
+  int64_t window = 0;  // a sliding-window layer's window (0: every visible key)
+  float softcap = 0.f;  // attention scores soft-capped at this (0: none)
 };
 
 // out[i] = silu(g[i]) * g[inter + i] (the gate and up halves of one row), the same lanes for every row.
@@ -71,16 +73,17 @@ auto with_kv(const torch::Tensor& k_pool, const torch::Tensor& v_pool, Fn&& fn) 
   return fn(k_pool.data_ptr<float>(), v_pool.data_ptr<float>());
 }
 
-// Where the step's tokens go and what each query sees (one per forward: every layer shares it).
+// Where the step's tokens go and what each query sees (one per forward and window: the layers of one window share it).
 struct StepLayout {
   const int64_t* slot_mapping;
   const int64_t* context_slots;
   int64_t Lk;
   Visible vis;
+  int64_t window = 0;
 };
 
 StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& context_slots, const torch::Tensor& mask,
-                       const torch::Tensor& query_starts) {
+                       const torch::Tensor& query_starts, int64_t window = 0) {
   TORCH_CHECK(slot_mapping.dtype() == torch::kInt64 && context_slots.dtype() == torch::kInt64 &&
               query_starts.dtype() == torch::kInt64 && mask.dtype() == torch::kBool && slot_mapping.is_contiguous() &&
               context_slots.is_contiguous() && mask.is_contiguous() && query_starts.is_contiguous(),
@@ -88,7 +91,7 @@ StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& c
   const int64_t B = query_starts.size(0) - 1, Lk = context_slots.size(1);
   return {slot_mapping.data_ptr<int64_t>(), context_slots.data_ptr<int64_t>(), Lk,
           visible_lists(context_slots.data_ptr<int64_t>(), Lk, mask.data_ptr<bool>(), mask.size(1),
-                        query_starts.data_ptr<int64_t>(), B)};
+                        query_starts.data_ptr<int64_t>(), B, window), window};
 }
 
 void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t D) {
@@ -111,17 +114,17 @@ std::pair<torch::Tensor, torch::Tensor> rope_rows(const torch::Tensor& cos_table
 // between their QKV and O projections, for the tests.
 torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& context_slots, const torch::Tensor& mask,
-                           const torch::Tensor& query_starts, double scale) {
+                           const torch::Tensor& query_starts, double scale, int64_t window, double softcap) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, Hq, D]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2) &&
               q.size(1) % k_pool.size(1) == 0, "pools must be [slots, Hkv, D] with Hq a multiple of Hkv");
-  StepLayout step = step_layout(context_slots.new_empty({0}), context_slots, mask, query_starts);
+  StepLayout step = step_layout(context_slots.new_empty({0}), context_slots, mask, query_starts, window);
   TORCH_CHECK(step.vis.T == q.size(0), "query_starts covers ", step.vis.T, " queries, q has ", q.size(0));
   auto out = torch::empty_like(q);
   const int64_t Hq = q.size(1), D = q.size(2);
   with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
     attention(q.data_ptr<float>(), Hq * D, Hq, k_pool.size(1), D, kp, vp, step.context_slots, step.Lk, step.vis,
-              (float)scale, out.data_ptr<float>());
+              (float)scale, (float)softcap, out.data_ptr<float>());
     return 0;
   });
   return out;
@@ -202,9 +205,10 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
     place();
   }
   with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
+    TORCH_CHECK(step.window == L.window, "a layer of window ", L.window, " given the layout of window ", step.window);
     if constexpr (TEAM) attention_team(*plan, qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis,
-                                       (float)scale, attn);
-    else attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, attn);
+                                       (float)scale, L.softcap, attn);
+    else attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, L.softcap, attn);
     return 0;
   });
   product(L.o, attn, Hq * D, o, H);
@@ -232,9 +236,10 @@ void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float*
 // A layer by every member of a team (see layer_body), the shared buffers in sh.
 void decoder_layer_team(const Layer& L, float* x, int64_t T, int64_t H, const float* cos, const float* ssin,
                         torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
-                        TeamBuffers& sh, float* h, QAct& qx, const float* qkv_in = nullptr) {
+                        TeamBuffers& sh, float* h, QAct& qx, const float* qkv_in = nullptr,
+                        const AttentionPlan* plan = nullptr) {
   layer_body<true>(L, x, T, H, cos, ssin, k_pool, v_pool, step, scale, h, qx, sh.qkv.data(), sh.attn.data(),
-                   sh.o.data(), sh.gu.data(), &sh.plan, qkv_in);
+                   sh.o.data(), sh.gu.data(), plan != nullptr ? plan : &sh.plan, qkv_in);
 }
 
 
@@ -252,7 +257,7 @@ void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
   } else {
     TORCH_CHECK(L.qkv.K == x.size(1), "this layer's QKV reads ", L.qkv.K, " inputs: pass them as qkv_input");
   }
-  StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+  StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts, L.window);
   decoder_layer(L, x.data_ptr<float>(), x.size(0), x.size(1), cos.data_ptr<float>(), ssin.data_ptr<float>(), k_pool,
                 v_pool, step, scale, own_input ? qkv_input.data_ptr<float>() : nullptr);
 }
@@ -292,14 +297,24 @@ struct Stack {
       rows = logit_rows;
       for (int64_t row : rows) TORCH_CHECK(row >= 0 && row < T, "logit row ", row, " out of range [0, ", T, ")");
     }
-    StepLayout step = step_layout(slot_mapping, context_slots, mask, query_starts);
+    // one layout per distinct window among the layers (a model with sliding-window layers has two)
+    std::vector<StepLayout> steps;
+    std::vector<size_t> layout_of(num_layers);
+    steps.reserve(2);
+    for (int64_t i = 0; i < num_layers; i++) {
+      size_t k = 0;
+      while (k < steps.size() && steps[k].window != layers[i].window) k++;
+      if (k == steps.size()) steps.push_back(step_layout(slot_mapping, context_slots, mask, query_starts, layers[i].window));
+      layout_of[i] = k;
+    }
     if (T <= team_max_rows.load() && num_layers > 0)
-      return forward_team(x, cos, ssin, k_pools, v_pools, step, scale, num_layers, capture, lm_head, rows);
+      return forward_team(x, cos, ssin, k_pools, v_pools, steps, layout_of, scale, num_layers, capture, lm_head, rows);
     std::vector<torch::Tensor> out(3);
     out[2] = torch::empty({T, (int64_t)capture.size() * H}, x.options());
     for (int64_t i = 0; i < num_layers; i++) {
       decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
-                    const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), step, scale);
+                    const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), steps[layout_of[i]],
+                    scale);
       capture_into(capture, i, x.data_ptr<float>(), T, H, out[2].data_ptr<float>());
     }
     out[0] = torch::empty_like(x);
@@ -312,7 +327,8 @@ struct Stack {
   // forward for T <= team_max_rows rows, the whole stack in one OpenMP team (see decoder_layer_team).
   std::vector<torch::Tensor> forward_team(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
                                           const std::vector<torch::Tensor>& k_pools,
-                                          const std::vector<torch::Tensor>& v_pools, const StepLayout& step,
+                                          const std::vector<torch::Tensor>& v_pools,
+                                          const std::vector<StepLayout>& steps, const std::vector<size_t>& layout_of,
                                           double scale, int64_t num_layers, const std::vector<int64_t>& capture,
                                           const QMatrix* lm_head, const std::vector<int64_t>& rows) const {
     const int64_t T = x.size(0), H = x.size(1), N = (int64_t)rows.size(), nthreads = at::get_num_threads();
@@ -330,7 +346,11 @@ struct Stack {
     static thread_local TeamBuffers own;
     TeamBuffers& sh = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
     grow(sh.qkv, T * qkv_w); grow(sh.attn, T * attn_w); grow(sh.o, T * H); grow(sh.gu, T * 2 * inter);
-    plan_attention(step.vis, layers[0].n_heads, layers[0].head_dim, nthreads, sh.plan);
+    static thread_local std::vector<AttentionPlan> own_plans;  // one per layout, the calling thread's
+    std::vector<AttentionPlan>& plans = own_plans;
+    if (plans.size() < steps.size()) plans.resize(steps.size());
+    for (size_t k = 0; k < steps.size(); k++)
+      plan_attention(steps[k].vis, layers[0].n_heads, layers[0].head_dim, nthreads, plans[k]);
     std::vector<torch::Tensor> out{torch::empty_like(x),
                                    lm_head == nullptr ? torch::empty({0}, x.options()) : torch::empty({N, lm_head->N()}, x.options()),
                                    torch::empty({T, (int64_t)capture.size() * H}, x.options())};
@@ -347,7 +367,8 @@ struct Stack {
       std::memcpy(xm, xs, T * H * sizeof(float));
       for (int64_t i = 0; i < num_layers; i++) {
         decoder_layer_team(layers[i], xm, T, H, c, sn, const_cast<torch::Tensor&>(k_pools[i]),
-                           const_cast<torch::Tensor&>(v_pools[i]), step, scale, sh, hm, qx);
+                           const_cast<torch::Tensor&>(v_pools[i]), steps[layout_of[i]], scale, sh, hm, qx, nullptr,
+                           &plans[layout_of[i]]);
 #pragma omp master
         capture_into(capture, i, xm, T, H, features);
       }

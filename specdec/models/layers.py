@@ -1,0 +1,71 @@
+"""The blocks every family's layers are built from: a linear map over float or block-quantized weights, RMSNorm, and
+the gated MLP's activations. (Attention is `attention` and the native kernels; the mixture-of-experts MLP `moe`.)"""
+from __future__ import annotations
+
+import torch
+import torch.nn.functional as F
+from torch import nn
+
+from specdec.models.kernels import linear, rms_norm
+from specdec.models.quant import QuantWeight
+
+
+def replace_parameter(module: nn.Module, attr: str, value: QuantWeight) -> None:
+    """Put a block-quantized matrix where a float Parameter was (a QuantWeight is not a Parameter)."""
+    module._parameters.pop(attr, None)
+    setattr(module, attr, value)
+
+
+class Linear(nn.Module):
+    """y = x @ weight.T + bias, weight: [out, in] as in nn.Linear and HF checkpoints: a float Parameter, or a
+    block-quantized `QuantWeight` (a GGUF's own blocks, or quantized on load) set by `set_weight`."""
+
+    def __init__(self, in_features: int, out_features: int, bias: bool, dtype: torch.dtype, device: torch.device | str,
+                 act_dtype: torch.dtype | None = None) -> None:
+        super().__init__()
+        self.weight = nn.Parameter(torch.empty(out_features, in_features, dtype=dtype, device=device),
+                                   requires_grad=False)
+        self.bias = nn.Parameter(torch.zeros(out_features, dtype=act_dtype or dtype, device=device),
+                                 requires_grad=False) if bias else None
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return linear(x, self.weight, self.bias)
+
+    @property
+    def quantized(self) -> bool:
+        return isinstance(self.weight, QuantWeight)
+
+    @property
+    def in_features(self) -> int:
+        return self.weight.shape[1]
+
+    def set_weight(self, value: torch.Tensor | QuantWeight, name: str) -> None:
+        """Load a float tensor into the Parameter, or replace the Parameter by a quantized matrix."""
+        if tuple(value.shape) != tuple(self.weight.shape):
+            raise ValueError(f"tensor {name!r} has shape {tuple(value.shape)}, config expects "
+                             f"{tuple(self.weight.shape)}")
+        if isinstance(value, QuantWeight):
+            replace_parameter(self, "weight", value)
+        else:
+            if self.quantized:
+                raise ValueError(f"tensor {name!r}: a float tensor for a quantized layer")
+            self.weight.data.copy_(value.to(self.weight.dtype))
+
+
+class RMSNorm(nn.Module):
+    def __init__(self, dim: int, eps: float, dtype: torch.dtype, device: torch.device | str) -> None:
+        super().__init__()
+        self.eps = eps
+        self.weight = nn.Parameter(torch.ones(dim, dtype=dtype, device=device), requires_grad=False)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        if x.dtype == torch.float32:
+            return rms_norm(x, self.weight, self.eps)
+        h = x.float()
+        h = h * torch.rsqrt(h.pow(2).mean(-1, keepdim=True) + self.eps)
+        return self.weight * h.to(x.dtype)  # as transformers does: normalize in fp32, scale in x's dtype
+
+
+def activation(name: str, gate: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's activation of its gate half: SiLU (SwiGLU), or tanh-approximated GELU (Gemma's GeGLU)."""
+    return F.silu(gate) if name == "silu" else F.gelu(gate, approximate="tanh")

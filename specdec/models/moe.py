@@ -1,0 +1,72 @@
+"""A mixture-of-experts MLP: a router picks each row's top-k experts, each expert a gated MLP of its own.
+
+    router:   probs = softmax(x @ gate.T) [T, E];  top-k per row (renormalized to sum 1 with norm_topk_prob)
+    experts:  y_e(x) = down_e(act(gate_e(x)) * up_e(x))            (gate_e and up_e fused by rows, as dense MLPs)
+    out[t]  = sum over the row's ranks j = 0..k-1, in rank order, of w[t, j] * y_{e[t, j]}(x[t])
+              (+ sigmoid(x @ shared_gate.T) * shared(x) where a shared expert is configured: Qwen2-MoE)
+
+A step's rows are grouped by expert, so each expert's weights are read once a step whatever number of rows (the
+batch and its draft rows) chose it: k rows read the union of their experts' bytes, never k times an expert. Each
+row's sum runs over its own ranks in a fixed order and every product is the native GEMM, whose rows do not depend on
+the other rows of the call: a row's bits are the same alone or in any batch, so greedy speculation stays identical.
+"""
+from __future__ import annotations
+
+import torch
+from torch import nn
+
+from specdec.config import ModelConfig
+from specdec.models.kernels import linear
+from specdec.models.layers import Linear, activation
+
+
+class MoE(nn.Module):
+    def __init__(self, cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, act: torch.dtype) -> None:
+        super().__init__()
+        H, inter = cfg.hidden_size, cfg.moe_intermediate_size
+        self.top_k, self.norm_topk_prob, self.act = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act
+        self.gate = nn.Parameter(torch.empty(cfg.num_experts, H, dtype=act, device=device), requires_grad=False)
+        self.gate_up = nn.ModuleList(Linear(H, 2 * inter, False, dtype, device) for _ in range(cfg.num_experts))
+        self.down = nn.ModuleList(Linear(inter, H, False, dtype, device) for _ in range(cfg.num_experts))
+        shared = cfg.shared_expert_intermediate_size
+        self.shared_gate_up = Linear(H, 2 * shared, False, dtype, device) if shared else None
+        self.shared_down = Linear(shared, H, False, dtype, device) if shared else None
+        self.shared_gate = nn.Parameter(torch.empty(1, H, dtype=act, device=device), requires_grad=False) \
+            if shared else None
+
+    @property
+    def linears(self) -> tuple[Linear, ...]:
+        shared = (self.shared_gate_up, self.shared_down) if self.shared_gate_up is not None else ()
+        return (*self.gate_up, *self.down, *shared)
+
+    def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
+        """Each row's experts [T, k] (by descending probability) and their weights [T, k], float32."""
+        probs = torch.softmax(linear(x, self.gate).float(), dim=-1)
+        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        if self.norm_topk_prob:
+            weights = weights / weights.sum(dim=-1, keepdim=True)
+        return experts, weights
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        """x: [T, H] (the MLP's normed input) -> [T, H]."""
+        experts, weights = self.route(x)
+        T, k = experts.shape
+        ys = x.new_zeros(k, T, x.shape[-1])  # ys[j, t]: row t's rank-j expert's output
+        flat = experts.reshape(-1)
+        for e in torch.unique(flat).tolist():  # every expert a step touches, its weights read once
+            hits = (flat == e).nonzero()[:, 0]
+            rows, ranks = hits // k, hits % k
+            ys[ranks, rows] = self.expert(e, x[rows])
+        out = ys[0] * weights[:, :1].to(x.dtype)
+        for j in range(1, k):  # rank order, the same for a row alone or in a batch
+            out = out + ys[j] * weights[:, j:j + 1].to(x.dtype)
+        if self.shared_gate_up is not None:
+            gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
+            shared = self.shared_down(activation(self.act, gate) * up)
+            out = out + torch.sigmoid(linear(x, self.shared_gate)) * shared
+        return out
+
+    def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
+        """Expert e's gated MLP on its rows x [n, H]."""
+        gate, up = self.gate_up[e](x).chunk(2, dim=-1)
+        return self.down[e](activation(self.act, gate) * up)

@@ -1,0 +1,193 @@
+"""Every family against transformers' own classes: tiny random configs saved with `save_pretrained`, loaded by
+specdec from the directory, float32 log-probabilities of a prompt and its continuation through the paged cache within
+1e-3 of transformers', and speculative greedy output identical to plain greedy."""
+from __future__ import annotations
+
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+import transformers
+from conftest import build_tokenizer, needs_native
+from test_models import run_paged
+
+from specdec import LLM, SamplingParams
+from specdec.config import SpecdecError
+from specdec.models.loader import load_model
+
+COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_layers=3, num_attention_heads=4,
+              num_key_value_heads=2, max_position_embeddings=256, rms_norm_eps=1e-5, bos_token_id=1, eos_token_id=2,
+              pad_token_id=0)
+WINDOW = 8  # a window the prompts outgrow, so a layer that ignores it answers differently
+
+FAMILIES = {
+    "mistral-window": (transformers.MistralConfig, dict(sliding_window=WINDOW)),
+    "qwen2-window": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW,
+                                                    max_window_layers=1)),
+    "gemma2": (transformers.Gemma2Config, dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                               attn_logit_softcapping=5.0, final_logit_softcapping=3.0)),
+    "gemma3": (transformers.Gemma3TextConfig, dict(head_dim=16, sliding_window=WINDOW, query_pre_attn_scalar=24,
+                                                   layer_types=["sliding_attention", "full_attention",
+                                                                "sliding_attention"],
+                                                   rope_parameters={"full_attention": {"rope_type": "linear",
+                                                                                       "factor": 2.0,
+                                                                                       "rope_theta": 100000.0},
+                                                                    "sliding_attention": {"rope_type": "default",
+                                                                                          "rope_theta": 1000.0}})),
+    "phi3-longrope": (transformers.Phi3Config, dict(
+        max_position_embeddings=512, original_max_position_embeddings=128,
+        rope_parameters={"rope_type": "longrope", "rope_theta": 10000.0, "partial_rotary_factor": 1.0,
+                         "short_factor": [1.0 + i / 8 for i in range(8)], "long_factor": [2.0 + i for i in range(8)]})),
+    "phi4-partial-rotary": (transformers.Phi3Config, dict(partial_rotary_factor=0.5, sliding_window=WINDOW)),
+    "qwen2_moe": (transformers.Qwen2MoeConfig, dict(num_experts=6, num_experts_per_tok=2, moe_intermediate_size=48,
+                                                     shared_expert_intermediate_size=80, decoder_sparse_step=1,
+                                                     mlp_only_layers=[1])),
+    "qwen3_moe": (transformers.Qwen3MoeConfig, dict(num_experts=8, num_experts_per_tok=3, moe_intermediate_size=40,
+                                                     head_dim=16, norm_topk_prob=True, decoder_sparse_step=2)),
+    "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
+    "olmoe": (transformers.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)),
+}
+
+
+def save_family(path, name: str, seed: int = 0):
+    cls, extra = FAMILIES[name]
+    torch.manual_seed(seed)
+    model = transformers.AutoModelForCausalLM.from_config(cls(**{**COMMON, **extra})).eval()
+    with torch.no_grad():  # sharper than the random init, so greedy is not decided by rounding noise
+        for p in model.parameters():
+            if p.dim() >= 2:
+                p.mul_(3.0)
+            elif p.dim() == 1 and "norm" in "".join(n for n, q in model.named_parameters() if q is p):
+                p.add_(torch.randn_like(p) * 0.2)  # norms away from their init, so a wrong offset shows
+    model.save_pretrained(path)
+    build_tokenizer(COMMON["vocab_size"]).save_pretrained(path)
+    return path, model
+
+
+def prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
+    return torch.log_softmax(logits[:-1].double(), -1).gather(-1, torch.tensor(ids[1:])[:, None])[:, 0]
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_family_matches_transformers_through_the_paged_cache(tmp_path, name):
+    path, hf = save_family(tmp_path, name)
+    ours, _ = load_model(path)
+    g = torch.Generator().manual_seed(1)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 19)]  # past the window
+    conts = [torch.randint(3, 320, (12,), generator=g).tolist() for _ in prompts]
+    for p, c, logits in zip(prompts, conts, run_paged(ours, prompts, conts)):
+        with torch.no_grad():
+            ref = hf(torch.tensor([p + c])).logits[0]
+        assert logits.shape == ref.shape
+        got, want = prompt_logprobs(logits, p + c), prompt_logprobs(ref, p + c)
+        assert (got - want).abs().max().item() < 1e-3, name
+        assert torch.equal(logits.argmax(-1), ref.argmax(-1))
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2", "gemma3", "qwen3_moe", "olmoe"])
+def test_speculative_greedy_output_equals_plain_for_a_family(tmp_path, name):
+    path, _ = save_family(tmp_path, name)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9]},
+               {"prompt_token_ids": [40, 41, 42, 43, 40, 41, 42, 43, 40, 41, 42]}]
+    params = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(path), speculative_config="off").generate(prompts, params)]
+    for spec in ({"method": "ngram", "num_speculative_tokens": 4, "dispatch": {"1": "chain"}},
+                 {"method": "suffix", "num_speculative_tokens": 6, "dispatch": {"1": "chain"}}):
+        outs = LLM(str(path), speculative_config=spec).generate(prompts, params)
+        assert [o.token_ids for o in outs] == plain, spec
+
+
+def test_an_unknown_family_is_refused_naming_every_supported_one(tmp_path):
+    (tmp_path / "config.json").write_text('{"model_type": "mamba", "architectures": ["MambaForCausalLM"]}')
+    with pytest.raises(SpecdecError, match=r"unsupported architecture 'MambaForCausalLM'.*gemma2.*qwen3_moe"):
+        load_model(tmp_path)
+
+
+def test_a_window_larger_than_the_context_is_refused_by_name(tmp_path):
+    from specdec.models.families import load_config
+
+    hf = {**COMMON, "model_type": "mistral", "sliding_window": 4096}
+    with pytest.raises(SpecdecError, match="sliding_window=4096 is larger than the context"):
+        load_config(hf)
+
+
+def test_a_missing_expert_tensor_is_refused_by_name(tmp_path):
+    from safetensors.torch import load_file, save_file
+
+    path, _ = save_family(tmp_path, "qwen3_moe")
+    state = load_file(path / "model.safetensors")
+    del state["model.layers.1.mlp.experts.5.up_proj.weight"]
+    save_file(state, path / "model.safetensors")
+    with pytest.raises(SpecdecError, match=r"missing tensor 'model.layers.1.mlp.experts.5.up_proj.weight'"):
+        load_model(path)
+
+
+def test_an_unknown_rope_type_is_refused_by_name(tmp_path):
+    path, _ = save_family(tmp_path, "mixtral")
+    cfg = (path / "config.json").read_text().replace('"rope_type": "default"', '"rope_type": "wobbly"')
+    (path / "config.json").write_text(cfg)
+    with pytest.raises((SpecdecError, ValueError), match="unsupported rope_scaling type 'wobbly'"):
+        load_model(path)
+
+
+# ---- the same families from GGUF files (llama.cpp's layout, written by tools/hf_to_gguf.py) ----
+
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
+import hf_to_gguf  # noqa: E402
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(FAMILIES))
+def test_a_familys_gguf_loads_as_its_hugging_face_directory(tmp_path, name):
+    """F32: the same logits as the directory it was written from; Q8_0 on its own blocks (int8 activations): close to
+    the same file dequantized to float32, the same greedy token at nearly every position (a mixture's router may
+    pick another expert at a near-tie, which moves that row's logits more than rounding does)."""
+    path, _ = save_family(tmp_path / "hf", name)
+    g = torch.Generator().manual_seed(2)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (4, 17)]
+    conts = [torch.randint(3, 320, (10,), generator=g).tolist() for _ in prompts]
+    reference = run_paged(load_model(path)[0], prompts, conts)
+    f32 = hf_to_gguf.write(path, tmp_path / "f32.gguf", "F32")
+    for got, want in zip(run_paged(load_model(f32)[0], prompts, conts), reference):
+        assert (got - want).abs().max().item() < 1e-4, name
+    q8 = hf_to_gguf.write(path, tmp_path / "q8.gguf", "Q8_0")
+    blocks, _ = load_model(q8, dtype="auto")
+    assert blocks.quantization == "q8_0"
+    dequantized = run_paged(load_model(q8, dtype=torch.float32)[0], prompts, conts)
+    got, want = torch.cat(run_paged(blocks, prompts, conts)), torch.cat(dequantized)
+    assert (got - want).abs().mean().item() < 0.03 * want.abs().mean().item(), name
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.9, name
+
+
+# ---- files written by llama.cpp's own converter: the independent check of our reading of its layout ----
+
+import llamacpp_convert  # noqa: E402
+
+# The families as their published models configure them (llama.cpp's converter writes no window for Mistral or
+# Qwen2, no clip_qkv for OLMoE, no query scale for Gemma but the head size's, and Gemma 3's 5-to-1 layer pattern).
+AS_PUBLISHED = {
+    "gemma2": dict(query_pre_attn_scalar=16),
+    "gemma3": dict(query_pre_attn_scalar=16, num_hidden_layers=7, layer_types=None),
+    "phi3-longrope": {}, "phi4-partial-rotary": {},
+    "qwen2_moe": dict(mlp_only_layers=[]), "qwen3_moe": dict(decoder_sparse_step=1),
+    "mixtral": {}, "olmoe": dict(clip_qkv=None),
+}
+
+
+@needs_native
+@pytest.mark.parametrize("name", list(AS_PUBLISHED))
+def test_llama_cpps_own_gguf_of_a_family_loads_as_its_hugging_face_directory(tmp_path, name, monkeypatch):
+    cls, extra = FAMILIES[name]
+    monkeypatch.setitem(FAMILIES, name, (cls, {k: v for k, v in {**extra, **AS_PUBLISHED[name]}.items()
+                                               if v is not None or k == "clip_qkv"}))
+    path, _ = save_family(tmp_path / "hf", name)
+    converted = llamacpp_convert.convert(path, tmp_path / "llamacpp.gguf")
+    g = torch.Generator().manual_seed(3)
+    prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (4, 17)]
+    conts = [torch.randint(3, 320, (10,), generator=g).tolist() for _ in prompts]
+    for got, want in zip(run_paged(load_model(converted)[0], prompts, conts),
+                         run_paged(load_model(path)[0], prompts, conts)):
+        assert (got - want).abs().max().item() < 1e-5, name

@@ -1,0 +1,200 @@
+"""Write a Hugging Face model directory of any family specdec runs as a GGUF in llama.cpp's layout: its architecture
+name, metadata keys and tensor names (Phi-3's fused attn_qkv and gate-up ffn_up, a mixture's experts stacked in one
+[E, out, in] tensor per projection, Q and K rows interleaved for the llama architecture, Gemma's norms with their 1
+folded in), and a tokenizer (the directory's byte-level BPE as llama.cpp's gpt2 vocabulary), in F32, F16 or a block
+type (numpy quantizers, ggml's reference algorithms).
+
+What the tests use to check each family's GGUF path against its Hugging Face path on the same weights, and what
+`tools/compare_llamacpp.py` hands llama.cpp. Its layout is read back from specdec's own loader table
+(`specdec.models.gguf._expected_tensors`), so it is no independent check of that table: comparing its files with
+those of llama.cpp's own converter is (`--check-against FILE`, names, shapes and keys).
+
+    python tools/hf_to_gguf.py MODEL_DIR OUT.gguf --type Q8_0
+"""
+from __future__ import annotations
+
+import argparse
+import json
+import math
+import sys
+from pathlib import Path
+
+import numpy as np
+import torch
+from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+
+from specdec.models import gguf as specdec_gguf
+from specdec.models.families import family_of, load_config
+from specdec.models.loader import _load_safetensors
+from specdec.models.quantizers import quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from synth_gguf import add_shape_keys  # noqa: E402
+
+ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
+        "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
+        "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+TYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16, "Q8_0": GGMLQuantizationType.Q8_0,
+         "Q4_0": GGMLQuantizationType.Q4_0, "Q5_0": GGMLQuantizationType.Q5_0, "Q4_K": GGMLQuantizationType.Q4_K,
+         "Q6_K": GGMLQuantizationType.Q6_K}
+
+
+def _metadata(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
+    add_shape_keys(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size,
+                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)
+    w.add_key_length(cfg.head_dim)
+    w.add_value_length(cfg.head_dim)
+    scaling = cfg.rope_scaling or {}
+    kind = scaling.get("rope_type", scaling.get("type"))
+    if kind == "linear":
+        w.add_string(f"{arch}.rope.scaling.type", "linear")
+        w.add_float32(f"{arch}.rope.scaling.factor", float(scaling["factor"]))
+    if cfg.clip_qkv is not None:
+        w.add_clamp_kqv(cfg.clip_qkv)
+    if cfg.moe_layers:
+        w.add_expert_count(cfg.num_experts)
+        w.add_expert_used_count(cfg.num_experts_per_tok)
+        w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
+        if cfg.shared_expert_intermediate_size:
+            w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    if cfg.sliding_window and arch != "phi3":  # the layers that slide, as a list (llama.cpp's per-layer form)
+        w.add_sliding_window(cfg.sliding_window)
+        w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+    if arch in ("gemma2", "gemma3"):
+        big = cfg.num_hidden_layers == (62 if arch == "gemma3" else 46)  # llama.cpp's rule for the query scale
+        if cfg.attn_scale != (cfg.hidden_size // cfg.num_attention_heads if big else cfg.head_dim) ** -0.5:
+            w.add_float32(f"{arch}.attention.scale", cfg.attn_scale)  # a scale the rule would not give
+        if cfg.attn_softcap:
+            w.add_float32(f"{arch}.attn_logit_softcapping", cfg.attn_softcap)
+        if cfg.final_softcap:
+            w.add_float32(f"{arch}.final_logit_softcapping", cfg.final_softcap)
+        if cfg.rope_local_theta is not None:
+            w.add_float32(f"{arch}.rope.freq_base_swa", cfg.rope_local_theta)
+    if arch == "phi3":
+        w.add_sliding_window(cfg.sliding_window or 0)
+        if kind in ("longrope", "su"):
+            original = scaling["original_max_position_embeddings"]
+            w.add_uint32(f"{arch}.rope.scaling.original_context_length", original)
+            scale = cfg.max_position_embeddings / original
+            attn = scaling.get("attention_factor") or (
+                math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
+            w.add_float32(f"{arch}.rope.scaling.attn_factor", attn)
+
+
+def _tokenizer(w: GGUFWriter, model_dir: Path, vocab_size: int, hf: dict) -> None:
+    """The directory's byte-level BPE as llama.cpp's gpt2 vocabulary, padded to the model's vocabulary size."""
+    tok = json.loads((model_dir / "tokenizer.json").read_text())
+    vocab = dict(tok["model"]["vocab"])
+    for added in tok.get("added_tokens", []):
+        vocab[added["content"]] = added["id"]
+    tokens = [f"[PAD{i}]" for i in range(vocab_size)]
+    types = [5] * vocab_size  # unused
+    special = {a["content"] for a in tok.get("added_tokens", []) if a.get("special")}
+    for text, i in vocab.items():
+        if i < vocab_size:
+            tokens[i], types[i] = text, 3 if text in special else 1
+    merges = [m if isinstance(m, str) else " ".join(m) for m in tok["model"].get("merges", [])]
+    w.add_tokenizer_model("gpt2")
+    w.add_tokenizer_pre("default")
+    w.add_token_list(tokens)
+    w.add_token_types(types)
+    w.add_token_merges(merges)
+    for name, key in (("bos", "bos_token_id"), ("eos", "eos_token_id")):
+        if isinstance(hf.get(key), int):
+            getattr(w, f"add_{name}_token_id")(hf[key])
+
+
+def _permute_qk(weights: np.ndarray, heads: int) -> np.ndarray:
+    """llama.cpp's permute() for the llama architecture: per head, rows [half, 2] -> [2, half] (interleaved)."""
+    half = weights.shape[0] // heads // 2
+    return weights.reshape(heads, 2, half, *weights.shape[1:]).swapaxes(1, 2).reshape(weights.shape)
+
+
+def _encode(name: str, data: np.ndarray, qtype: GGMLQuantizationType) -> tuple[np.ndarray, GGMLQuantizationType]:
+    """Norms, biases, routers and rope factors stay F32 (as llama.cpp writes them); matrices take `qtype` where their
+    rows hold whole blocks, else F32."""
+    if data.ndim < 2 or "ffn_gate_inp" in name or qtype == GGMLQuantizationType.F32:
+        return data.astype(np.float32), GGMLQuantizationType.F32
+    if qtype == GGMLQuantizationType.F16:
+        return data.astype(np.float16), qtype
+    from gguf.constants import GGML_QUANT_SIZES
+
+    if data.shape[-1] % GGML_QUANT_SIZES[qtype][0]:
+        return data.astype(np.float32), GGMLQuantizationType.F32
+    return quantize(data.reshape(-1, data.shape[-1]).astype(np.float32), qtype).reshape(
+        *data.shape[:-1], -1), qtype
+
+
+def write(model_dir: str | Path, out: str | Path, file_type: str = "F32") -> Path:
+    """Write `model_dir` as a GGUF at `out` with matrices in `file_type`; returns `out`."""
+    model_dir, out = Path(model_dir), Path(out)
+    hf = json.loads((model_dir / "config.json").read_text())
+    family = family_of(hf)
+    cfg = load_config(hf)
+    arch = ARCH[cfg.model_type]
+    state = {k: v.float().numpy() for k, v in family.state(_load_safetensors(model_dir), hf).items()}
+    fused = {f"blk.{i}.attn_qkv.weight" for i in range(cfg.num_hidden_layers)} if arch == "phi3" else set()
+    expected = specdec_gguf._expected_tensors({**hf, "model_type": cfg.model_type}, fused)
+    w = GGUFWriter(str(out), arch)
+    w.add_name(model_dir.name)
+    _metadata(w, arch, hf, cfg)
+    _tokenizer(w, model_dir, cfg.vocab_size, hf)
+    qtype = TYPES[file_type]
+    if arch == "phi3" and (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "su"):
+        for k in ("long", "short"):
+            w.add_tensor(f"rope_factors_{k}.weight", np.asarray(cfg.rope_scaling[f"{k}_factor"], dtype=np.float32))
+    for name, (parts, shape) in expected.items():
+        if any(hf_name not in state for hf_name, _ in parts):
+            continue  # a tied checkpoint's lm_head
+        data = np.concatenate([state.pop(hf_name).reshape(part) for hf_name, part in parts]).reshape(shape)
+        if arch == "llama" and name.endswith(("attn_q.weight", "attn_k.weight")):
+            data = _permute_qk(data, cfg.num_attention_heads if "attn_q" in name else cfg.num_key_value_heads)
+        data, t = _encode(name, data, qtype)
+        w.add_tensor(name, data, raw_dtype=t if t not in (GGMLQuantizationType.F32, GGMLQuantizationType.F16)
+                     else None)
+    state.pop("lm_head.weight", None)
+    if state:
+        raise ValueError(f"tensors with no GGUF name: {sorted(state)[:3]}")
+    w.write_header_to_file()
+    w.write_kv_data_to_file()
+    w.write_tensors_to_file()
+    w.close()
+    return out
+
+
+def check_against(ours: Path, theirs: Path) -> list[str]:
+    """How our file differs from another converter's (llama.cpp's): tensor names, shapes, and the architecture's
+    metadata keys with their values (general.* and tokenizer.* aside). Empty when they agree."""
+    a, b = GGUFReader(ours), GGUFReader(theirs)
+    diffs = []
+    shapes = [{t.name: tuple(int(d) for d in t.shape) for t in r.tensors} for r in (a, b)]
+    for name in sorted(set(shapes[0]) | set(shapes[1])):
+        if shapes[0].get(name) != shapes[1].get(name):
+            diffs.append(f"tensor {name}: ours {shapes[0].get(name)}, theirs {shapes[1].get(name)}")
+    keys = [{f.name: f.contents() for f in r.fields.values() if not f.name.startswith(("general.", "tokenizer."))
+             and not f.name.startswith("GGUF.")} for r in (a, b)]
+    for key in sorted(set(keys[0]) | set(keys[1])):
+        x, y = keys[0].get(key), keys[1].get(key)
+        same = x == y or (isinstance(x, float) and isinstance(y, float) and abs(x - y) <= 1e-6 * max(1, abs(y)))
+        if not same:
+            diffs.append(f"key {key}: ours {x!r}, theirs {y!r}")
+    return diffs
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("model_dir")
+    ap.add_argument("out")
+    ap.add_argument("--type", default="F32", choices=sorted(TYPES))
+    ap.add_argument("--check-against", help="another converter's GGUF of the same directory: print how they differ")
+    args = ap.parse_args(argv)
+    with torch.no_grad():
+        path = write(args.model_dir, args.out, args.type)
+    print(f"wrote {path}")
+    if args.check_against:
+        diffs = check_against(path, Path(args.check_against))
+        print("\n".join(diffs) or "same tensors, shapes and keys")
+
+
+if __name__ == "__main__":
+    main()
