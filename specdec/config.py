@@ -92,14 +92,6 @@ class ModelConfig:
         """The leading dimensions of each head that RoPE rotates (all of them but for a partial factor)."""
         return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
 
-    @property
-    def llama_form(self) -> bool:
-        """Whether every layer is the Llama-form layer the native fused kernel computes (windows and soft-caps are its
-        options too): no family option of the Python path."""
-        return (self.hidden_act == "silu" and not self.sandwich_norms and self.rope_local_theta is None
-                and self.rotary_dim == self.head_dim and not self.qk_norm_full and self.clip_qkv is None
-                and not self.moe_layers)
-
     def __post_init__(self) -> None:
         if self.layer_types is not None:
             if len(self.layer_types) != self.num_hidden_layers or not set(self.layer_types) <= {FULL, SLIDING}:

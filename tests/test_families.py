@@ -191,3 +191,38 @@ def test_llama_cpps_own_gguf_of_a_family_loads_as_its_hugging_face_directory(tmp
     for got, want in zip(run_paged(load_model(converted)[0], prompts, conts),
                          run_paged(load_model(path)[0], prompts, conts)):
         assert (got - want).abs().max().item() < 1e-5, name
+
+
+# ---- the Python layer (CUDA's path and the reference) and batch invariance ----
+
+@needs_native
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen2_moe", "olmoe"])
+def test_the_python_layers_match_transformers_too(tmp_path, name, monkeypatch):
+    """The torch layer (every product, norm and attention still the native kernels on CPU) where no fused layer
+    runs: the decoder's own reference for each family option."""
+    from specdec.models.llama import DecoderLayer
+
+    monkeypatch.setattr(DecoderLayer, "native_layer", lambda self: None)
+    path, hf = save_family(tmp_path, name)
+    ours, _ = load_model(path)
+    assert ours.native_stack() is None
+    prompt = torch.randint(3, 320, (21,), generator=torch.Generator().manual_seed(4)).tolist()
+    (logits,) = run_paged(ours, [prompt[:13]], [prompt[13:]])
+    with torch.no_grad():
+        ref = hf(torch.tensor([prompt])).logits[0]
+    assert (prompt_logprobs(logits, prompt) - prompt_logprobs(ref, prompt)).abs().max().item() < 1e-3
+
+
+@needs_native
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "gemma2"])
+def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_step(tmp_path, name):
+    """Experts grouped over a step's rows, windows, soft-caps: a row's bits alone equal its bits beside another
+    sequence and its own draft rows (what makes greedy speculation identical by construction)."""
+    path, _ = save_family(tmp_path, name)
+    ours, _ = load_model(path)
+    g = torch.Generator().manual_seed(5)
+    a, b = (torch.randint(3, 320, (n,), generator=g).tolist() for n in (15, 9))
+    cont_a, cont_b = (torch.randint(3, 320, (6,), generator=g).tolist() for _ in range(2))
+    (alone,) = run_paged(ours, [a], [cont_a])
+    together, _ = run_paged(ours, [a, b], [cont_a, cont_b])
+    assert torch.equal(alone, together)

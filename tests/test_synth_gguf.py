@@ -115,3 +115,36 @@ def test_cli_writes_a_file(tmp_path, tokenizer, capsys):
                      "--kv-heads", "1", "--intermediate", "256", "--type", "Q4_0", "--out", str(path)])
     assert "matrices by type: {'Q8_0': 1, 'Q4_0': 7}" in capsys.readouterr().out  # the 128-wide head falls back
     assert {t.name: t.tensor_type for t in GGUFReader(path).tensors}["blk.0.ffn_down.weight"] == T.Q4_0
+
+
+TINY_FAMILIES = {  # the presets' forms at test sizes
+    "tiny-qwen3-moe": dict(model_type="qwen3_moe", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                           num_attention_heads=4, num_key_value_heads=2, head_dim=64, vocab_size=1000, num_experts=8,
+                           num_experts_per_tok=2, moe_intermediate_size=256, norm_topk_prob=True,
+                           max_position_embeddings=512, rms_norm_eps=1e-6, rope_theta=1e6),
+    "tiny-gemma3": dict(model_type="gemma3_text", hidden_size=256, intermediate_size=512, num_hidden_layers=2,
+                        num_attention_heads=4, num_key_value_heads=1, head_dim=64, vocab_size=50000,
+                        sliding_window=16, query_pre_attn_scalar=64, max_position_embeddings=512,
+                        rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                         "sliding_attention": {"rope_theta": 1e4}}),
+}
+
+
+@pytest.mark.parametrize("preset", list(TINY_FAMILIES))
+def test_a_family_preset_writes_llama_cpps_layout_and_generates(tmp_path, tokenizer, preset, monkeypatch):
+    from specdec import LLM, SamplingParams
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    monkeypatch.setitem(synth_gguf.FAMILY_PRESETS, preset, TINY_FAMILIES[preset])
+    path = tmp_path / "family.gguf"
+    specs = synth_gguf.write_family_gguf(path, preset, "Q4_K_M")
+    tensors = {t.name: t for t in GGUFReader(path).tensors}
+    assert set(tensors) == {s.name for s in specs}
+    if preset == "tiny-qwen3-moe":  # experts stacked [E, out, in] (ne reversed), the router float
+        assert tuple(int(d) for d in tensors["blk.0.ffn_gate_exps.weight"].shape) == (256, 256, 8)
+        assert tensors["blk.0.ffn_gate_inp.weight"].tensor_type == T.F32
+    else:  # the vocabulary padded past the tokenizer's 49152 tokens
+        assert int(tensors["token_embd.weight"].shape[1]) == 50000
+    llm = LLM(str(path), speculative_config="off")
+    out = llm.generate(["Hello, my name is"], SamplingParams(temperature=0, max_tokens=4, ignore_eos=True))
+    assert len(out[0].token_ids) == 4

@@ -76,6 +76,34 @@ PRESETS = {
     "llama-8b-width": Shape(4096, 32, 32, 8, 14336, rope_theta=500000.0, tied=False),
 }
 
+# The other families at their published widths, as config.json states them (--family; --layers cuts the depth).
+FAMILY_PRESETS: dict[str, dict] = {
+    "gemma3-1b": dict(model_type="gemma3_text", hidden_size=1152, intermediate_size=6912, num_hidden_layers=26,
+                      num_attention_heads=4, num_key_value_heads=1, head_dim=256, vocab_size=262144,
+                      sliding_window=512, query_pre_attn_scalar=256, max_position_embeddings=32768,
+                      rms_norm_eps=1e-6, rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_theta": 1e4}}),
+    "gemma3-4b": dict(model_type="gemma3_text", hidden_size=2560, intermediate_size=10240, num_hidden_layers=34,
+                      num_attention_heads=8, num_key_value_heads=4, head_dim=256, vocab_size=262208,
+                      sliding_window=1024, query_pre_attn_scalar=256, max_position_embeddings=131072,
+                      rms_norm_eps=1e-6, rope_parameters={"full_attention": {"rope_theta": 1e6},
+                                                          "sliding_attention": {"rope_theta": 1e4}}),
+    "phi4-mini": dict(model_type="phi3", hidden_size=3072, intermediate_size=8192, num_hidden_layers=32,
+                      num_attention_heads=24, num_key_value_heads=8, vocab_size=200064, partial_rotary_factor=0.75,
+                      max_position_embeddings=131072, rms_norm_eps=1e-5, rope_theta=10000.0,
+                      tie_word_embeddings=True),
+    "qwen3-30b-a3b": dict(model_type="qwen3_moe", hidden_size=2048, intermediate_size=6144, num_hidden_layers=48,
+                          num_attention_heads=32, num_key_value_heads=4, head_dim=128, vocab_size=151936,
+                          num_experts=128, num_experts_per_tok=8, moe_intermediate_size=768, norm_topk_prob=True,
+                          max_position_embeddings=40960, rms_norm_eps=1e-6, rope_theta=1e6),
+    "mixtral-8x7b": dict(model_type="mixtral", hidden_size=4096, intermediate_size=14336, num_hidden_layers=32,
+                         num_attention_heads=32, num_key_value_heads=8, vocab_size=32000, num_local_experts=8,
+                         num_experts_per_tok=2, max_position_embeddings=32768, rms_norm_eps=1e-5, rope_theta=1e6),
+    "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
+                        num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, num_experts=64,
+                        num_experts_per_tok=8, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0),
+}
+
 # --type -> (type of most matrices, general.file_type)
 FILE_TYPES = {
     "F32": (T.F32, LlamaFileType.ALL_F32), "F16": (T.F16, LlamaFileType.MOSTLY_F16),
@@ -231,7 +259,7 @@ def materialize(job: tuple[TensorSpec, int, int, Path | None]) -> np.ndarray:
         return weights.view(np.uint8) if spec.qtype == T.F32 and weights.ndim == 1 else quantize(weights, spec.qtype)
     if len(spec.shape) == 1:
         return np.ones(spec.shape, np.float32).view(np.uint8)
-    rows, cols = spec.shape
+    rows, cols = int(np.prod(spec.shape[:-1])), spec.shape[-1]  # a mixture's [E, out, in] as E * out rows
     rng = np.random.default_rng([seed, index])
     out = np.empty((rows, spec.nbytes // rows), np.uint8)
     step = max(1, _CHUNK_ELEMENTS // cols)
@@ -254,6 +282,12 @@ def write_gguf(path: Path, shape: Shape, file_type: str, seed: int = 0, jobs: in
     specs = plan(shape, file_type, len(tokenizer["tokenizer.ggml.tokens"][0]))
     writer = GGUFWriter(path, "llama")
     _add_metadata(writer, shape, file_type, tokenizer, f"synthetic {shape.hidden}x{shape.layers} {file_type}")
+    return _write_tensors(writer, specs, seed, jobs, source)
+
+
+def _write_tensors(writer: GGUFWriter, specs: list[TensorSpec], seed: int, jobs: int, source: Path | None
+                   ) -> list[TensorSpec]:
+    """The tensors' table, then each tensor made and quantized in file order (`jobs` processes), and close."""
     for spec in specs:
         writer.add_tensor_info(spec.name, spec.shape, np.dtype(np.float32), spec.nbytes, raw_dtype=spec.qtype)
     writer.write_header_to_file()
@@ -266,6 +300,66 @@ def write_gguf(path: Path, shape: Shape, file_type: str, seed: int = 0, jobs: in
             writer.write_tensor_data(data)
     writer.close()
     return specs
+
+
+def family_plan(config: dict, file_type: str) -> tuple[str, list[TensorSpec]]:
+    """A family preset's GGUF architecture and tensors in llama.cpp's layout and names (specdec's loader table,
+    `specdec.models.gguf._expected_tensors`), each typed by the recipe's rules (experts as their dense kind: llama.cpp
+    matches ffn_down_exps as ffn_down); norms and routers F32."""
+    from hf_to_gguf import ARCH
+
+    from specdec.models import gguf as specdec_gguf
+    from specdec.models.families import load_config
+
+    cfg = load_config(config)
+    arch = ARCH[cfg.model_type]
+    fused = {f"blk.{i}.attn_qkv.weight" for i in range(cfg.num_hidden_layers)} if arch == "phi3" else set()
+    shape = Shape(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
+                  cfg.intermediate_size, cfg.rope_theta, tied=cfg.tie_word_embeddings)
+    specs = []
+    for name, (_, dims) in specdec_gguf._expected_tensors(config, fused).items():
+        kind = name.split(".")[-2].removesuffix("_exps")
+        layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
+        floats = len(dims) == 1 or "gate_inp" in kind or dims[0] == 1
+        qtype = T.F32 if floats else tensor_type(kind.removesuffix("_shexp"), layer, dims[-1], file_type, shape)
+        specs.append(TensorSpec(name, dims, qtype))
+    return arch, specs
+
+
+def padded_tokenizer(tokenizer: dict, vocab: int) -> dict:
+    """The tokenizer's fields with unused tokens appended up to `vocab` entries (a family's wider vocabulary)."""
+    tokens, ttype, sub = tokenizer["tokenizer.ggml.tokens"]
+    types = tokenizer["tokenizer.ggml.token_type"]
+    extra = vocab - len(tokens)
+    if extra <= 0:
+        return tokenizer
+    return {**tokenizer, "tokenizer.ggml.tokens": ([*tokens, *(f"<unused{i}>" for i in range(extra))], ttype, sub),
+            "tokenizer.ggml.token_type": ([*types[0], *([5] * extra)], *types[1:])}
+
+
+def write_family_gguf(path: Path, preset: str, file_type: str, seed: int = 0, jobs: int = 1,
+                      layers: int | None = None) -> list[TensorSpec]:
+    """A random model of a family preset (`FAMILY_PRESETS`, `layers` of its depth), the default model's tokenizer
+    padded to the family's vocabulary; its metadata as `hf_to_gguf` writes a directory's."""
+    from hf_to_gguf import _metadata
+
+    from specdec.models.families import load_config
+
+    tokenizer = tokenizer_fields(default_model_file())
+    config = dict(FAMILY_PRESETS[preset])
+    if layers is not None:
+        config["num_hidden_layers"] = layers
+    config["vocab_size"] = max(config["vocab_size"], len(tokenizer["tokenizer.ggml.tokens"][0]))
+    tokenizer = padded_tokenizer(tokenizer, config["vocab_size"])
+    arch, specs = family_plan(config, file_type)
+    writer = GGUFWriter(path, arch)
+    writer.add_name(f"synthetic {preset} {file_type}")
+    _metadata(writer, arch, config, load_config(config))
+    writer.add_file_type(FILE_TYPES[file_type][1].value)
+    writer.add_quantization_version(2)
+    for key, (value, vtype, sub_type) in tokenizer.items():
+        writer.add_key_value(key, value, vtype, sub_type)
+    return _write_tensors(writer, specs, seed, jobs, None)
 
 
 def quantize_with_llama_cpp(path: Path, shape: Shape, file_type: str, seed: int, jobs: int) -> list[TensorSpec]:
@@ -287,6 +381,8 @@ def quantize_with_llama_cpp(path: Path, shape: Shape, file_type: str, seed: int,
 def main(argv: list[str] | None = None) -> None:
     ap = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     ap.add_argument("--shape", choices=PRESETS, default="smollm2-135m", help="preset the sizes default to")
+    ap.add_argument("--family", choices=FAMILY_PRESETS, help="another family at its published width instead "
+                                                              "(--layers cuts its depth; the other sizes are its own)")
     for flag, field in (("--hidden", "hidden"), ("--layers", "layers"), ("--heads", "heads"),
                         ("--kv-heads", "kv_heads"), ("--intermediate", "intermediate")):
         ap.add_argument(flag, type=int, dest=field, help=f"override the preset's {field}")
@@ -300,6 +396,13 @@ def main(argv: list[str] | None = None) -> None:
                                                   "model's file) instead of drawing random ones")
     args = ap.parse_args(argv)
     source = None if args.source is None else default_model_file() if args.source == "default" else Path(args.source)
+    if args.family is not None:
+        started = time.perf_counter()
+        specs = write_family_gguf(args.out, args.family, args.type, args.seed, args.jobs, args.layers)
+        types = Counter(s.qtype.name for s in specs if len(s.shape) > 1)
+        print(f"wrote {args.out} ({args.out.stat().st_size / 2**30:.2f} GiB) in {time.perf_counter() - started:.1f} s: "
+              f"{args.family}; matrices by type: {dict(types)}")
+        return
     if source is not None:
         if args.quantizer == "llamacpp":
             ap.error("--from re-quantizes with the numpy quantizers")

@@ -108,7 +108,7 @@ class DecoderLayer(nn.Module):
         self.local_rope = self.window > 0 and cfg.rope_local_theta is not None  # the model's second rotary table
         self.softcap = cfg.attn_softcap or 0.0
         self.act, self.clip_qkv = cfg.hidden_act, cfg.clip_qkv
-        self.llama_form = cfg.llama_form
+        self.rotary = cfg.rotary_dim
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
         self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device, act)
         norm_q, norm_k = (self.q_size, self.kv_size) if cfg.qk_norm_full else (D, D)
@@ -134,22 +134,28 @@ class DecoderLayer(nn.Module):
         return (self.qkv_proj, self.o_proj, *mlp)
 
     def native_layer(self) -> Any:  # a native Layer (pybind), or None
-        """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16), None where it
-        cannot run: a tensor-parallel shard (all-reduces between its halves), weights off the CPU, or an input
-        norm other than RMSNorm or none."""
+        """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16) with every family
+        option and its experts, None where it cannot run: a tensor-parallel shard (all-reduces between its halves),
+        weights off the CPU, or an input norm other than RMSNorm or none."""
         if self._native is None:
-            if not self.llama_form or self.tp is not None or not native.available() or not isinstance(
+            if self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
                     lin.quantized or (lin.weight.device.type == "cpu" and lin.weight.dtype in kernels.FLOAT_KERNEL_IDS)
                     for lin in self.linears):
                 return None
             qkv_b, q_norm, k_norm = (t.detach().float() for t in self._optional_weights())
             ln1 = self.input_layernorm.weight.detach() if isinstance(self.input_layernorm, RMSNorm) else torch.empty(0)
+            dense = self.moe is None
             self._native = native.ops().Layer(
                 ln1, kernels.matrix(self.qkv_proj.weight), qkv_b, q_norm, k_norm, kernels.matrix(self.o_proj.weight),
-                self.post_attention_layernorm.weight.detach(), kernels.matrix(self.gate_up_proj.weight),
-                kernels.matrix(self.down_proj.weight), self.num_heads, self.num_kv_heads, self.head_dim,
-                self.post_attention_layernorm.eps, self.window, self.softcap)
+                self.post_attention_layernorm.weight.detach(),
+                kernels.matrix(self.gate_up_proj.weight) if dense else None,
+                kernels.matrix(self.down_proj.weight) if dense else None, self.num_heads, self.num_kv_heads,
+                self.head_dim,
+                self.post_attention_layernorm.eps, window=self.window, softcap=self.softcap,
+                attn_out_norm=_weight(self.attn_out_norm), mlp_out_norm=_weight(self.mlp_out_norm),
+                act=0 if self.act == "silu" else 1, rotary=self.rotary, local_rope=self.local_rope,
+                qk_norm_full=self.qk_norm_full, clip=self.clip_qkv or 0.0, **({} if dense else self.moe.native_args()))
         return self._native
 
     def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -230,6 +236,11 @@ class DecoderLayer(nn.Module):
             out = self.down_proj(activation(self.act, gate) * up)
         out = out if self.tp is None else self.tp.all_reduce(out)
         return x + (self.mlp_out_norm(out) if self.mlp_out_norm is not None else out)
+
+
+def _weight(norm: RMSNorm | None) -> torch.Tensor:
+    """A norm's weight for the native layer, empty where the layer has no such norm."""
+    return norm.weight.detach() if norm is not None else torch.empty(0)
 
 
 def _cat(weights: list) -> torch.Tensor | QuantWeight:
@@ -380,11 +391,12 @@ class LlamaModel(nn.Module):
         x = self.embed(tokens)
         if on_native(x) and (stack := self.native_stack()) is not None:  # all layers in one C++ call
             head = kernels.matrix(self.lm_head) if logit_rows is not None else None
+            local = (self.rope_local_cos, self.rope_local_sin) if self.local_rope else (torch.empty(0), torch.empty(0))
             normed, logits, features = stack.forward(
                 x.contiguous(), self.rope_cos, self.rope_sin, positions, kv.k, kv.v, meta.slot_mapping,
                 meta.context_slots, meta.mask, meta.row_starts(), self.layers[0].scale, n, list(output_layers), head,
-                logit_rows or [])
-            return normed, features if output_layers else None, logits if head is not None else None
+                logit_rows or [], *local)
+            return normed, features if output_layers else None, self.softcap(logits) if head is not None else None
         cos, sin = self.rope_cos[positions][:, None, :], self.rope_sin[positions][:, None, :]
         if self.local_rope:
             local = self.rope_local_cos[positions][:, None, :], self.rope_local_sin[positions][:, None, :]
@@ -425,6 +437,10 @@ class LlamaModel(nn.Module):
             logits = self.tp.gather_columns(linear(hidden, self.lm_shard).float(), self.vocab_sizes)
         else:
             logits = linear(hidden, self.lm_head).float()
+        return self.softcap(logits)
+
+    def softcap(self, logits: torch.Tensor) -> torch.Tensor:
+        """Gemma 2's final soft-cap: cap * tanh(logits / cap), where configured."""
         cap = self.config.final_softcap
         return logits if not cap else torch.tanh(logits / cap) * cap
 
@@ -487,7 +503,7 @@ class LlamaModel(nn.Module):
         """Bytes of weights a single decode step must read (the memory-bandwidth roofline's numerator).
 
         Every parameter and quantized matrix once, except an untied input embedding, of which a step reads
-        a single row.
+        a single row, and a mixture's experts, of which a token reads its top k (their mean size each).
         """
         def nbytes(t: torch.Tensor | QuantWeight) -> int:
             return t.nbytes if isinstance(t, QuantWeight) else t.numel() * t.element_size()
@@ -497,4 +513,7 @@ class LlamaModel(nn.Module):
         total = sum(nbytes(t) for t in {id(t): t for t in matrices}.values())
         if self.lm_head is not self.embed_tokens:
             total -= nbytes(self.embed_tokens) * (self.embed_tokens.shape[0] - 1) // self.embed_tokens.shape[0]
+        for moe in (layer.moe for layer in self.layers if layer.moe is not None):
+            experts = sum(nbytes(lin.weight) for lin in (*moe.gate_up, *moe.down))
+            total -= experts - experts * moe.top_k // len(moe.gate_up)
         return total

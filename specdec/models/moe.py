@@ -16,6 +16,7 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
+from specdec.models import kernels
 from specdec.models.kernels import linear
 from specdec.models.layers import Linear, activation
 
@@ -38,6 +39,17 @@ class MoE(nn.Module):
     def linears(self) -> tuple[Linear, ...]:
         shared = (self.shared_gate_up, self.shared_down) if self.shared_gate_up is not None else ()
         return (*self.gate_up, *self.down, *shared)
+
+    def native_args(self) -> dict:
+        """The native layer's view of the mixture (`csrc/moe.h`): the router, each expert's matrices, the shared
+        expert's and its gate."""
+        shared = (self.shared_gate_up, self.shared_down) if self.shared_gate_up is not None else ()
+        return dict(router=self.gate.detach().float().contiguous(),
+                    experts_gate_up=[kernels.matrix(m.weight) for m in self.gate_up],
+                    experts_down=[kernels.matrix(m.weight) for m in self.down], top_k=self.top_k,
+                    norm_topk=self.norm_topk_prob, shared=[kernels.matrix(m.weight) for m in shared],
+                    shared_gate=self.shared_gate.detach().float().reshape(-1).contiguous() if shared
+                    else torch.empty(0))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, k] (by descending probability) and their weights [T, k], float32."""

@@ -19,6 +19,7 @@
 //   attention.h    paged attention in fixed chunks
 //   activations.h  int8 activation quantization
 //   gemm.h         integer and float GEMM tiles, QMatrix, matmul, linear, dequantize_rows
+//   moe.h          a mixture-of-experts MLP: routing, rows grouped by expert
 //   layer.h        the fused decoder layer and the whole-model Stack
 //   rows.h         argmax_rows, logprob_rows, mask_rows, race_rows, race_logit_row
 //   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
@@ -47,14 +48,51 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def_readonly("in_features", &QMatrix::K);
   py::class_<Layer>(m, "Layer")
       .def(py::init([](torch::Tensor ln1, QMatrix qkv, torch::Tensor qkv_b, torch::Tensor q_norm,
-                       torch::Tensor k_norm, QMatrix o, torch::Tensor ln2, QMatrix gate_up, QMatrix down,
-                       int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t window, double softcap) {
-        TORCH_CHECK(window >= 0 && softcap >= 0, "window and softcap must be >= 0 (0: none)");
-        return Layer{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up, down, n_heads, n_kv, head_dim, eps, window,
-                     (float)softcap};
+                       torch::Tensor k_norm, QMatrix o, torch::Tensor ln2, std::optional<QMatrix> gate_up,
+                       std::optional<QMatrix> down,
+                       int64_t n_heads, int64_t n_kv, int64_t head_dim, double eps, int64_t window, double softcap,
+                       torch::Tensor attn_out_norm, torch::Tensor mlp_out_norm, int64_t act, int64_t rotary,
+                       bool local_rope, bool qk_norm_full, double clip, torch::Tensor router,
+                       std::vector<QMatrix> experts_gate_up, std::vector<QMatrix> experts_down, int64_t top_k,
+                       bool norm_topk, std::vector<QMatrix> shared, torch::Tensor shared_gate) {
+        TORCH_CHECK(window >= 0 && softcap >= 0 && clip >= 0, "window, softcap and clip must be >= 0 (0: none)");
+        TORCH_CHECK(act == 0 || act == 1, "act: 0 (SiLU) or 1 (tanh GELU)");
+        TORCH_CHECK(rotary >= 0 && rotary <= head_dim && rotary % 2 == 0, "rotary must be even, in [0, head_dim]");
+        for (const auto* t : {&attn_out_norm, &mlp_out_norm})
+          TORCH_CHECK(!t->defined() || t->numel() == 0 || (t->dtype() == torch::kFloat32 && t->is_contiguous()),
+                      "sandwich norm weights must be contiguous float32");
+        const bool mixture = !experts_gate_up.empty();
+        TORCH_CHECK(mixture != (gate_up.has_value() && down.has_value()),
+                    "a layer has either a dense MLP (gate_up, down) or experts, not both");
+        Layer L{ln1, qkv_b, q_norm, k_norm, ln2, qkv, o, gate_up.value_or(QMatrix{}), down.value_or(QMatrix{}),
+                n_heads, n_kv, head_dim, eps, window, (float)softcap};
+        if (mixture) {
+          const int64_t H = qkv.K, E = (int64_t)experts_gate_up.size();
+          TORCH_CHECK(router.dtype() == torch::kFloat32 && router.is_contiguous() && router.dim() == 2 &&
+                      router.size(0) == E && router.size(1) == H, "router must be contiguous float32 [E, H]");
+          TORCH_CHECK((int64_t)experts_down.size() == E && top_k >= 1 && top_k <= E,
+                      "one down matrix per expert, and 1 <= top_k <= experts");
+          for (int64_t e = 0; e < E; e++)
+            TORCH_CHECK(experts_gate_up[e].K == H && experts_down[e].N() == H &&
+                        experts_down[e].K * 2 == experts_gate_up[e].N(), "expert ", e, "'s shapes do not fit");
+          TORCH_CHECK(shared.empty() || (shared.size() == 2 && shared_gate.dtype() == torch::kFloat32 &&
+                                         shared_gate.numel() == H && shared_gate.is_contiguous()),
+                      "a shared expert is {gate_up, down} with a float32 gate [H]");
+          L.moe = Experts{router, std::move(experts_gate_up), std::move(experts_down), std::move(shared),
+                          shared_gate, top_k, norm_topk};
+        }
+        L.attn_out_norm = attn_out_norm.defined() ? attn_out_norm : torch::empty({0});
+        L.mlp_out_norm = mlp_out_norm.defined() ? mlp_out_norm : torch::empty({0});
+        L.act = act; L.rotary = rotary; L.local_rope = local_rope; L.qk_norm_full = qk_norm_full; L.clip = (float)clip;
+        return L;
       }), py::arg("ln1"), py::arg("qkv"), py::arg("qkv_b"), py::arg("q_norm"), py::arg("k_norm"), py::arg("o"),
           py::arg("ln2"), py::arg("gate_up"), py::arg("down"), py::arg("n_heads"), py::arg("n_kv"), py::arg("head_dim"),
-          py::arg("eps"), py::arg("window") = 0, py::arg("softcap") = 0.0)
+          py::arg("eps"), py::arg("window") = 0, py::arg("softcap") = 0.0, py::arg("attn_out_norm") = torch::empty({0}),
+          py::arg("mlp_out_norm") = torch::empty({0}), py::arg("act") = 0, py::arg("rotary") = 0,
+          py::arg("local_rope") = false, py::arg("qk_norm_full") = false, py::arg("clip") = 0.0,
+          py::arg("router") = torch::empty({0}), py::arg("experts_gate_up") = std::vector<QMatrix>(),
+          py::arg("experts_down") = std::vector<QMatrix>(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
+          py::arg("shared") = std::vector<QMatrix>(), py::arg("shared_gate") = torch::empty({0}))
       .def("forward", &layer_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("qkv_input") = torch::Tensor());
@@ -66,7 +104,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
       .def("forward", &Stack::forward, py::arg("x"), py::arg("rope_cos"), py::arg("rope_sin"), py::arg("positions"),
            py::arg("k_pools"), py::arg("v_pools"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("num_layers"), py::arg("capture"),
-           py::arg("lm_head") = nullptr, py::arg("logit_rows") = std::vector<int64_t>());
+           py::arg("lm_head") = nullptr, py::arg("logit_rows") = std::vector<int64_t>(),
+           py::arg("rope_local_cos") = torch::empty({0}), py::arg("rope_local_sin") = torch::empty({0}));
   py::class_<Eagle3Step>(m, "Eagle3Step")
       .def(py::init([](QMatrix fc, Layer layer, torch::Tensor hidden_norm, torch::Tensor norm, QMatrix lm_head,
                        torch::Tensor d2t) {

@@ -406,7 +406,7 @@ struct QMatrix {
   std::vector<torch::Tensor> x8;  // per part: its first rows / 8 * 8 rows interleaved (X8), or undefined
   int64_t K = 0;
   bool quantized = false;  // some part is block-quantized: the activations are quantized for it
-  int64_t N() const { return first.back(); }
+  int64_t N() const { return first.empty() ? 0 : first.back(); }  // an empty matrix (a mixture's dense MLP): 0
 };
 
 template <class F, int NW>

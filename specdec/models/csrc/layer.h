@@ -5,6 +5,7 @@
 #pragma once
 #include "gemm.h"
 #include "attention.h"
+#include "moe.h"
 
 namespace {
 
@@ -28,7 +29,19 @@ struct Layer {
   double eps;
   int64_t window = 0;  // a sliding-window layer's window (0: every visible key)
   float softcap = 0.f;  // attention scores soft-capped at this (0: none)
+  // The other families' options (their defaults are the Llama form):
+  torch::Tensor attn_out_norm, mlp_out_norm;  // Gemma's sandwich: attention and MLP outputs normed (empty: none)
+  int64_t act = 0;  // the gate's activation: 0 SiLU, 1 tanh-approximated GELU (Gemma's GeGLU)
+  int64_t rotary = 0;  // dimensions of each head RoPE rotates, from the first (0: all; Phi-4-mini: 3/4)
+  bool local_rope = false;  // reads the stack's second rotary tables (Gemma 3's sliding layers)
+  bool qk_norm_full = false;  // OLMoE: q_norm over all of q and k_norm over all of k, not per head
+  float clip = 0.f;  // OLMoE: q, k, v clamped to +-clip (0: none)
+  Experts moe;  // a mixture of experts in place of gate_up and down (empty: the dense MLP)
 };
+
+inline int64_t rotary_dims(const Layer& L) { return L.rotary > 0 ? L.rotary : L.head_dim; }
+// The widest intermediate the layer's MLP computes (its gate_up buffer holds twice this per row).
+inline int64_t mlp_width(const Layer& L) { return L.moe.empty() ? L.gate_up.N() / 2 : L.moe.width(); }
 
 // out[i] = silu(g[i]) * g[inter + i] (the gate and up halves of one row), the same lanes for every row.
 void silu_mul(const float* g, int64_t inter, float* out) {
@@ -44,20 +57,39 @@ void silu_mul(const float* g, int64_t inter, float* out) {
   for (; i < inter; i++) out[i] = g[i] / (1.f + std::exp(-g[i])) * g[inter + i];
 }
 
+// out[i] = gelu_tanh(g[i]) * g[inter + i]: 0.5 x (1 + tanh(sqrt(2 / pi) (x + 0.044715 x^3))), as torch's
+// gelu(approximate="tanh"), element by element in one order for every row.
+void gelu_mul(const float* g, int64_t inter, float* out) {
+  const float k = 0.7978845608028654f;
+  for (int64_t i = 0; i < inter; i++) {
+    const float x = g[i];
+    out[i] = 0.5f * x * (1.f + std::tanh(k * (x + 0.044715f * x * x * x))) * g[inter + i];
+  }
+}
+
+// q/k norms (per head, or over all of q and of k; q, k, v clamped after the latter where the layer clips), then
+// RoPE on each q and k head's first R dimensions (rotate_half within them; tables [T, R]).
 void rope_and_qk_norm(float* qkv, int64_t T, const Layer& L, const float* cos, const float* ssin) {
-  const int64_t D = L.head_dim, heads = L.n_heads + 2 * L.n_kv, half = D / 2;
-  std::vector<float> tmp(D);
+  const int64_t D = L.head_dim, heads = L.n_heads + 2 * L.n_kv, R = rotary_dims(L), half = R / 2;
+  std::vector<float> tmp(R);
   for (int64_t t = 0; t < T; t++) {
+    float* row = qkv + t * heads * D;
+    if (L.qk_norm_full) {
+      rms_norm_rows(row, L.q_norm.data_ptr<float>(), (float)L.eps, 1, L.n_heads * D, row);
+      rms_norm_rows(row + L.n_heads * D, L.k_norm.data_ptr<float>(), (float)L.eps, 1, L.n_kv * D, row + L.n_heads * D);
+    }
+    if (L.clip > 0.f)  // after OLMoE's norms, as transformers clamps
+      for (int64_t i = 0; i < heads * D; i++) row[i] = std::min(std::max(row[i], -L.clip), L.clip);
     for (int64_t h = 0; h < L.n_heads + L.n_kv; h++) {  // q and k heads; v is left alone
-      float* x = qkv + (t * heads + h) * D;
-      if (L.q_norm.numel() > 0) {
+      float* x = row + h * D;
+      if (L.q_norm.numel() > 0 && !L.qk_norm_full) {
         const float* w = (h < L.n_heads ? L.q_norm : L.k_norm).data_ptr<float>();
         rms_norm_rows(x, w, (float)L.eps, 1, D, x);
       }
-      std::memcpy(tmp.data(), x, D * sizeof(float));
-      const float *c = cos + t * D, *sn = ssin + t * D;  // rotate_half: the partner of d is d + half (mod D)
+      std::memcpy(tmp.data(), x, R * sizeof(float));
+      const float *c = cos + t * R, *sn = ssin + t * R;  // rotate_half: the partner of d is d + half (mod R)
       for (int64_t d = 0; d < half; d++) x[d] = tmp[d] * c[d] + tmp[d + half] * sn[d];
-      for (int64_t d = half; d < D; d++) x[d] = tmp[d] * c[d] + tmp[d - half] * sn[d];
+      for (int64_t d = half; d < R; d++) x[d] = tmp[d] * c[d] + tmp[d - half] * sn[d];
     }
   }
 }
@@ -94,11 +126,11 @@ StepLayout step_layout(const torch::Tensor& slot_mapping, const torch::Tensor& c
                         query_starts.data_ptr<int64_t>(), B, window), window};
 }
 
-void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t D) {
+void check_rows(const torch::Tensor& x, const torch::Tensor& cos, const torch::Tensor& ssin, int64_t R) {
   TORCH_CHECK(x.dtype() == torch::kFloat32 && x.dim() == 2 && x.is_contiguous(), "x must be contiguous float32 [T, H]");
   TORCH_CHECK(cos.dtype() == torch::kFloat32 && ssin.dtype() == torch::kFloat32 && cos.is_contiguous() &&
-              ssin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == D && ssin.sizes() == cos.sizes(),
-              "rotary tables must be contiguous float32 [T, head_dim]");
+              ssin.is_contiguous() && cos.size(0) == x.size(0) && cos.size(1) == R && ssin.sizes() == cos.sizes(),
+              "rotary tables must be contiguous float32 [T, rotary dims]");
 }
 
 // The rotary rows of a step's positions [T] from the model's tables [P, head_dim] (gathered here rather than by the
@@ -160,12 +192,22 @@ struct TeamBuffers {
 // computes the member's share of its columns and ends in a barrier). The buffers: h [T, max(H, inter)] and qx the
 // caller's own; qkv, attn, o, gu shared within a team. qkv_in: when given, what the QKV projection reads [T,
 // L.qkv.K] instead of the input norm of x (an EAGLE-3 head's [norm(embedding), norm(hidden)], 2H wide).
+// x += out, or x += norm(out) under a sandwich norm (into h, the caller's own buffer: out may be shared by a team).
+inline void add_output(float* x, const float* out, const torch::Tensor& norm, float eps, int64_t T, int64_t H, float* h) {
+  if (norm.numel() > 0) {
+    rms_norm_rows(out, norm.data_ptr<float>(), eps, T, H, h);
+    out = h;
+  }
+  for (int64_t i = 0; i < T * H; i++) x[i] += out[i];
+}
+
 template <bool TEAM>
 void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos, const float* ssin,
                 torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale, float* h, QAct& qx,
                 float* qkv, float* attn, float* o, float* gu, const AttentionPlan* plan, const float* qkv_in) {
   const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
   const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
+  GateFn gate = L.act == 1 ? gelu_mul : silu_mul;
   auto product = [&](const QMatrix& M, const float* in, int64_t K, float* y, int64_t N) {
     if constexpr (TEAM) matmul_team(M, in, T, K, qx, y, N);
     else matmul(M, in, T, K, qx, y, N);
@@ -212,12 +254,19 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
     return 0;
   });
   product(L.o, attn, Hq * D, o, H);
-  for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+  add_output(x, o, L.attn_out_norm, (float)L.eps, T, H, h);
   rms_norm_rows(x, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
+  if (!L.moe.empty()) {
+    static thread_local std::vector<float> mixed;  // the member's own
+    float* m = grow(mixed, T * H);
+    moe_mlp<TEAM>(L.moe, h, T, H, gate, qx, gu, o, m);
+    add_output(x, m, L.mlp_out_norm, (float)L.eps, T, H, h);
+    return;
+  }
   product(L.gate_up, h, H, gu, 2 * inter);
-  for (int64_t t = 0; t < T; t++) silu_mul(gu + t * 2 * inter, inter, h + t * inter);
+  for (int64_t t = 0; t < T; t++) gate(gu + t * 2 * inter, inter, h + t * inter);
   product(L.down, h, inter, o, H);
-  for (int64_t i = 0; i < T * H; i++) x[i] += o[i];
+  add_output(x, o, L.mlp_out_norm, (float)L.eps, T, H, h);
 }
 
 // A layer alone, its own parallel regions: buffers per calling thread, grown as needed and never cleared (every
@@ -225,7 +274,7 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
 void decoder_layer(const Layer& L, float* xp, int64_t T, int64_t H, const float* cos, const float* ssin,
                    torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale,
                    const float* qkv_in = nullptr) {
-  const int64_t W = (L.n_heads + 2 * L.n_kv) * L.head_dim, inter = L.gate_up.N() / 2;
+  const int64_t W = (L.n_heads + 2 * L.n_kv) * L.head_dim, inter = mlp_width(L);
   static thread_local std::vector<float> h_buf, qkv_buf, attn_buf, o_buf, gu_buf;
   static thread_local QAct qx;
   layer_body<false>(L, xp, T, H, cos, ssin, k_pool, v_pool, step, scale, grow(h_buf, T * std::max(H, inter)), qx,
@@ -248,7 +297,7 @@ void layer_forward(const Layer& L, torch::Tensor x, const torch::Tensor& cos, co
                    torch::Tensor k_pool, torch::Tensor v_pool, const torch::Tensor& slot_mapping,
                    const torch::Tensor& context_slots, const torch::Tensor& mask, const torch::Tensor& query_starts,
                    double scale, const torch::Tensor& qkv_input) {
-  check_rows(x, cos, ssin, L.head_dim);
+  check_rows(x, cos, ssin, rotary_dims(L));
   const bool own_input = qkv_input.defined() && qkv_input.numel() > 0;
   if (own_input) {
     TORCH_CHECK(qkv_input.dtype() == torch::kFloat32 && qkv_input.is_contiguous() && qkv_input.dim() == 2 &&
@@ -285,11 +334,19 @@ struct Stack {
                                      const torch::Tensor& context_slots, const torch::Tensor& mask,
                                      const torch::Tensor& query_starts, double scale, int64_t num_layers,
                                      const std::vector<int64_t>& capture, const QMatrix* lm_head,
-                                     const std::vector<int64_t>& logit_rows) const {
+                                     const std::vector<int64_t>& logit_rows, const torch::Tensor& rope_local_cos,
+                                     const torch::Tensor& rope_local_sin) const {
     TORCH_CHECK(num_layers <= (int64_t)layers.size() && (int64_t)k_pools.size() >= num_layers &&
                 (int64_t)v_pools.size() >= num_layers, "too few layers or pools");
     const auto [cos, ssin] = rope_rows(rope_cos, rope_sin, positions);
-    check_rows(x, cos, ssin, layers.empty() ? 0 : layers[0].head_dim);
+    check_rows(x, cos, ssin, layers.empty() ? 0 : rotary_dims(layers[0]));
+    // a layer on the local tables (Gemma 3's sliding layers) reads their rows; without them, the global ones
+    const bool local = rope_local_cos.defined() && rope_local_cos.numel() > 0;
+    const auto [lcos, lssin] = local ? rope_rows(rope_local_cos, rope_local_sin, positions) : std::make_pair(cos, ssin);
+    for (int64_t i = 0; i < num_layers; i++)
+      TORCH_CHECK(!layers[i].local_rope || local, "layer ", i, " reads local rotary tables: pass rope_local_cos/sin");
+    const float* tables[2][2] = {{cos.data_ptr<float>(), ssin.data_ptr<float>()},
+                                 {lcos.data_ptr<float>(), lssin.data_ptr<float>()}};
     const int64_t T = x.size(0), H = x.size(1);
     std::vector<int64_t> rows;
     if (lm_head != nullptr) {
@@ -308,11 +365,12 @@ struct Stack {
       layout_of[i] = k;
     }
     if (T <= team_max_rows.load() && num_layers > 0)
-      return forward_team(x, cos, ssin, k_pools, v_pools, steps, layout_of, scale, num_layers, capture, lm_head, rows);
+      return forward_team(x, tables, k_pools, v_pools, steps, layout_of, scale, num_layers, capture, lm_head, rows);
     std::vector<torch::Tensor> out(3);
     out[2] = torch::empty({T, (int64_t)capture.size() * H}, x.options());
     for (int64_t i = 0; i < num_layers; i++) {
-      decoder_layer(layers[i], x.data_ptr<float>(), T, H, cos.data_ptr<float>(), ssin.data_ptr<float>(),
+      const float* const* rope = tables[layers[i].local_rope];
+      decoder_layer(layers[i], x.data_ptr<float>(), T, H, rope[0], rope[1],
                     const_cast<torch::Tensor&>(k_pools[i]), const_cast<torch::Tensor&>(v_pools[i]), steps[layout_of[i]],
                     scale);
       capture_into(capture, i, x.data_ptr<float>(), T, H, out[2].data_ptr<float>());
@@ -325,7 +383,7 @@ struct Stack {
   }
 
   // forward for T <= team_max_rows rows, the whole stack in one OpenMP team (see decoder_layer_team).
-  std::vector<torch::Tensor> forward_team(torch::Tensor x, const torch::Tensor& cos, const torch::Tensor& ssin,
+  std::vector<torch::Tensor> forward_team(torch::Tensor x, const float* const (*tables)[2],
                                           const std::vector<torch::Tensor>& k_pools,
                                           const std::vector<torch::Tensor>& v_pools,
                                           const std::vector<StepLayout>& steps, const std::vector<size_t>& layout_of,
@@ -341,7 +399,7 @@ struct Stack {
                   "K/V pools must be contiguous float32 or float16 of one dtype");
       qkv_w = std::max(qkv_w, L.qkv.N());
       attn_w = std::max(attn_w, L.n_heads * L.head_dim);
-      inter = std::max(inter, L.gate_up.N() / 2);
+      inter = std::max(inter, mlp_width(L));
     }
     static thread_local TeamBuffers own;
     TeamBuffers& sh = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
@@ -357,7 +415,6 @@ struct Stack {
     float* features = out[2].data_ptr<float>();
     float* xs = x.data_ptr<float>();
     float *normed = out[0].data_ptr<float>(), *logits = lm_head == nullptr ? nullptr : out[1].data_ptr<float>();
-    const float *c = cos.data_ptr<float>(), *sn = ssin.data_ptr<float>();
 #pragma omp parallel num_threads(nthreads)
     {
       static thread_local std::vector<float> own_x, own_h;
@@ -366,7 +423,8 @@ struct Stack {
       float* hm = grow(own_h, std::max(T, N) * std::max(H, inter));
       std::memcpy(xm, xs, T * H * sizeof(float));
       for (int64_t i = 0; i < num_layers; i++) {
-        decoder_layer_team(layers[i], xm, T, H, c, sn, const_cast<torch::Tensor&>(k_pools[i]),
+        const float* const* rope = tables[layers[i].local_rope];
+        decoder_layer_team(layers[i], xm, T, H, rope[0], rope[1], const_cast<torch::Tensor&>(k_pools[i]),
                            const_cast<torch::Tensor&>(v_pools[i]), steps[layout_of[i]], scale, sh, hm, qx, nullptr,
                            &plans[layout_of[i]]);
 #pragma omp master
