@@ -1,0 +1,89 @@
+"""specdec's greedy tokens against llama.cpp's on the same GGUF file, a divergence judged by a third reference.
+
+Both engines decode the same prompt ids greedily. Where their tokens first part, transformers (its own GGUF loader,
+dequantized, in float64 by default) scores the common prefix: if the two tokens' log-probabilities there are within
+--tie of each other the divergence is a near-tie, which the engines' different rounding (int8 activations, their
+own kernels) may decide either way; otherwise one engine computes the family differently, and the tool says so and
+exits 1. Needs llama-cpp-python (`make bench-peers`).
+
+    python tools/compare_llamacpp.py FILE.gguf --num-prompts 6 --max-tokens 32
+"""
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import dataclass
+
+import torch
+
+from specdec import LLM, SamplingParams
+from specdec.bench.engines import _load_hf, load_llamacpp, time_llamacpp
+from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
+from specdec.models.loader import resolve
+
+
+@dataclass
+class Verdict:
+    prompt: int
+    tokens: int  # where the engines first part (or how many they share)
+    kind: str  # identical, near-tie, differs
+    gap: float  # |log p(ours) - log p(llama.cpp's)| under the reference at that position (0 if identical)
+    picks: str = ""  # which engine's token the reference ranks higher there
+
+
+def first_divergence(a: list[int], b: list[int]) -> int | None:
+    for i, (x, y) in enumerate(zip(a, b)):
+        if x != y:
+            return i
+    return None
+
+
+def compare(path: str, num_prompts: int, max_tokens: int, tie: float, dtype: torch.dtype, threads: int
+            ) -> list[Verdict]:
+    llm = LLM(path, speculative_config="off")
+    prompts = encode_prompts(llm, pick_round_robin(load_questions(prompts_path(None)), num_prompts))
+    params = SamplingParams(temperature=0, max_tokens=max_tokens, ignore_eos=True)
+    ours = [o.token_ids for o in llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], params)]
+    peer = load_llamacpp(resolve(path), threads)
+    theirs = [time_llamacpp(peer, p, max_tokens, eos=[])["token_ids"] for p in prompts]
+    reference = None
+    verdicts = []
+    for n, (p, a, b) in enumerate(zip(prompts, ours, theirs)):
+        i = first_divergence(a, b)
+        if i is None:
+            verdicts.append(Verdict(n, min(len(a), len(b)), "identical", 0.0))
+            continue
+        if reference is None:
+            reference = _load_hf(resolve(path), dtype).eval()
+        with torch.no_grad():
+            logits = reference(torch.tensor([p.token_ids + a[:i]])).logits[0, -1].double()
+        logp = torch.log_softmax(logits, -1)
+        gap = abs(logp[a[i]] - logp[b[i]]).item()
+        picks = "specdec" if logp[a[i]] > logp[b[i]] else "llama.cpp"
+        verdicts.append(Verdict(n, i, "near-tie" if gap <= tie else "differs", gap, picks))
+    return verdicts
+
+
+def main(argv: list[str] | None = None) -> None:
+    ap = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    ap.add_argument("gguf")
+    ap.add_argument("--num-prompts", type=int, default=6)
+    ap.add_argument("--max-tokens", type=int, default=32)
+    ap.add_argument("--tie", type=float, default=0.05, help="log-probability gap under which a divergence is a "
+                                                             "near-tie (default 0.05 nats)")
+    ap.add_argument("--reference-dtype", choices=("float64", "float32"), default="float64")
+    ap.add_argument("--threads", type=int, default=torch.get_num_threads())
+    args = ap.parse_args(argv)
+    verdicts = compare(args.gguf, args.num_prompts, args.max_tokens, args.tie, getattr(torch, args.reference_dtype),
+                       args.threads)
+    for v in verdicts:
+        where = f"first differs at token {v.tokens}" if v.kind != "identical" else f"{v.tokens} tokens"
+        print(f"prompt {v.prompt}: {v.kind:9s} {where}" +
+              (f", gap {v.gap:.4f} nats, the reference ranks {v.picks}'s higher" if v.kind != "identical" else ""))
+    counts = {k: sum(v.kind == k for v in verdicts) for k in ("identical", "near-tie", "differs")}
+    print(f"{counts['identical']} identical, {counts['near-tie']} near-ties, {counts['differs']} differ")
+    sys.exit(1 if counts["differs"] else 0)
+
+
+if __name__ == "__main__":
+    main()
