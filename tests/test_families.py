@@ -226,3 +226,18 @@ def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_step(tmp_path, nam
     (alone,) = run_paged(ours, [a], [cont_a])
     together, _ = run_paged(ours, [a, b], [cont_a, cont_b])
     assert torch.equal(alone, together)
+
+
+def test_a_gguf_of_an_architecture_transformers_cannot_read_still_gets_its_tokenizer(tmp_path, monkeypatch):
+    """transformers refuses an OLMoE GGUF outright (no model of that architecture in its GGUF support): the
+    tokenizer fields are read through an architecture it has, and encode as the directory's tokenizer does."""
+    from transformers import AutoTokenizer
+
+    from specdec.models.loader import load_tokenizer, resolve
+
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path / "cache"))
+    path, _ = save_family(tmp_path / "hf", "olmoe")
+    gguf_path = hf_to_gguf.write(path, tmp_path / "olmoe.gguf", "F32")
+    text = "def add(a, b):\n    return a + b  # the quick brown fox"
+    want = AutoTokenizer.from_pretrained(path).encode(text, add_special_tokens=False)
+    assert load_tokenizer(resolve(gguf_path)).encode(text, add_special_tokens=False) == want

@@ -248,12 +248,38 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
             return AutoTokenizer.from_pretrained(str(cache))
         except Exception:  # a stale or partial cache is rebuilt below
             pass
-    tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file.name)
+    try:
+        tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file.name)
+    except ValueError as e:  # transformers reads no tokenizer of an architecture it has no model for (OLMoE)
+        if "is not supported" not in str(e):
+            raise
+        tok = _tokenizer_of_unknown_architecture(src.gguf_file, cache)
     try:
         tok.save_pretrained(str(cache))
     except OSError:
         pass  # a read-only home only costs the next load a few seconds
     return tok
+
+
+def _tokenizer_of_unknown_architecture(gguf_file: Path, cache: Path) -> PreTrainedTokenizerBase:
+    """The file's tokenizer.* fields copied into a tokenizer-only GGUF under an architecture whose converter
+    transformers has for that tokenizer model (byte-level BPE: qwen2's; SentencePiece: llama's), then read."""
+    from gguf import GGUFReader, GGUFValueType, GGUFWriter
+    from transformers import AutoTokenizer
+
+    fields = [f for f in GGUFReader(gguf_file).fields.values() if f.name.startswith("tokenizer.")]
+    kind = next((f.contents() for f in fields if f.name == "tokenizer.ggml.model"), None)
+    cache.mkdir(parents=True, exist_ok=True)
+    path = cache / "tokenizer-only.gguf"
+    writer = GGUFWriter(str(path), "llama" if kind == "llama" else "qwen2")
+    for f in fields:
+        vtype = f.types[0]
+        writer.add_key_value(f.name, f.contents(), vtype, f.types[-1] if vtype == GGUFValueType.ARRAY else None)
+    writer.write_header_to_file()
+    writer.write_kv_data_to_file()
+    writer.write_tensors_to_file()
+    writer.close()
+    return AutoTokenizer.from_pretrained(str(cache), gguf_file=path.name)
 
 
 def model_fingerprint(model: LlamaModel, extra: object = None) -> str:
