@@ -16,7 +16,6 @@ from __future__ import annotations
 import argparse
 import json
 import math
-import sys
 from pathlib import Path
 
 import numpy as np
@@ -28,9 +27,6 @@ from specdec.models.families import family_of, load_config
 from specdec.models.loader import _load_safetensors
 from specdec.models.quantizers import quantize
 
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from synth_gguf import add_shape_keys  # noqa: E402
-
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
         "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
@@ -39,7 +35,23 @@ TYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16, "Q8_0
          "Q6_K": GGMLQuantizationType.Q6_K}
 
 
-def _metadata(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
+def add_shape_keys(writer: GGUFWriter, context: int, hidden: int, layers: int, ff: int, heads: int, kv_heads: int,
+                   rotary_dims: int, rope_theta: float, eps: float) -> None:
+    """The decoder's shape under llama.cpp's keys (every architecture's common ones)."""
+    writer.add_context_length(context)
+    writer.add_embedding_length(hidden)
+    writer.add_block_count(layers)
+    writer.add_feed_forward_length(ff)
+    writer.add_head_count(heads)
+    writer.add_head_count_kv(kv_heads)
+    writer.add_rope_dimension_count(rotary_dims)
+    writer.add_rope_freq_base(rope_theta)
+    writer.add_layer_norm_rms_eps(eps)
+
+
+def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
+    """A decoder's shape and its family's options under llama.cpp's keys for `arch` (where llama.cpp has none: the
+    window pattern as a list, Gemma's query scale where its rule would not give it, OLMoE's clamp)."""
     add_shape_keys(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size,
                    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
@@ -137,7 +149,7 @@ def write(model_dir: str | Path, out: str | Path, file_type: str = "F32") -> Pat
     expected = specdec_gguf._expected_tensors({**hf, "model_type": cfg.model_type}, fused)
     w = GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
-    _metadata(w, arch, hf, cfg)
+    add_family_keys(w, arch, hf, cfg)
     _tokenizer(w, model_dir, cfg.vocab_size, hf)
     qtype = TYPES[file_type]
     if arch == "phi3" and (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "su"):

@@ -35,6 +35,7 @@ import argparse
 import ctypes
 import importlib.util
 import multiprocessing
+import sys
 import time
 from collections import Counter
 from collections.abc import Callable
@@ -50,6 +51,9 @@ from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
 from specdec.models.quantizers import quantize
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))
+from hf_to_gguf import ARCH, add_family_keys, add_shape_keys  # noqa: E402
 
 STD = 0.02
 _CHUNK_ELEMENTS = 1 << 22  # rows are drawn and quantized this many values at a time
@@ -196,20 +200,6 @@ def tokenizer_fields(source: Path) -> dict[str, tuple[object, GGUFValueType, GGU
     return fields
 
 
-def add_shape_keys(writer: GGUFWriter, context: int, hidden: int, layers: int, ff: int, heads: int, kv_heads: int,
-                   rotary_dims: int, rope_theta: float, eps: float) -> None:
-    """The decoder's shape under llama.cpp's keys (every architecture's common ones)."""
-    writer.add_context_length(context)
-    writer.add_embedding_length(hidden)
-    writer.add_block_count(layers)
-    writer.add_feed_forward_length(ff)
-    writer.add_head_count(heads)
-    writer.add_head_count_kv(kv_heads)
-    writer.add_rope_dimension_count(rotary_dims)
-    writer.add_rope_freq_base(rope_theta)
-    writer.add_layer_norm_rms_eps(eps)
-
-
 def _add_metadata(writer: GGUFWriter, shape: Shape, file_type: str, tokenizer: dict, name: str) -> None:
     writer.add_name(name)
     add_shape_keys(writer, 8192, shape.hidden, shape.layers, shape.intermediate, shape.heads, shape.kv_heads,
@@ -306,8 +296,6 @@ def family_plan(config: dict, file_type: str) -> tuple[str, list[TensorSpec]]:
     """A family preset's GGUF architecture and tensors in llama.cpp's layout and names (specdec's loader table,
     `specdec.models.gguf._expected_tensors`), each typed by the recipe's rules (experts as their dense kind: llama.cpp
     matches ffn_down_exps as ffn_down); norms and routers F32."""
-    from hf_to_gguf import ARCH
-
     from specdec.models import gguf as specdec_gguf
     from specdec.models.families import load_config
 
@@ -341,8 +329,6 @@ def write_family_gguf(path: Path, preset: str, file_type: str, seed: int = 0, jo
                       layers: int | None = None) -> list[TensorSpec]:
     """A random model of a family preset (`FAMILY_PRESETS`, `layers` of its depth), the default model's tokenizer
     padded to the family's vocabulary; its metadata as `hf_to_gguf` writes a directory's."""
-    from hf_to_gguf import _metadata
-
     from specdec.models.families import load_config
 
     tokenizer = tokenizer_fields(default_model_file())
@@ -354,7 +340,7 @@ def write_family_gguf(path: Path, preset: str, file_type: str, seed: int = 0, jo
     arch, specs = family_plan(config, file_type)
     writer = GGUFWriter(path, arch)
     writer.add_name(f"synthetic {preset} {file_type}")
-    _metadata(writer, arch, config, load_config(config))
+    add_family_keys(writer, arch, config, load_config(config))
     writer.add_file_type(FILE_TYPES[file_type][1].value)
     writer.add_quantization_version(2)
     for key, (value, vtype, sub_type) in tokenizer.items():
