@@ -3,11 +3,11 @@ q/k norms, sliding windows) and the options other families add to it (`ModelConf
 `specdec.models.families`): Gemma's GeGLU, sandwich norms, soft-caps and local rotary base, Phi's partial rotary
 and LongRoPE, OLMoE's whole-q/k norms, and mixture-of-experts MLPs (`moe.MoE`).
 
-On CPU (inference) a Llama-form layer runs as one C++ call (`native`: norm, fused q/k/v, RoPE, paged attention with
-its window, o, fused gate/up, SiLU, down), whatever the weights are stored in (GGUF blocks or float32/bfloat16/
-float16), and all layers as one stack. A layer with other options runs the torch code below, whose products, norms
-and attention are the same C++ kernels called one by one (so a row's bits still never depend on its step's other
-rows); the torch code is also the path for CUDA and for training, and the reference.
+On CPU (inference) every layer, with any of these options, runs as one C++ call (`native`: norm, fused q/k/v, RoPE,
+paged attention with its window, o, the gated MLP or the experts), whatever the weights are stored in (GGUF blocks or
+float32/bfloat16/float16), and all layers as one stack. The torch code below is the path for CUDA, for training and
+for a tensor-parallel shard, and the reference; on CPU its products, norms and attention are the same C++ kernels
+called one by one, so a row's bits never depend on its step's other rows either way.
 Logits are only computed for the rows that ask for them.
 """
 from __future__ import annotations
