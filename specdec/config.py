@@ -72,6 +72,26 @@ class ModelConfig:
     norm_topk_prob: bool = False  # renormalize the top-k router probabilities to sum to 1
     moe_layers: tuple[int, ...] = ()
     shared_expert_intermediate_size: int = 0  # Qwen2-MoE: a dense expert every token takes, gated by sigmoid
+    shared_expert_gate: bool = True  # the shared expert's sigmoid gate (Qwen2-MoE); DeepSeek's shared experts have none
+    # How the router weighs experts (DeepSeek): softmax or sigmoid scores; the top-k chosen within the `moe_topk_groups`
+    # best of `moe_groups` groups (a group scored by its best expert under softmax, its best two under sigmoid) and by
+    # score plus a per-expert correction bias where the checkpoint has one (`moe_choice_bias`, DeepSeek-V3); weights
+    # times routed_scaling_factor.
+    moe_scoring: str = "softmax"
+    moe_groups: int = 1
+    moe_topk_groups: int = 1
+    moe_choice_bias: bool = False
+    routed_scaling_factor: float = 1.0
+    # Multi-head latent attention (DeepSeek-V2/V3; kv_lora_rank > 0): queries through an optional q_lora_rank
+    # bottleneck, keys and values from one kv_lora_rank latent per token plus a shared qk_rope_head_dim rotated key.
+    # The cache holds the latent and the rotated key (num_key_value_heads 1, head_dim kv_lora_rank + qk_rope_head_dim:
+    # the decoding form with the up-projections absorbed); rope_interleave: the rotated dims pair (2i, 2i + 1).
+    kv_lora_rank: int = 0
+    q_lora_rank: int = 0
+    qk_nope_head_dim: int = 0
+    qk_rope_head_dim: int = 0
+    v_head_dim: int = 0
+    rope_interleave: bool = False
 
     def identity(self) -> dict[str, Any]:
         """The fields that name this shape (what a fingerprint hashes): the Llama form's always, a family option only
@@ -89,8 +109,17 @@ class ModelConfig:
 
     @property
     def rotary_dim(self) -> int:
-        """The leading dimensions of each head that RoPE rotates (all of them but for a partial factor)."""
+        """The leading dimensions of each head that RoPE rotates (all of them but for a partial factor; MLA: the
+        decoupled rotated part)."""
+        if self.kv_lora_rank:
+            return self.qk_rope_head_dim
         return int(self.head_dim * self.partial_rotary_factor) // 2 * 2
+
+    @property
+    def v_cache_dim(self) -> int:
+        """The width of each cached value head: head_dim, or 0 under MLA (its values are the cached latent, read from
+        the key cache)."""
+        return 0 if self.kv_lora_rank else self.head_dim
 
     def __post_init__(self) -> None:
         if self.layer_types is not None:
@@ -106,6 +135,14 @@ class ModelConfig:
                                        f"{self.max_position_embeddings}): not a window any position can reach")
         if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
             raise SpecdecError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if self.moe_scoring not in ("softmax", "sigmoid"):
+            raise SpecdecError(f"unsupported expert scoring {self.moe_scoring!r}; supported: softmax, sigmoid")
+        if self.moe_groups < 1 or self.num_experts % self.moe_groups or not 0 < self.moe_topk_groups <= self.moe_groups:
+            raise SpecdecError(f"expert groups: n_group={self.moe_groups} must divide the {self.num_experts} experts "
+                               f"and topk_group={self.moe_topk_groups} be in [1, n_group]")
+        if self.kv_lora_rank and (self.num_key_value_heads != 1 or
+                                  self.head_dim != self.kv_lora_rank + self.qk_rope_head_dim):
+            raise SpecdecError("latent attention caches one head of kv_lora_rank + qk_rope_head_dim")
         if self.moe_layers and not 0 < self.num_experts_per_tok <= self.num_experts:
             raise SpecdecError(f"num_experts_per_tok={self.num_experts_per_tok} must be in [1, num_experts="
                                f"{self.num_experts}]")

@@ -50,17 +50,25 @@ def pool_tensor(shape: tuple[int, ...], dtype: torch.dtype, device: torch.device
     return torch.empty(shape, dtype=dtype, device=device)
 
 
+def _v_dim(cfg: ModelConfig) -> int:
+    """A value head's width: ModelConfig.v_cache_dim (0 under latent attention), head_dim for a plain geometry."""
+    return getattr(cfg, "v_cache_dim", cfg.head_dim)
+
+
 class KVPool:
     """The K and V tensors of one model for every block."""
 
     def __init__(self, cfg: ModelConfig, num_blocks: int, block_size: int, dtype: torch.dtype,
                  device: torch.device | str) -> None:
         shape = (num_blocks * block_size, cfg.num_key_value_heads, cfg.head_dim)
+        v_shape = (*shape[:2], _v_dim(cfg))  # latent attention: no value cache of its own
         # empty, not zeros: on CPU untouched pages cost no memory. Only the null block is ever read
         # before being written (by padding queries), so only it must hold finite values.
         self.block_size = block_size
         self.k = [pool_tensor(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
-        self.v = [pool_tensor(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
+        self.v = [pool_tensor(v_shape, dtype, device) if v_shape[-1] else torch.empty(v_shape, dtype=dtype,
+                                                                                      device=device)
+                  for _ in range(cfg.num_hidden_layers)]
         for t in self.k + self.v:
             t[NULL_BLOCK * block_size:(NULL_BLOCK + 1) * block_size].zero_()
 
@@ -74,7 +82,7 @@ class KVPool:
     @staticmethod
     def bytes_per_block(cfg: ModelConfig, block_size: int, dtype: torch.dtype) -> int:
         elem = torch.tensor([], dtype=dtype).element_size()
-        return 2 * cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * cfg.head_dim * elem
+        return cfg.num_hidden_layers * block_size * cfg.num_key_value_heads * (cfg.head_dim + _v_dim(cfg)) * elem
 
 
 class OutOfBlocks(RuntimeError):

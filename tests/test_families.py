@@ -21,6 +21,9 @@ COMMON = dict(vocab_size=320, hidden_size=64, intermediate_size=96, num_hidden_l
               pad_token_id=0)
 WINDOW = 8  # a window the prompts outgrow, so a layer that ignores it answers differently
 
+DEEPSEEK = dict(moe_intermediate_size=32, n_routed_experts=8, num_experts_per_tok=2, first_k_dense_replace=1,
+                kv_lora_rank=32, qk_rope_head_dim=8, qk_nope_head_dim=16, v_head_dim=12, num_key_value_heads=4)
+
 FAMILIES = {
     "mistral-window": (transformers.MistralConfig, dict(sliding_window=WINDOW)),
     "qwen2-window": (transformers.Qwen2Config, dict(use_sliding_window=True, sliding_window=WINDOW,
@@ -47,6 +50,14 @@ FAMILIES = {
                                                      head_dim=16, norm_topk_prob=True, decoder_sparse_step=2)),
     "mixtral": (transformers.MixtralConfig, dict(num_local_experts=4, num_experts_per_tok=2)),
     "olmoe": (transformers.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)),
+    # latent attention (V2-Lite: no q bottleneck), shared experts, softmax routing within the 2 best of 4 groups
+    "deepseek_v2": (transformers.DeepseekV2Config, dict(DEEPSEEK, n_shared_experts=2, q_lora_rank=None,
+                                                         topk_method="group_limited_greedy", n_group=4, topk_group=2)),
+    # V3: a q bottleneck, YaRN with DeepSeek's query scale, sigmoid routing steered by a correction bias, scaled weights
+    "deepseek_v3": (transformers.DeepseekV3Config, dict(
+        DEEPSEEK, n_shared_experts=1, q_lora_rank=24, n_group=2, topk_group=1, routed_scaling_factor=2.5,
+        norm_topk_prob=True, rope_parameters={"rope_type": "yarn", "factor": 4.0, "mscale": 1.0, "mscale_all_dim": 1.0,
+                                              "original_max_position_embeddings": 64, "rope_theta": 10000.0})),
 }
 
 
@@ -60,6 +71,9 @@ def save_family(path, name: str, seed: int = 0):
                 p.mul_(3.0)
             elif p.dim() == 1 and "norm" in "".join(n for n, q in model.named_parameters() if q is p):
                 p.add_(torch.randn_like(p) * 0.2)  # norms away from their init, so a wrong offset shows
+        for name, b in model.named_buffers():
+            if name.endswith("e_score_correction_bias"):  # a bias that changes which experts win
+                b.copy_(torch.randn_like(b) * 0.3)
     model.save_pretrained(path)
     build_tokenizer(COMMON["vocab_size"]).save_pretrained(path)
     return path, model
@@ -87,7 +101,7 @@ def test_a_family_matches_transformers_through_the_paged_cache(tmp_path, name):
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["mistral-window", "gemma2", "gemma3", "qwen3_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["mistral-window", "gemma2", "gemma3", "qwen3_moe", "olmoe", "deepseek_v3"])
 def test_speculative_greedy_output_equals_plain_for_a_family(tmp_path, name):
     path, _ = save_family(tmp_path, name)
     prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9]},
@@ -174,6 +188,9 @@ AS_PUBLISHED = {
     "phi3-longrope": {}, "phi4-partial-rotary": {},
     "qwen2_moe": dict(mlp_only_layers=[]), "qwen3_moe": dict(decoder_sparse_step=1),
     "mixtral": {}, "olmoe": dict(clip_qkv=None),
+    # V2-Lite's plain routing (llama.cpp scores a group by its best two, V2 by its best one); V3 names its gating
+    "deepseek_v2": dict(topk_method="greedy", n_group=None, topk_group=None),
+    "deepseek_v3": dict(scoring_func="sigmoid"),
 }
 
 
@@ -241,3 +258,121 @@ def test_a_gguf_of_an_architecture_transformers_cannot_read_still_gets_its_token
     text = "def add(a, b):\n    return a + b  # the quick brown fox"
     want = AutoTokenizer.from_pretrained(path).encode(text, add_special_tokens=False)
     assert load_tokenizer(resolve(gguf_path)).encode(text, add_special_tokens=False) == want
+
+
+# ---- DeepSeek's MTP module: the seeds' drafter, checked against the formula, not only through lossless output ----
+
+def _with_mtp_layer(path: Path) -> dict[str, torch.Tensor]:
+    """A DeepSeek-V3 directory given an MTP module (layer 3 after the 3 main ones, as published checkpoints carry
+    it): a mixture-of-experts layer with latent attention, and enorm, hnorm, eh_proj, shared_head.norm."""
+    from safetensors.torch import load_file, save_file
+
+    own = load_file(path / "model.safetensors")
+    H, g = COMMON["hidden_size"], torch.Generator().manual_seed(6)
+    mtp = {"model.layers.3." + k.removeprefix("model.layers.2."): t + 0.1 * torch.randn(t.shape, generator=g)
+           for k, t in own.items() if k.startswith("model.layers.2.")}
+    mtp |= {f"model.layers.3.{n}.weight": 1 + 0.2 * torch.randn(H, generator=g)
+            for n in ("enorm", "hnorm", "shared_head.norm")}
+    mtp["model.layers.3.eh_proj.weight"] = torch.randn(H, 2 * H, generator=g) / (2 * H) ** 0.5 * 3
+    save_file(mtp, path / "mtp.safetensors")
+    return mtp
+
+
+def _mtp_reference(path: Path, mtp: dict, features: torch.Tensor, next_ids: list[int], swap_inputs: bool = False):
+    """DeepSeek-V3's MTP module written out, its decoder layer transformers' own: logits [T, V] of row t predicting
+    token t + 2 from the target's last-layer output of token t (features [T, H]) and the embedding of token t + 1."""
+    import json
+
+    from safetensors.torch import load_file
+    from transformers.models.deepseek_v3 import modeling_deepseek_v3 as ds
+
+    config = transformers.DeepseekV3Config(**json.loads((path / "config.json").read_text()))
+    config._attn_implementation = "eager"
+    layer = ds.DeepseekV3DecoderLayer(config, layer_idx=2).eval()
+    p = "model.layers.3."
+    sd = {k.removeprefix(p): t for k, t in mtp.items()
+          if not k.startswith(tuple(p + n for n in ("enorm", "hnorm", "eh_proj", "shared_head")))}
+    E = config.n_routed_experts
+    sd["mlp.experts.gate_up_proj"] = torch.stack([torch.cat((sd.pop(f"mlp.experts.{e}.gate_proj.weight"),
+                                                             sd.pop(f"mlp.experts.{e}.up_proj.weight")))
+                                                  for e in range(E)])
+    sd["mlp.experts.down_proj"] = torch.stack([sd.pop(f"mlp.experts.{e}.down_proj.weight") for e in range(E)])
+    layer.load_state_dict(sd, strict=True)
+    own = load_file(path / "model.safetensors")
+    eps = config.rms_norm_eps
+
+    def norm(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+    h = norm(features, own["model.norm.weight"])  # the target's final norm
+    e = own["model.embed_tokens.weight"][next_ids]
+    pair = (norm(h, mtp[p + "hnorm.weight"]), norm(e, mtp[p + "enorm.weight"])) if swap_inputs else \
+        (norm(e, mtp[p + "enorm.weight"]), norm(h, mtp[p + "hnorm.weight"]))
+    x = torch.cat(pair, -1) @ mtp[p + "eh_proj.weight"].T
+    T = x.shape[0]
+    pos = torch.arange(T)[None]
+    rope = ds.DeepseekV3RotaryEmbedding(config)
+    mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+    with torch.no_grad():
+        out = layer(x[None], attention_mask=mask, position_ids=pos, position_embeddings=rope(x[None], pos))
+    out = out[0] if isinstance(out, tuple) else out
+    return norm(out[0], mtp[p + "shared_head.norm.weight"]) @ own["lm_head.weight"].T
+
+
+@needs_native
+@pytest.mark.parametrize("planted", [False, True])
+def test_deepseeks_mtp_module_drafts_as_its_formula_says(tmp_path, planted):
+    """The MTP head loaded from the model's own files gives, row by row through the paged cache, the logits of the
+    module written out with transformers' DeepSeek-V3 layer; with its two inputs swapped (a planted bug) it does not."""
+    from specdec.models.eagle import EagleHead
+
+    path, _ = save_family(tmp_path, "deepseek_v3")
+    mtp = _with_mtp_layer(path)
+    target, _ = load_model(path)
+    head = EagleHead.load(path, target, "mtp")
+    assert head.layers[0].mla is not None and head.layers[0].moe is not None
+    seq = torch.randint(3, 320, (14,), generator=torch.Generator().manual_seed(7)).tolist()
+    last = target.config.num_hidden_layers - 1
+    (features,) = run_paged(_LayerOutput(target, last), [seq], [[]])
+
+    class HeadAsModel:  # row p: the target's output of token p and the embedding of token p + 1
+        config, act_dtype, device = head.config, torch.float32, torch.device("cpu")
+
+        def __call__(self, tokens, positions, meta, kv):
+            return head(target.embed(tokens), positions, meta, kv, features=features[positions]), None
+
+        def compute_logits(self, rows):
+            return head.compute_logits(rows)
+
+    (ours,) = run_paged(HeadAsModel(), [seq[1:9]], [seq[9:]])
+    want = _mtp_reference(path, mtp, features[:-1], seq[1:], swap_inputs=planted)
+    close = (ours - want).abs().max().item() < 1e-3 * want.abs().max().item()
+    assert close != planted
+
+
+class _LayerOutput:
+    """A model whose 'logits' are its last layer's output (pre-norm), for run_paged."""
+
+    def __init__(self, model, layer: int):
+        self.model, self.layer, self.config, self.act_dtype = model, layer, model.config, model.act_dtype
+        self.device = model.device
+
+    def __call__(self, tokens, positions, meta, kv):
+        _, outs = self.model(tokens, positions, meta, kv, output_layers=(self.layer,))
+        return outs[self.layer], None
+
+    def compute_logits(self, rows):
+        return rows
+
+
+@needs_native
+def test_deepseeks_mtp_module_speculates_losslessly(tmp_path):
+    path, _ = save_family(tmp_path, "deepseek_v3")
+    _with_mtp_layer(path)
+    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 40, 41]}]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(path), speculative_config="off").generate(prompts, params)]
+    llm = LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "dispatch": {"1": "chain"}})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0

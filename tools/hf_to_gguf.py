@@ -29,7 +29,7 @@ from specdec.models.quantizers import quantize
 
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
-        "qwen3_moe": "qwen3moe", "olmoe": "olmoe"}
+        "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
 TYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16, "Q8_0": GGMLQuantizationType.Q8_0,
          "Q4_0": GGMLQuantizationType.Q4_0, "Q5_0": GGMLQuantizationType.Q5_0, "Q4_K": GGMLQuantizationType.Q4_K,
          "Q6_K": GGMLQuantizationType.Q6_K}
@@ -55,7 +55,7 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
     add_shape_keys(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size,
                    cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)
     w.add_key_length(cfg.head_dim)
-    w.add_value_length(cfg.head_dim)
+    w.add_value_length(cfg.kv_lora_rank or cfg.head_dim)  # latent attention: its values are the latent
     scaling = cfg.rope_scaling or {}
     kind = scaling.get("rope_type", scaling.get("type"))
     if kind == "linear":
@@ -67,8 +67,10 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
         w.add_expert_count(cfg.num_experts)
         w.add_expert_used_count(cfg.num_experts_per_tok)
         w.add_uint32(f"{arch}.expert_feed_forward_length", cfg.moe_intermediate_size)
-        if cfg.shared_expert_intermediate_size:
+        if cfg.shared_expert_intermediate_size and arch != "deepseek2":
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
+    if arch == "deepseek2":
+        _deepseek_keys(w, hf, cfg)
     if cfg.sliding_window and arch != "phi3":  # the layers that slide, as a list (llama.cpp's per-layer form)
         w.add_sliding_window(cfg.sliding_window)
         w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
@@ -91,6 +93,37 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
             attn = scaling.get("attention_factor") or (
                 math.sqrt(1 + math.log(scale) / math.log(original)) if scale > 1 else 1.0)
             w.add_float32(f"{arch}.rope.scaling.attn_factor", attn)
+
+
+def _deepseek_keys(w: GGUFWriter, hf: dict, cfg) -> None:
+    """llama.cpp's deepseek2 keys: latent ranks and the per-head widths (*_mla), leading dense layers, shared
+    experts by count, the router's gating, scale, norm and groups, and YaRN with DeepSeek's log multiplier."""
+    a = "deepseek2"
+    w.add_uint32(f"{a}.attention.kv_lora_rank", cfg.kv_lora_rank)
+    if cfg.q_lora_rank:
+        w.add_uint32(f"{a}.attention.q_lora_rank", cfg.q_lora_rank)
+    w.add_uint32(f"{a}.attention.key_length_mla", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
+    w.add_uint32(f"{a}.attention.value_length_mla", cfg.v_head_dim)
+    w.add_uint32(f"{a}.leading_dense_block_count", min(cfg.moe_layers, default=cfg.num_hidden_layers))
+    if cfg.moe_layers:
+        w.add_uint32(f"{a}.expert_shared_count", cfg.shared_expert_intermediate_size // cfg.moe_intermediate_size)
+        w.add_float32(f"{a}.expert_weights_scale", cfg.routed_scaling_factor)
+        if cfg.norm_topk_prob:
+            w.add_bool(f"{a}.expert_weights_norm", True)
+        w.add_uint32(f"{a}.expert_gating_func", 2 if cfg.moe_scoring == "sigmoid" else 1)
+        if cfg.moe_groups > 1:
+            w.add_uint32(f"{a}.expert_group_count", cfg.moe_groups)
+            w.add_uint32(f"{a}.expert_group_used_count", cfg.moe_topk_groups)
+    scaling = cfg.rope_scaling or {}
+    if scaling.get("rope_type") == "yarn":
+        w.add_string(f"{a}.rope.scaling.type", "yarn")
+        w.add_float32(f"{a}.rope.scaling.factor", float(scaling["factor"]))
+        w.add_uint32(f"{a}.rope.scaling.original_context_length", scaling["original_max_position_embeddings"])
+        for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if scaling.get(key) is not None:
+                w.add_float32(f"{a}.rope.scaling.{name}", float(scaling[key]))
+        if scaling.get("mscale_all_dim"):
+            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(scaling["mscale_all_dim"]))
 
 
 def _tokenizer(w: GGUFWriter, model_dir: Path, vocab_size: int, hf: dict) -> None:

@@ -106,6 +106,15 @@ FAMILY_PRESETS: dict[str, dict] = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, num_experts=64,
                         num_experts_per_tok=8, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0),
+    "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
+                             num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
+                             q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
+                             n_routed_experts=64, num_experts_per_tok=6, moe_intermediate_size=1408,
+                             n_shared_experts=2, first_k_dense_replace=1, topk_method="greedy",
+                             max_position_embeddings=163840, rms_norm_eps=1e-6, rope_theta=10000.0,
+                             rope_scaling={"rope_type": "yarn", "factor": 40.0, "beta_fast": 32, "beta_slow": 1,
+                                           "original_max_position_embeddings": 4096, "mscale": 0.707,
+                                           "mscale_all_dim": 0.707}),
 }
 
 # --type -> (type of most matrices, general.file_type)

@@ -32,6 +32,7 @@ from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.attention import AttentionMetadata, KVLayers
+from specdec.models.families import family_of
 from specdec.models.head_files import TensorCopier, check_made_for, init_random
 from specdec.models.head_formats import read_head
 from specdec.models.kernels import greedy_with_logprob, linear
@@ -76,7 +77,9 @@ class EagleHead(nn.Module):
         self.enorm = RMSNorm(H, eps, dtype, device) if embed_norm else nn.Identity()
         self.hnorm = RMSNorm(H, eps, dtype, device) if hidden_norm else nn.Identity()
         self.fc = Linear(2 * H, H, fc_bias, dtype, device)
-        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, dtype) for _ in range(config.num_hidden_layers))
+        # index i: a layer's own MLP (an MTP module's mixture of experts, `moe_layers`); the head never slides
+        self.layers = nn.ModuleList(DecoderLayer(config, dtype, device, dtype, i)
+                                    for i in range(config.num_hidden_layers))
         if not first_layer_norm:
             self.layers[0].input_layernorm = nn.Identity()
         self.norm = RMSNorm(H, eps, dtype, device) if output_norm else nn.Identity()
@@ -193,7 +196,7 @@ class EagleHead(nn.Module):
         """An untrained head in `method`'s layout: `num_layers` decoder layers (an MTP module has one), small
         random weights, unit norms."""
         layers = num_layers if method == "eagle" else 1
-        head = cls(dataclasses.replace(target.config, num_hidden_layers=layers), target, method)
+        head = cls(head_config(target.config, layers), target, method)
         init_random(head.trainable_parameters())
         return head
 
@@ -210,15 +213,19 @@ class EagleHead(nn.Module):
         ckpt = read_head(path, layout)
         hf, sd = dict(ckpt.config), ckpt.tensors
         hf.setdefault("model_type", "llama")
-        config = ModelConfig.from_hf(hf)
+        family = family_of(hf)  # an MTP module is a layer of its model's family (DeepSeek: latent attention, experts)
+        config = family.config(hf)
         check_made_for(layout, ckpt.path, config.hidden_size, hf.get("vocab_size", target.config.vocab_size),
                        target.config)
-        if layout == "mtp":
-            sd = {_from_mtp(k): v for k, v in sd.items()}
+        if layout == "mtp":  # the model's own layer, under its family's names
+            sd = family.state({"model." + _from_mtp(k): v for k, v in sd.items()}, hf)
+            sd = {k.removeprefix("model."): v for k, v in sd.items()}
         num_layers = 1 + max((int(m[1]) for k in sd if (m := re.match(r"layers\.(\d+)\.", k))), default=0)
-        config = dataclasses.replace(config, qk_norm=config.qk_norm or "layers.0.self_attn.q_norm.weight" in sd,
-                                     attention_bias="layers.0.self_attn.q_proj.bias" in sd,
-                                     num_hidden_layers=num_layers)
+        config = dataclasses.replace(
+            head_config(config, num_layers, moe_layers=tuple(i for i in range(num_layers)
+                                                             if f"layers.{i}.mlp.gate.weight" in sd)),
+            qk_norm=config.qk_norm or "layers.0.self_attn.q_norm.weight" in sd,
+            attention_bias="layers.0.self_attn.q_proj.bias" in sd)
         head = cls(config, target, layout, embed_norm="enorm.weight" in sd, hidden_norm="hnorm.weight" in sd,
                    output_norm="norm.weight" in sd, fc_bias="fc.bias" in sd,
                    first_layer_norm="layers.0.input_layernorm.weight" in sd)
@@ -243,6 +250,13 @@ class EagleHead(nn.Module):
         for i, layer in enumerate(self.layers):
             load_decoder_layer(layer, f"layers.{i}.", take, put, self.config)
         copier.refuse_leftovers(ignore)
+
+
+def head_config(config: ModelConfig, num_layers: int, moe_layers: tuple[int, ...] = ()) -> ModelConfig:
+    """A head's decoder shape from its model's: `num_layers` layers that see every key, mixtures of experts on
+    `moe_layers` only (an EAGLE head's layers are dense; an MTP module's are its model's kind)."""
+    return dataclasses.replace(config, num_hidden_layers=num_layers, layer_types=None, sliding_window=None,
+                               moe_layers=moe_layers)
 
 
 def _to_mtp(name: str) -> str:

@@ -29,12 +29,13 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 # GGUF architecture -> the Hugging Face model_type whose family reads it (a llama file with experts is Mixtral's)
 _MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "olmoe": "olmoe"}
+               "olmoe": "olmoe", "deepseek2": "deepseek_v2"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE)
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                     "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM"}
+                    "olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM",
+                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
 # llama.cpp's routers renormalize their top-k weights for these (build_moe_ffn's norm_w), not for the others
 _NORM_TOPK = ("llama", "qwen3moe")
 
@@ -120,7 +121,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
             raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
         permuted = arch in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight"))
         heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
-        if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES:
+        if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES and all(len(p[1]) == 2 for p in parts):
             if tensor.tensor_type not in BY_GGML:
                 f32, size = float32_bytes(reader), os.path.getsize(path)
                 raise ValueError(
@@ -147,6 +148,10 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
             state_dict[hf_name] = _to_torch(piece, torch.float32 if keep_blocks else dtype)
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
+    if arch == "deepseek2":  # an older file's one kv_b as the absorbed pair the decoder loads
+        from specdec.models.families import deepseek
+
+        state_dict = deepseek.state(state_dict, config)
     return config, state_dict
 
 
@@ -215,7 +220,9 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
             config["intermediate_size"] = config["moe_intermediate_size"]
     if (clamp := key("attention.clamp_kqv", None)) is not None:  # OLMoE's clip_qkv (llama.cpp's key for it)
         config["clip_qkv"] = _f32(clamp)
-    if arch in ("gemma2", "gemma3"):
+    if arch == "deepseek2":
+        config.update(_deepseek(reader, config, tensors))
+    elif arch in ("gemma2", "gemma3"):
         config.update(_gemma(reader, arch, config))
     elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
         pattern = key("attention.sliding_window_pattern", None)  # a file states it (llama.cpp reads none for these)
@@ -256,6 +263,40 @@ def _gemma(reader: GGUFReader, arch: str, config: dict) -> dict:
             "rope_type": "default", "rope_theta": _f32(key("rope.freq_base_swa", 10000.0))}}
     else:
         out["attn_logit_softcapping"] = _f32(key("attn_logit_softcapping", 0.0)) or None
+    return out
+
+
+def _deepseek(reader: GGUFReader, config: dict, tensors: dict) -> dict:
+    """DeepSeek-V2/V3's options from llama.cpp's deepseek2 keys: the latent ranks and head widths (the *_mla keys of
+    files with the absorbed k_b / v_b pair, the plain ones before), the leading dense layers, the shared experts and
+    the router (sigmoid gating or a correction bias: V3's; weights scale and norm; expert groups), YaRN's
+    log multiplier (written as 0.1 * mscale_all_dim)."""
+    def key(suffix: str, default: Any = _REQUIRED) -> Any:
+        return _field(reader, f"deepseek2.{suffix}", default)
+
+    rope = key("rope.dimension_count")
+    qk = key("attention.key_length_mla", None) or key("attention.key_length")
+    experts = key("expert_count", 0)
+    v3 = key("expert_gating_func", 1) == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
+    out = {"model_type": "deepseek_v3" if v3 else "deepseek_v2",
+           "architectures": [_HF_ARCHITECTURE["deepseek_v3" if v3 else "deepseek_v2"]],
+           "kv_lora_rank": key("attention.kv_lora_rank"), "q_lora_rank": key("attention.q_lora_rank", None),
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope,
+           "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
+           "first_k_dense_replace": key("leading_dense_block_count", 0),
+           "n_routed_experts": experts or None, "n_shared_experts": key("expert_shared_count", 0),
+           "moe_intermediate_size": key("expert_feed_forward_length", 0),
+           "routed_scaling_factor": _f32(key("expert_weights_scale", 1.0)),
+           "norm_topk_prob": bool(key("expert_weights_norm", False)),
+           "scoring_func": "sigmoid" if key("expert_gating_func", 1) == 2 else "softmax",
+           "rope_interleave": True}
+    groups = key("expert_group_count", 0)
+    if groups > 1:
+        out.update(n_group=groups, topk_group=key("expert_group_used_count"), topk_method="group_limited_greedy")
+    scaling = config["rope_scaling"]
+    if scaling and scaling.get("rope_type") == "yarn" and (log_mul := key("rope.scaling.yarn_log_multiplier", 0.0)):
+        mscale = _f32(log_mul / 0.1)
+        out["rope_scaling"] = {**scaling, "mscale": mscale, "mscale_all_dim": mscale}
     return out
 
 
@@ -337,11 +378,15 @@ def _expected_tensors(config: dict, tensors: dict) -> dict[str, tuple[list[tuple
     def rows(gguf: str, parts: list[tuple[str, tuple[int, ...]]]) -> None:
         expected[gguf] = (parts, (sum(p[1][0] for p in parts), *parts[0][1][1:]))
 
+    if cfg.kv_lora_rank:
+        q_dim = cfg.num_attention_heads * cfg.v_head_dim  # what the output projection reads
     for i in range(cfg.num_hidden_layers):
         b, h = f"blk.{i}.", f"model.layers.{i}."
         one(b + "attn_norm.weight", h + "input_layernorm.weight", (hidden,))
         qkv = [(h + f"self_attn.{n}_proj.weight", (size, hidden)) for n, size in zip("qkv", (q_dim, kv_dim, kv_dim))]
-        if b + "attn_qkv.weight" in tensors:
+        if cfg.kv_lora_rank:
+            _expected_latent_attention(expected, b, h + "self_attn.", cfg, tensors)
+        elif b + "attn_qkv.weight" in tensors:
             rows(b + "attn_qkv.weight", qkv)
         else:
             for n, part in zip("qkv", qkv):
@@ -369,6 +414,31 @@ def _expected_tensors(config: dict, tensors: dict) -> dict[str, tuple[list[tuple
     return expected
 
 
+def _expected_latent_attention(expected: dict, b: str, h: str, cfg: Any, tensors: dict) -> None:
+    """DeepSeek's attention tensors: q (or its q_a / q_a_norm / q_b bottleneck), kv_a_mqa, kv_a_norm, and the
+    up-projection as llama.cpp's absorbed k_b [nH, r, nope] / v_b [nH, v, r] (or, in older files, one kv_b)."""
+    hidden, nH, r, rope = cfg.hidden_size, cfg.num_attention_heads, cfg.kv_lora_rank, cfg.qk_rope_head_dim
+    nope, v, q_rank = cfg.qk_nope_head_dim, cfg.v_head_dim, cfg.q_lora_rank
+    q_out = nH * (nope + rope)
+
+    def one(gguf: str, hf: str, shape: tuple[int, ...]) -> None:
+        expected[b + gguf] = ([(h + hf, shape)], shape)
+
+    if q_rank:
+        one("attn_q_a.weight", "q_a_proj.weight", (q_rank, hidden))
+        one("attn_q_a_norm.weight", "q_a_layernorm.weight", (q_rank,))
+        one("attn_q_b.weight", "q_b_proj.weight", (q_out, q_rank))
+    else:
+        one("attn_q.weight", "q_proj.weight", (q_out, hidden))
+    one("attn_kv_a_mqa.weight", "kv_a_proj_with_mqa.weight", (r + rope, hidden))
+    one("attn_kv_a_norm.weight", "kv_a_layernorm.weight", (r,))
+    if b + "attn_kv_b.weight" in tensors:
+        one("attn_kv_b.weight", "kv_b_proj.weight", (nH * (nope + v), r))
+    else:
+        one("attn_k_b.weight", "k_b_proj.weight", (nH, r, nope))
+        one("attn_v_b.weight", "v_b_proj.weight", (nH, v, r))
+
+
 def _expected_experts(expected: dict, b: str, h: str, cfg: Any) -> None:
     """A mixture's tensors: the router, each of E experts' rows of the stacked [E, out, in] tensors, and a shared
     expert with its [H] gate where configured."""
@@ -377,9 +447,12 @@ def _expected_experts(expected: dict, b: str, h: str, cfg: Any) -> None:
     for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
         expected[b + f"ffn_{n}_exps.weight"] = ([(h + f"experts.{e}.{n}_proj.weight", shape) for e in range(E)],
                                                (E, *shape))
+    if cfg.moe_choice_bias:
+        expected[b + "exp_probs_b.bias"] = ([(h + "gate.e_score_correction_bias", (E,))], (E,))
     shared = cfg.shared_expert_intermediate_size
-    if shared:
+    if shared and cfg.shared_expert_gate:
         expected[b + "ffn_gate_inp_shexp.weight"] = ([(h + "shared_expert_gate.weight", (1, hidden))], (1, hidden))
+    if shared:
         for n, shape in (("gate", (shared, hidden)), ("up", (shared, hidden)), ("down", (hidden, shared))):
             expected[b + f"ffn_{n}_shexp.weight"] = ([(h + f"shared_expert.{n}_proj.weight", shape)], shape)
 

@@ -1,5 +1,6 @@
 """The blocks every family's layers are built from: a linear map over float or block-quantized weights, RMSNorm, and
-the gated MLP's activations. (Attention is `attention` and the native kernels; the mixture-of-experts MLP `moe`.)"""
+the gated MLP's activations. (Attention is `attention`, `mla` and the native kernels; the mixture-of-experts MLP
+`moe`; rotary embeddings `rotary`.)"""
 from __future__ import annotations
 
 import torch

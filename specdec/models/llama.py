@@ -12,7 +12,6 @@ Logits are only computed for the rows that ask for them.
 """
 from __future__ import annotations
 
-import math
 from collections.abc import Callable
 from typing import Any
 
@@ -24,75 +23,12 @@ from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models.kernels import linear, on_native
 from specdec.models.layers import Linear, RMSNorm, activation, replace_parameter
+from specdec.models.mla import LatentAttention
 from specdec.models.moe import MoE
 from specdec.models.quant import QuantWeight
+from specdec.models.rotary import rope_tables, rotate
 
 __all__ = ["Linear", "RMSNorm", "DecoderLayer", "LlamaModel", "replace_parameter", "rope_tables"]
-
-
-def rope_inv_freq(cfg: ModelConfig, local: bool = False) -> torch.Tensor:
-    """Inverse frequencies over the rotated dimensions, with Llama-3, linear and LongRoPE scaling; `local`: a
-    sliding layer's own unscaled base (Gemma 3's rope_local_theta)."""
-    dim = cfg.rotary_dim
-    theta = cfg.rope_local_theta if local else cfg.rope_theta
-    inv_freq = 1.0 / (theta ** (torch.arange(0, dim, 2, dtype=torch.float64) / dim))
-    scaling = None if local else cfg.rope_scaling
-    if not scaling:
-        return inv_freq
-    kind = scaling.get("rope_type", scaling.get("type"))
-    if kind == "linear":
-        return inv_freq / scaling["factor"]
-    if kind in ("longrope", "su"):  # the short factors: positions within the original context (see `rope_tables`)
-        return inv_freq / torch.tensor(scaling["short_factor"], dtype=torch.float64)
-    if kind == "llama3":
-        factor, low, high = scaling["factor"], scaling["low_freq_factor"], scaling["high_freq_factor"]
-        old_len = scaling["original_max_position_embeddings"]
-        wavelen = 2 * math.pi / inv_freq
-        smooth = (old_len / wavelen - low) / (high - low)
-        smoothed = (1 - smooth) * inv_freq / factor + smooth * inv_freq
-        out = torch.where(wavelen > old_len / low, inv_freq / factor, inv_freq)
-        is_medium = (wavelen <= old_len / low) & (wavelen >= old_len / high)
-        return torch.where(is_medium, smoothed, out)
-    raise ValueError(f"unsupported rope_scaling type {kind!r}; supported: default, linear, llama3, longrope")
-
-
-def rope_attention_factor(cfg: ModelConfig, local: bool = False) -> float:
-    """What LongRoPE multiplies cos and sin by: sqrt(1 + ln(factor) / ln(original context)), factor the context's
-    growth, unless the config names it (transformers' rule)."""
-    scaling = None if local else cfg.rope_scaling
-    if not scaling or scaling.get("rope_type", scaling.get("type")) not in ("longrope", "su"):
-        return 1.0
-    if scaling.get("attention_factor") is not None:
-        return float(scaling["attention_factor"])
-    original = scaling.get("original_max_position_embeddings") or cfg.max_position_embeddings
-    factor = cfg.max_position_embeddings / original
-    return 1.0 if factor <= 1.0 else math.sqrt(1 + math.log(factor) / math.log(original))
-
-
-def rope_tables(cfg: ModelConfig, dtype: torch.dtype, device: torch.device | str, local: bool = False
-                ) -> tuple[torch.Tensor, torch.Tensor]:
-    """cos and signed sin [max_position_embeddings, rotary_dim] for `rotate`, for every position at once (the
-    target and the draft heads index them by position). LongRoPE uses its short factors at every position, as
-    llama.cpp does for a context within the original one (transformers switches to the long factors for a sequence
-    past it, re-rotating nothing already cached)."""
-    freqs = torch.outer(torch.arange(cfg.max_position_embeddings, dtype=torch.float64), rope_inv_freq(cfg, local))
-    emb = torch.cat((freqs, freqs), dim=-1)
-    half = emb.shape[-1] // 2
-    scale = rope_attention_factor(cfg, local)
-    signed_sin = torch.cat((-emb[:, :half].sin(), emb[:, half:].sin()), dim=-1) * scale
-    return (emb.cos() * scale).to(dtype=dtype, device=device), signed_sin.to(dtype=dtype, device=device)
-
-
-def rotate(x: torch.Tensor, cos: torch.Tensor, signed_sin: torch.Tensor) -> torch.Tensor:
-    """HF 'rotate_half' RoPE in four ops: rotate_half(x) * sin == roll(x, D/2) * [-sin1, sin2]; with tables
-    narrower than the heads (a partial rotary factor) the first R dimensions rotate and the rest pass.
-
-    x: [T, H, D]; cos, signed_sin: [T, 1, R], R <= D.
-    """
-    R = cos.shape[-1]
-    if R < x.shape[-1]:
-        return torch.cat((rotate(x[..., :R], cos, signed_sin), x[..., R:]), dim=-1)
-    return x * cos + x.roll(x.shape[-1] // 2, dims=-1) * signed_sin
 
 
 class DecoderLayer(nn.Module):
@@ -110,7 +46,12 @@ class DecoderLayer(nn.Module):
         self.act, self.clip_qkv = cfg.hidden_act, cfg.clip_qkv
         self.rotary = cfg.rotary_dim
         self.input_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)
-        self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device, act)
+        # DeepSeek's latent attention in place of q/k/v (its output heads are v_head_dim wide)
+        self.mla = LatentAttention(cfg, dtype, device, act) if cfg.kv_lora_rank else None
+        if self.mla is not None:
+            self.q_size = self.num_heads * cfg.v_head_dim
+        self.qkv_proj = Linear(H, self.q_size + 2 * self.kv_size, cfg.attention_bias, dtype, device, act) \
+            if self.mla is None else None
         norm_q, norm_k = (self.q_size, self.kv_size) if cfg.qk_norm_full else (D, D)
         self.q_norm = RMSNorm(norm_q, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
         self.k_norm = RMSNorm(norm_k, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
@@ -131,13 +72,17 @@ class DecoderLayer(nn.Module):
     @property
     def linears(self) -> tuple[Linear, ...]:
         mlp = self.moe.linears if self.moe is not None else (self.gate_up_proj, self.down_proj)
-        return (self.qkv_proj, self.o_proj, *mlp)
+        attn = self.mla.linears if self.mla is not None else (self.qkv_proj,)
+        return (*attn, self.o_proj, *mlp)
 
     def native_layer(self) -> Any:  # a native Layer (pybind), or None
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16) with every family
         option and its experts, None where it cannot run: a tensor-parallel shard (all-reduces between its halves),
-        weights off the CPU, or an input norm other than RMSNorm or none."""
+        weights off the CPU, an input norm other than RMSNorm or none, latent attention or DeepSeek's routing (the
+        torch layer runs those, on the same native products and attention)."""
         if self._native is None:
+            if self.mla is not None or (self.moe is not None and not self.moe.plain_router):
+                return None
             if self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
                     lin.quantized or (lin.weight.device.type == "cpu" and lin.weight.dtype in kernels.FLOAT_KERNEL_IDS)
@@ -168,6 +113,8 @@ class DecoderLayer(nn.Module):
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
+        if self.mla is not None:
+            return self.finish(x, self.mla(self.input_layernorm(x), cos, sin, meta, k_pool, self.scale))
         if self.tp is not None:  # a shard: the row-parallel outputs are all-reduced between the fused halves
             q, k, v = self.project(self.input_layernorm(x), cos, sin)
             return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
@@ -258,9 +205,12 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
     fusing q/k/v and gate/up. take(name) -> tensor; put(param, tensor, name) checks the shape. A layer whose
     input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
     p = prefix
-    layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
-                              p + "self_attn.qkv_proj.weight")
-    if cfg.attention_bias:
+    if layer.mla is not None:
+        load_latent_attention(layer.mla, p + "self_attn.", take, put)
+    else:
+        layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+                                  p + "self_attn.qkv_proj.weight")
+    if cfg.attention_bias and layer.mla is None:
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
             p + "self_attn.qkv_proj.bias")
     layer.o_proj.set_weight(take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
@@ -286,16 +236,34 @@ def load_mlp(gate_up: Linear, down: Linear, p: str, take: Callable[[str], torch.
     down.set_weight(take(p + "down_proj.weight"), p + "down_proj.weight")
 
 
+def load_latent_attention(mla: LatentAttention, p: str, take: Callable[[str], torch.Tensor],
+                          put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+    """DeepSeek's attention tensors: `{p}q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`), `kv_a_proj_with_mqa`,
+    `kv_a_layernorm` and kv_b_proj as its absorbed halves `k_b_proj`, `v_b_proj` (`families.deepseek`)."""
+    if mla.q_a_proj is not None:
+        mla.q_a_proj.set_weight(take(p + "q_a_proj.weight"), p + "q_a_proj.weight")
+        put(mla.q_a_norm.weight, take(p + "q_a_layernorm.weight"), p + "q_a_layernorm.weight")
+        mla.q_proj.set_weight(take(p + "q_b_proj.weight"), p + "q_b_proj.weight")
+    else:
+        mla.q_proj.set_weight(take(p + "q_proj.weight"), p + "q_proj.weight")
+    mla.kv_a_proj.set_weight(take(p + "kv_a_proj_with_mqa.weight"), p + "kv_a_proj_with_mqa.weight")
+    put(mla.kv_a_norm.weight, take(p + "kv_a_layernorm.weight"), p + "kv_a_layernorm.weight")
+    mla.set_absorbed(take(p + "k_b_proj.weight"), take(p + "v_b_proj.weight"), p)
+
+
 def load_moe(moe: MoE, p: str, take: Callable[[str], torch.Tensor],
              put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
     """A mixture-of-experts MLP under the canonical names (`families` renames each family's): the router
     `{p}gate.weight` [E, H], experts `{p}experts.{e}.{gate,up,down}_proj.weight`, and a shared expert
     `{p}shared_expert.*` with its gate `{p}shared_expert_gate.weight` [1, H] where configured."""
     put(moe.gate, take(p + "gate.weight"), p + "gate.weight")
+    if moe.choice_bias is not None:
+        put(moe.choice_bias, take(p + "gate.e_score_correction_bias"), p + "gate.e_score_correction_bias")
     for e, (gate_up, down) in enumerate(zip(moe.gate_up, moe.down)):
         load_mlp(gate_up, down, f"{p}experts.{e}.", take)
     if moe.shared_gate_up is not None:
         load_mlp(moe.shared_gate_up, moe.shared_down, p + "shared_expert.", take)
+    if moe.shared_gate is not None:
         put(moe.shared_gate, take(p + "shared_expert_gate.weight"), p + "shared_expert_gate.weight")
 
 

@@ -1,9 +1,11 @@
 """A mixture-of-experts MLP: a router picks each row's top-k experts, each expert a gated MLP of its own.
 
-    router:   probs = softmax(x @ gate.T) [T, E];  top-k per row (renormalized to sum 1 with norm_topk_prob)
+    router:   probs = softmax(x @ gate.T) [T, E] (or sigmoid: DeepSeek-V3);  top-k per row (renormalized to sum 1
+              with norm_topk_prob), chosen among the best expert groups where grouped and by probs + a correction
+              bias where the checkpoint has one; weights times routed_scaling_factor (DeepSeek)
     experts:  y_e(x) = down_e(act(gate_e(x)) * up_e(x))            (gate_e and up_e fused by rows, as dense MLPs)
     out[t]  = sum over the row's ranks j = 0..k-1, in rank order, of w[t, j] * y_{e[t, j]}(x[t])
-              (+ sigmoid(x @ shared_gate.T) * shared(x) where a shared expert is configured: Qwen2-MoE)
+              (+ shared(x) where a shared expert is configured, gated by sigmoid(x @ shared_gate.T) in Qwen2-MoE)
 
 A step's rows are grouped by expert, so each expert's weights are read once a step whatever number of rows (the
 batch and its draft rows) chose it: k rows read the union of their experts' bytes, never k times an expert. Each
@@ -26,14 +28,24 @@ class MoE(nn.Module):
         super().__init__()
         H, inter = cfg.hidden_size, cfg.moe_intermediate_size
         self.top_k, self.norm_topk_prob, self.act = cfg.num_experts_per_tok, cfg.norm_topk_prob, cfg.hidden_act
+        self.scoring, self.groups, self.topk_groups = cfg.moe_scoring, cfg.moe_groups, cfg.moe_topk_groups
+        self.scale = cfg.routed_scaling_factor
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, H, dtype=act, device=device), requires_grad=False)
+        self.choice_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
+                                        requires_grad=False) if cfg.moe_choice_bias else None
         self.gate_up = nn.ModuleList(Linear(H, 2 * inter, False, dtype, device) for _ in range(cfg.num_experts))
         self.down = nn.ModuleList(Linear(inter, H, False, dtype, device) for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
         self.shared_gate_up = Linear(H, 2 * shared, False, dtype, device) if shared else None
         self.shared_down = Linear(shared, H, False, dtype, device) if shared else None
         self.shared_gate = nn.Parameter(torch.empty(1, H, dtype=act, device=device), requires_grad=False) \
-            if shared else None
+            if shared and cfg.shared_expert_gate else None
+
+    @property
+    def plain_router(self) -> bool:
+        """Softmax top-k over every expert, gated shared expert or none: the form the native layer runs."""
+        return (self.scoring == "softmax" and self.groups == 1 and self.choice_bias is None and self.scale == 1.0
+                and (self.shared_gate_up is None or self.shared_gate is not None))
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -52,12 +64,21 @@ class MoE(nn.Module):
                     else torch.empty(0))
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
-        """Each row's experts [T, k] (by descending probability) and their weights [T, k], float32."""
-        probs = torch.softmax(linear(x, self.gate).float(), dim=-1)
-        weights, experts = torch.topk(probs, self.top_k, dim=-1)
+        """Each row's experts [T, k] (by descending choice score) and their weights [T, k], float32."""
+        logits = linear(x, self.gate).float()
+        probs = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
+        choice = probs if self.choice_bias is None else probs + self.choice_bias
+        if self.groups > 1:  # only experts of the topk_groups best groups compete
+            grouped = choice.view(choice.shape[0], self.groups, -1)
+            score = grouped.topk(2, dim=-1)[0].sum(-1) if self.scoring == "sigmoid" else grouped.max(-1).values
+            best = torch.topk(score, self.topk_groups, dim=-1)[1]
+            keep = torch.zeros_like(score, dtype=torch.bool).scatter_(1, best, True)
+            choice = grouped.masked_fill(~keep[..., None], float("-inf")).view_as(choice)
+        experts = torch.topk(choice, self.top_k, dim=-1)[1]
+        weights = probs.gather(1, experts)
         if self.norm_topk_prob:
-            weights = weights / weights.sum(dim=-1, keepdim=True)
-        return experts, weights
+            weights = weights / (weights.sum(dim=-1, keepdim=True) + (1e-20 if self.scoring == "sigmoid" else 0.0))
+        return experts, weights * self.scale if self.scale != 1.0 else weights
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         """x: [T, H] (the MLP's normed input) -> [T, H]."""
@@ -75,7 +96,8 @@ class MoE(nn.Module):
         if self.shared_gate_up is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
             shared = self.shared_down(activation(self.act, gate) * up)
-            out = out + torch.sigmoid(linear(x, self.shared_gate)) * shared
+            gated = shared if self.shared_gate is None else torch.sigmoid(linear(x, self.shared_gate)) * shared
+            out = out + gated
         return out
 
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:

@@ -193,6 +193,9 @@ class Shares:
 
 def plan(cfg: ModelConfig, tp: TPGroup, mlp_block: int = 1, vocab_block: int = 1) -> Shares:
     """How `cfg` splits over tp.world ranks; a SpecdecError naming the reason when it cannot."""
+    if tp.world > 1 and (cfg.kv_lora_rank or cfg.moe_layers):
+        raise SpecdecError(f"tensor_parallel_size={tp.world}: {cfg.model_type} ("
+                           f"{'latent attention' if cfg.kv_lora_rank else 'mixture of experts'}) runs on one rank only")
     if cfg.num_key_value_heads < tp.world:
         raise SpecdecError(f"tensor_parallel_size={tp.world} exceeds the model's {cfg.num_key_value_heads} "
                            "key/value heads (attention is split by key/value-head groups)")

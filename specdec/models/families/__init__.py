@@ -8,6 +8,7 @@ canonical ones the decoder loads. Adding a family is adding a module here and na
     qwen_moe  qwen2_moe, qwen3_moe              experts, a gated shared expert (Qwen2), sparse-step layouts
     mixtral   mixtral                           eight experts, top-2
     olmoe     olmoe                             experts, whole-q/k norms, clipped q/k/v
+    deepseek  deepseek_v2, deepseek_v3          latent attention, YaRN, shared experts, grouped and biased routing
 """
 from __future__ import annotations
 
@@ -31,9 +32,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from specdec.models.families import gemma, llama, mixtral, olmoe, phi3, qwen_moe
+    from specdec.models.families import deepseek, gemma, llama, mixtral, olmoe, phi3, qwen_moe
 
-    return tuple(m.FAMILY for m in (llama, gemma, phi3, qwen_moe, mixtral, olmoe))
+    return tuple(m.FAMILY for m in (llama, gemma, phi3, qwen_moe, mixtral, olmoe, deepseek))
 
 
 def family_of(hf: dict) -> Family:

@@ -1,5 +1,5 @@
 """Phi-3 and Phi-4 (mini): the Llama form with q/k/v and gate/up fused in the checkpoint, LongRoPE scaling (its short
-factors and attention factor; see `llama.rope_tables`) and Phi-4-mini's partial rotary factor."""
+factors and attention factor; see `rotary.rope_tables`) and Phi-4-mini's partial rotary factor."""
 from __future__ import annotations
 
 from specdec.config import ModelConfig
