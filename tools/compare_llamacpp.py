@@ -1,7 +1,8 @@
 """specdec's greedy tokens against llama.cpp's on the same GGUF file, a divergence judged by a third reference.
 
 Both engines decode the same prompt ids greedily. Where their tokens first part, transformers (its own GGUF loader,
-dequantized, in float64 by default) scores the common prefix: if the two tokens' log-probabilities there are within
+dequantized, in float64 by default; its model class on the dequantized weights where it has no GGUF loader for the
+architecture) scores the common prefix: if the two tokens' log-probabilities there are within
 --tie of each other the divergence is a near-tie, which the engines' different rounding (int8 activations, their
 own kernels) may decide either way; otherwise one engine computes the family differently, and the tool says so and
 exits 1. Needs llama-cpp-python (`make bench-peers`).
@@ -11,6 +12,7 @@ exits 1. Needs llama-cpp-python (`make bench-peers`).
 from __future__ import annotations
 
 import argparse
+import gc
 import sys
 from dataclasses import dataclass
 
@@ -46,6 +48,8 @@ def compare(path: str, num_prompts: int, max_tokens: int, tie: float, dtype: tor
     ours = [o.token_ids for o in llm.generate([{"prompt_token_ids": p.token_ids} for p in prompts], params)]
     peer = load_llamacpp(resolve(path), threads)
     theirs = [time_llamacpp(peer, p, max_tokens, eos=[])["token_ids"] for p in prompts]
+    del llm, peer  # the engines' memory back before the reference takes its own
+    gc.collect()
     reference = None
     verdicts = []
     for n, (p, a, b) in enumerate(zip(prompts, ours, theirs)):
@@ -54,7 +58,7 @@ def compare(path: str, num_prompts: int, max_tokens: int, tie: float, dtype: tor
             verdicts.append(Verdict(n, min(len(a), len(b)), "identical", 0.0))
             continue
         if reference is None:
-            reference = _load_hf(resolve(path), dtype).eval()
+            reference = load_reference(path, dtype)
         with torch.no_grad():
             logits = reference(torch.tensor([p.token_ids + a[:i]])).logits[0, -1].double()
         logp = torch.log_softmax(logits, -1)
@@ -62,6 +66,38 @@ def compare(path: str, num_prompts: int, max_tokens: int, tie: float, dtype: tor
         picks = "specdec" if logp[a[i]] > logp[b[i]] else "llama.cpp"
         verdicts.append(Verdict(n, i, "near-tie" if gap <= tie else "differs", gap, picks))
     return verdicts
+
+
+def load_reference(path: str, dtype: torch.dtype):
+    """transformers' model of the GGUF: through its own GGUF loader, or where it has none for the architecture
+    (deepseek2, olmoe) through its model class on the file's weights as specdec dequantizes them, written back under
+    the checkpoint's own names (the reader and the forward stay transformers')."""
+    try:
+        return _load_hf(resolve(path), dtype).eval()
+    except ValueError as err:
+        if "is not supported" not in str(err):
+            raise
+    import json
+    import tempfile
+    from pathlib import Path
+
+    from safetensors.torch import save_file
+    from transformers import AutoModelForCausalLM
+
+    from specdec.models.gguf import load_gguf
+
+    hf, state = load_gguf(resolve(path).gguf_file, dtype=torch.float32)
+    if hf["model_type"].startswith("deepseek"):  # the canonical absorbed pair back to kv_b_proj, shared experts
+        for k_b in [k for k in state if k.endswith("k_b_proj.weight")]:
+            stem = k_b.removesuffix("k_b_proj.weight")
+            k, v = state.pop(k_b), state.pop(stem + "v_b_proj.weight")
+            state[stem + "kv_b_proj.weight"] = torch.cat((k.transpose(1, 2), v), 1).reshape(-1, k.shape[1])
+        state = {k.replace(".shared_expert.", ".shared_experts."): t for k, t in state.items()}
+        hf.update(head_dim=hf["qk_rope_head_dim"], num_key_value_heads=hf["num_attention_heads"])  # HF's reading
+    with tempfile.TemporaryDirectory() as d:
+        (Path(d) / "config.json").write_text(json.dumps(hf))
+        save_file({k: t.contiguous() for k, t in state.items()}, Path(d) / "model.safetensors")
+        return AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
 
 
 def main(argv: list[str] | None = None) -> None:

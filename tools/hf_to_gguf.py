@@ -100,8 +100,8 @@ def _deepseek_keys(w: GGUFWriter, hf: dict, cfg) -> None:
     experts by count, the router's gating, scale, norm and groups, and YaRN with DeepSeek's log multiplier."""
     a = "deepseek2"
     w.add_uint32(f"{a}.attention.kv_lora_rank", cfg.kv_lora_rank)
-    if cfg.q_lora_rank:
-        w.add_uint32(f"{a}.attention.q_lora_rank", cfg.q_lora_rank)
+    # 0 for none: llama.cpp reads the key at any depth but the Lite ones (26 or 27 layers), where it assumes none
+    w.add_uint32(f"{a}.attention.q_lora_rank", cfg.q_lora_rank)
     w.add_uint32(f"{a}.attention.key_length_mla", cfg.qk_nope_head_dim + cfg.qk_rope_head_dim)
     w.add_uint32(f"{a}.attention.value_length_mla", cfg.v_head_dim)
     w.add_uint32(f"{a}.leading_dense_block_count", min(cfg.moe_layers, default=cfg.num_hidden_layers))

@@ -222,6 +222,7 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         config["clip_qkv"] = _f32(clamp)
     if arch == "deepseek2":
         config.update(_deepseek(reader, config, tensors))
+        config.pop("partial_rotary_factor", None)  # the rotated part is its own width (qk_rope_head_dim)
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma(reader, arch, config))
     elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
@@ -280,7 +281,7 @@ def _deepseek(reader: GGUFReader, config: dict, tensors: dict) -> dict:
     v3 = key("expert_gating_func", 1) == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
     out = {"model_type": "deepseek_v3" if v3 else "deepseek_v2",
            "architectures": [_HF_ARCHITECTURE["deepseek_v3" if v3 else "deepseek_v2"]],
-           "kv_lora_rank": key("attention.kv_lora_rank"), "q_lora_rank": key("attention.q_lora_rank", None),
+           "kv_lora_rank": key("attention.kv_lora_rank"), "q_lora_rank": key("attention.q_lora_rank", 0) or None,
            "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope,
            "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
            "first_k_dense_replace": key("leading_dense_block_count", 0),
