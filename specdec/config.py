@@ -57,7 +57,9 @@ class ModelConfig:
     sliding_window: int | None = None
     rope_local_theta: float | None = None  # Gemma 3: the sliding layers' own rotary base, unscaled
     partial_rotary_factor: float = 1.0  # Phi-4-mini: RoPE on the first part of each head only
-    hidden_act: str = "silu"  # the gated MLP's activation: silu, or gelu_pytorch_tanh (Gemma's GeGLU)
+    # the gated MLP's activation: silu, gelu_pytorch_tanh (Gemma's GeGLU), or swigluoai (gpt-oss: the gate clamped
+    # above and the up half both ways at swiglu_limit, gate * sigmoid(swiglu_alpha * gate) * (up + 1))
+    hidden_act: str = "silu"
     sandwich_norms: bool = False  # Gemma 2/3: a norm after attention and around the MLP too (four per layer)
     embed_scale: float = 1.0  # Gemma: embeddings times sqrt(hidden_size)
     attn_scale: float | None = None  # Gemma: query_pre_attn_scalar ** -0.5 (None: head_dim ** -0.5)
@@ -92,6 +94,14 @@ class ModelConfig:
     qk_rope_head_dim: int = 0
     v_head_dim: int = 0
     rope_interleave: bool = False
+    # gpt-oss: a learned sink logit per head in each attention softmax, a bias on the output projection, on the
+    # router's logits and on every expert's projections, and its clamped SwiGLU (hidden_act swigluoai)
+    attn_sinks: bool = False
+    o_proj_bias: bool = False
+    router_bias: bool = False
+    expert_bias: bool = False
+    swiglu_alpha: float = 1.702
+    swiglu_limit: float = 7.0
 
     def identity(self) -> dict[str, Any]:
         """The fields that name this shape (what a fingerprint hashes): the Llama form's always, a family option only
@@ -133,8 +143,9 @@ class ModelConfig:
                 if w > self.max_position_embeddings:
                     raise SpecdecError(f"sliding_window={w} is larger than the context (max_position_embeddings="
                                        f"{self.max_position_embeddings}): not a window any position can reach")
-        if self.hidden_act not in ("silu", "gelu_pytorch_tanh"):
-            raise SpecdecError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh")
+        if self.hidden_act not in ("silu", "gelu_pytorch_tanh", "swigluoai"):
+            raise SpecdecError(f"unsupported hidden_act {self.hidden_act!r}; supported: silu, gelu_pytorch_tanh, "
+                               "swigluoai")
         if self.moe_scoring not in ("softmax", "sigmoid"):
             raise SpecdecError(f"unsupported expert scoring {self.moe_scoring!r}; supported: softmax, sigmoid")
         if self.moe_groups < 1 or self.num_experts % self.moe_groups or not 0 < self.moe_topk_groups <= self.moe_groups:

@@ -23,7 +23,8 @@ def f16_bytes(values: np.ndarray) -> np.ndarray:
 
 def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     """Random bytes in a format's layout, with edge values: a zero scale, all-15 / all-0 nibbles (extreme
-    quants), negative and positive minimums, and f16 scales over four decades."""
+    quants), negative and positive minimums, and f16 scales over four decades (MXFP4: exponents over 21 octaves
+    and a subnormal one)."""
     fmt = FORMATS[name]
     rng = np.random.default_rng(seed)
     nb = cols // fmt.block
@@ -31,10 +32,14 @@ def random_blocks(name: str, rows: int, cols: int, seed: int = 0) -> np.ndarray:
     d = (rng.uniform(-1, 1, size=(rows, nb)) * 10.0 ** rng.integers(-4, 0, size=(rows, nb))).astype(np.float16)
     d[0, 0] = 0.0  # a zero scale
     scale_at = 208 if name == "q6_k" else 0
-    raw[..., scale_at:scale_at + 2] = f16_bytes(d)
+    if name == "mxfp4":  # an E8M0 exponent byte: scales 2^-17 .. 2^4, and one subnormal (e = 1)
+        raw[..., 0] = rng.integers(111, 133, size=(rows, nb))
+        raw[0, 0, 0] = 1
+    else:
+        raw[..., scale_at:scale_at + 2] = f16_bytes(d)
     if name in ("q4_1", "q5_1", "q4_k", "q5_k"):  # the minimum (K-quants: dmin), of either sign
         raw[..., 2:4] = f16_bytes(rng.uniform(-0.05, 0.05, size=(rows, nb)))
-    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs"):
+    if name in ("q4_0", "q4_1", "q5_0", "q5_1", "iq4_nl", "iq4_xs", "mxfp4"):
         raw[1, 0, -16:] = 0xFF  # every nibble 15 (the largest quant or level)
         raw[2, 0, -16:] = 0x00  # every nibble 0 (the smallest)
     if name in ("q5_0", "q5_1"):  # every fifth bit set / clear
@@ -195,7 +200,7 @@ def test_quantize_on_load_writes_ggml_blocks_the_kernels_compute_on(name):
     w = QuantWeight.quantize(weight, name)
     assert np.array_equal(w.parts[0][0].numpy(), quantize(weight.numpy(), FORMATS[name].ggml))
     bound = {"q8_0": 0.01, "q4_0": 0.2, "q4_1": 0.15, "q5_0": 0.1, "q5_1": 0.08, "q4_k": 0.15, "q5_k": 0.08,
-             "q6_k": 0.04, "iq4_nl": 0.2, "iq4_xs": 0.2}[name]  # a step of the format's grid, relative
+             "q6_k": 0.04, "iq4_nl": 0.2, "iq4_xs": 0.2, "mxfp4": 0.25}[name]  # a step of the format's grid, relative
     assert ((w.dequantize() - weight).abs().max() / weight.abs().max()).item() < bound
     x = torch.randn(3, 512)
     assert torch.allclose(w.linear(x), quantized_activations(x).float() @ w.dequantize().T, rtol=1e-4, atol=1e-3)

@@ -27,6 +27,7 @@ GAUSSIAN_BOUND = {
     T.Q5_0: 0.049,    # 0.043
     T.Q5_1: 0.044,    # 0.038
     T.Q8_0: 0.0062,   # 0.0053
+    T.MXFP4: 0.13,    # 0.115 (gguf-py's: a power-of-two scale per 32 over the FP4 grid)
     T.F16: 2.5e-4,    # 2.1e-4
     T.BF16: 2e-3,     # 1.7e-3
     T.F32: 0.0,

@@ -29,7 +29,8 @@ from specdec.models.quantizers import quantize
 
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
-        "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2"}
+        "qwen3_moe": "qwen3moe", "olmoe": "olmoe", "deepseek_v2": "deepseek2", "deepseek_v3": "deepseek2",
+        "gpt_oss": "gpt-oss"}
 TYPES = {"F32": GGMLQuantizationType.F32, "F16": GGMLQuantizationType.F16, "Q8_0": GGMLQuantizationType.Q8_0,
          "Q4_0": GGMLQuantizationType.Q4_0, "Q5_0": GGMLQuantizationType.Q5_0, "Q4_K": GGMLQuantizationType.Q4_K,
          "Q6_K": GGMLQuantizationType.Q6_K}
@@ -61,6 +62,13 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
     if kind == "linear":
         w.add_string(f"{arch}.rope.scaling.type", "linear")
         w.add_float32(f"{arch}.rope.scaling.factor", float(scaling["factor"]))
+    if kind == "yarn":
+        w.add_string(f"{arch}.rope.scaling.type", "yarn")
+        w.add_float32(f"{arch}.rope.scaling.factor", float(scaling["factor"]))
+        w.add_uint32(f"{arch}.rope.scaling.original_context_length", scaling["original_max_position_embeddings"])
+        for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
+            if scaling.get(key) is not None:
+                w.add_float32(f"{arch}.rope.scaling.{name}", float(scaling[key]))
     if cfg.clip_qkv is not None:
         w.add_clamp_kqv(cfg.clip_qkv)
     if cfg.moe_layers:
@@ -115,15 +123,8 @@ def _deepseek_keys(w: GGUFWriter, hf: dict, cfg) -> None:
             w.add_uint32(f"{a}.expert_group_count", cfg.moe_groups)
             w.add_uint32(f"{a}.expert_group_used_count", cfg.moe_topk_groups)
     scaling = cfg.rope_scaling or {}
-    if scaling.get("rope_type") == "yarn":
-        w.add_string(f"{a}.rope.scaling.type", "yarn")
-        w.add_float32(f"{a}.rope.scaling.factor", float(scaling["factor"]))
-        w.add_uint32(f"{a}.rope.scaling.original_context_length", scaling["original_max_position_embeddings"])
-        for key, name in (("beta_fast", "yarn_beta_fast"), ("beta_slow", "yarn_beta_slow")):
-            if scaling.get(key) is not None:
-                w.add_float32(f"{a}.rope.scaling.{name}", float(scaling[key]))
-        if scaling.get("mscale_all_dim"):
-            w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(scaling["mscale_all_dim"]))
+    if scaling.get("rope_type") == "yarn" and scaling.get("mscale_all_dim"):
+        w.add_float32(f"{a}.rope.scaling.yarn_log_multiplier", 0.1 * float(scaling["mscale_all_dim"]))
 
 
 def _tokenizer(w: GGUFWriter, model_dir: Path, vocab_size: int, hf: dict) -> None:

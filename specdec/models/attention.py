@@ -83,30 +83,38 @@ class AttentionMetadata:
 
 
 def _sdpa(q: torch.Tensor, keys: torch.Tensor, values: torch.Tensor, mask: torch.Tensor, scale: float,
-          softcap: float = 0.0) -> torch.Tensor:
+          softcap: float = 0.0, sinks: torch.Tensor | None = None) -> torch.Tensor:
     """q: [B, S, Hq, D]; keys, values: [B, L, Hkv, D]; mask: [B, S, L] -> [B, S, Hq, D].
 
     The G query heads sharing a KV head are folded into the query axis: GQA without repeating K/V. softcap > 0:
-    scores become cap * tanh(score / cap) before the mask (Gemma 2), written out since SDPA has no such option.
+    scores become cap * tanh(score / cap) before the mask (Gemma 2); sinks [Hq]: each head's learned logit joins
+    its softmax and takes its share with no value (gpt-oss); written out since SDPA has neither option.
     """
     B, S, Hq, D = q.shape
     Hkv, L = keys.shape[2], keys.shape[1]
     G = Hq // Hkv
     qf = q.view(B, S, Hkv, G, D).permute(0, 2, 3, 1, 4).reshape(B, Hkv, G * S, D)
     mf = mask[:, None].expand(B, G, S, L).reshape(B, 1, G * S, L)
-    if softcap > 0:
+    if softcap > 0 or sinks is not None:
         scores = qf @ keys.permute(0, 2, 3, 1) * scale
-        scores = (softcap * torch.tanh(scores / softcap)).masked_fill(~mf, float("-inf"))
-        out = torch.softmax(scores.float(), dim=-1).to(qf.dtype) @ values.transpose(1, 2)
+        if softcap > 0:
+            scores = softcap * torch.tanh(scores / softcap)
+        scores = scores.masked_fill(~mf, float("-inf")).float()
+        if sinks is not None:  # [Hkv, G] heads, each row of a head's S queries
+            sink = sinks.float().view(1, Hkv, G, 1, 1).expand(B, Hkv, G, S, 1).reshape(B, Hkv, G * S, 1)
+            scores = torch.cat((scores, sink), dim=-1)
+        probs = torch.softmax(scores, dim=-1)[..., :L]
+        out = probs.to(qf.dtype) @ values.transpose(1, 2)
         return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
     out = F.scaled_dot_product_attention(qf, keys.transpose(1, 2), values.transpose(1, 2), attn_mask=mf, scale=scale)
     return out.view(B, Hkv, G, S, D).permute(0, 3, 1, 2, 4).reshape(B, S, Hq, D)
 
 
 def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
-                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0) -> torch.Tensor:
+                    meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+                    sinks: torch.Tensor | None = None) -> torch.Tensor:
     """Write the new K/V into the pool, then attend over each sequence's context slots (window > 0: each query's
-    last `window` keys, `AttentionMetadata.windowed`; softcap > 0: Gemma 2's capped scores).
+    last `window` keys, `AttentionMetadata.windowed`; softcap > 0: Gemma 2's capped scores; sinks: gpt-oss's).
 
     q: [T, Hq, D]; k, v: [T, Hkv, D]; pools: [num_slots, Hkv, D]. Returns [T, Hq, D].
     """
@@ -116,20 +124,21 @@ def paged_attention(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: t
     v_pool.index_copy_(0, meta.slot_mapping, v)
     if window > 0:
         meta = meta.windowed(window)
-    if meta.tree_starts is not None and softcap == 0:
+    if meta.tree_starts is not None and softcap == 0 and sinks is None:
         return _tree_split(q, k_pool, v_pool, meta, scale)
     if meta.uniform:
         B, S, L = len(meta.query_lens), meta.query_lens[0], meta.context_slots.shape[1]
         slots = meta.context_slots.reshape(-1)
         keys = k_pool.index_select(0, slots).view(B, L, Hkv, D)
         values = v_pool.index_select(0, slots).view(B, L, Hkv, D)
-        return _sdpa(q.reshape(B, S, Hq, D), keys, values, meta.mask, scale, softcap).reshape(T, Hq, D)
+        return _sdpa(q.reshape(B, S, Hq, D), keys, values, meta.mask, scale, softcap, sinks).reshape(T, Hq, D)
     # Ragged (prefill of different lengths): one attention per sequence, no padded rows at all.
     outs, start = [], 0
     for i, (n, L) in enumerate(zip(meta.query_lens, meta.context_lens)):
         slots = meta.context_slots[i, :L]
         keys, values = k_pool.index_select(0, slots)[None], v_pool.index_select(0, slots)[None]
-        outs.append(_sdpa(q[start:start + n][None], keys, values, meta.mask[i:i + 1, :n, :L], scale, softcap)[0])
+        outs.append(_sdpa(q[start:start + n][None], keys, values, meta.mask[i:i + 1, :n, :L], scale, softcap,
+                          sinks)[0])
         start += n
     return torch.cat(outs)
 

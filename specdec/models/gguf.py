@@ -29,13 +29,14 @@ _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantiza
 # GGUF architecture -> the Hugging Face model_type whose family reads it (a llama file with experts is Mixtral's)
 _MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
                "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "olmoe": "olmoe", "deepseek2": "deepseek_v2"}
+               "olmoe": "olmoe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
 SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE)
 _HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
                     "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
                     "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
                     "olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM"}
+                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
+                    "gpt_oss": "GptOssForCausalLM"}
 # llama.cpp's routers renormalize their top-k weights for these (build_moe_ffn's norm_w), not for the others
 _NORM_TOPK = ("llama", "qwen3moe")
 
@@ -201,7 +202,7 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch in ("qwen2", "qwen2moe"),
+        "attention_bias": arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in tensors,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
     }
@@ -225,6 +226,12 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         config.pop("partial_rotary_factor", None)  # the rotated part is its own width (qk_rope_head_dim)
     elif arch in ("gemma2", "gemma3"):
         config.update(_gemma(reader, arch, config))
+    elif arch == "gpt-oss":  # llama.cpp's rule: every even layer slides (unless the file lists them)
+        pattern = key("attention.sliding_window_pattern", None)
+        config.update(sliding_window=key("attention.sliding_window"), layer_types=[
+            SLIDING if (pattern[i] if pattern is not None else i % 2 == 0) else FULL for i in range(layers)])
+        if config["rope_scaling"]:  # gpt-oss's YaRN ramp is not cut to whole dimensions (its config's truncate:
+            config["rope_scaling"]["truncate"] = False  # false), which the file does not say and ggml always does
     elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
         pattern = key("attention.sliding_window_pattern", None)  # a file states it (llama.cpp reads none for these)
         config.update(sliding_window=window, layer_types=[
@@ -399,7 +406,13 @@ def _expected_tensors(config: dict, tensors: dict) -> dict[str, tuple[list[tuple
             one(b + "attn_q_norm.weight", h + "self_attn.q_norm.weight", (q_dim if cfg.qk_norm_full else D,))
             one(b + "attn_k_norm.weight", h + "self_attn.k_norm.weight", (kv_dim if cfg.qk_norm_full else D,))
         one(b + "attn_output.weight", h + "self_attn.o_proj.weight", (hidden, q_dim))
-        one(b + "ffn_norm.weight", h + "post_attention_layernorm.weight", (hidden,))
+        if cfg.o_proj_bias:
+            one(b + "attn_output.bias", h + "self_attn.o_proj.bias", (hidden,))
+        if cfg.attn_sinks:
+            one(b + "attn_sinks.weight", h + "self_attn.sinks", (cfg.num_attention_heads,))
+        # the MLP's input norm (gpt-oss's file names it after attention, as Gemma's sandwich norm is named)
+        mlp_norm = "post_attention_norm.weight" if cfg.attn_sinks else "ffn_norm.weight"
+        one(b + mlp_norm, h + "post_attention_layernorm.weight", (hidden,))
         if cfg.sandwich_norms:
             one(b + "post_attention_norm.weight", h + "attn_out_norm.weight", (hidden,))
             one(b + "post_ffw_norm.weight", h + "mlp_out_norm.weight", (hidden,))
@@ -445,9 +458,14 @@ def _expected_experts(expected: dict, b: str, h: str, cfg: Any) -> None:
     expert with its [H] gate where configured."""
     hidden, inter, E = cfg.hidden_size, cfg.moe_intermediate_size, cfg.num_experts
     expected[b + "ffn_gate_inp.weight"] = ([(h + "gate.weight", (E, hidden))], (E, hidden))
+    if cfg.router_bias:
+        expected[b + "ffn_gate_inp.bias"] = ([(h + "gate.bias", (E,))], (E,))
     for n, shape in (("gate", (inter, hidden)), ("up", (inter, hidden)), ("down", (hidden, inter))):
         expected[b + f"ffn_{n}_exps.weight"] = ([(h + f"experts.{e}.{n}_proj.weight", shape) for e in range(E)],
                                                (E, *shape))
+        if cfg.expert_bias:
+            expected[b + f"ffn_{n}_exps.bias"] = ([(h + f"experts.{e}.{n}_proj.bias", shape[:1]) for e in range(E)],
+                                                 (E, shape[0]))
     if cfg.moe_choice_bias:
         expected[b + "exp_probs_b.bias"] = ([(h + "gate.e_score_correction_bias", (E,))], (E,))
     shared = cfg.shared_expert_intermediate_size

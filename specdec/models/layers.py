@@ -7,6 +7,7 @@ import torch
 import torch.nn.functional as F
 from torch import nn
 
+from specdec.config import ModelConfig
 from specdec.models.kernels import linear, rms_norm
 from specdec.models.quant import QuantWeight
 
@@ -70,3 +71,12 @@ class RMSNorm(nn.Module):
 def activation(name: str, gate: torch.Tensor) -> torch.Tensor:
     """The gated MLP's activation of its gate half: SiLU (SwiGLU), or tanh-approximated GELU (Gemma's GeGLU)."""
     return F.silu(gate) if name == "silu" else F.gelu(gate, approximate="tanh")
+
+
+def glu(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
+    """The gated MLP's product of its halves: act(gate) * up, or gpt-oss's clamped form (swigluoai)."""
+    if cfg.hidden_act != "swigluoai":
+        return activation(cfg.hidden_act, gate) * up
+    limit = cfg.swiglu_limit
+    gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
+    return gate * torch.sigmoid(gate * cfg.swiglu_alpha) * (up + 1)

@@ -22,7 +22,7 @@ from specdec.config import ModelConfig
 from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
 from specdec.models.kernels import linear, on_native
-from specdec.models.layers import Linear, RMSNorm, activation, replace_parameter
+from specdec.models.layers import Linear, RMSNorm, glu, replace_parameter
 from specdec.models.mla import LatentAttention
 from specdec.models.moe import MoE
 from specdec.models.quant import QuantWeight
@@ -56,7 +56,11 @@ class DecoderLayer(nn.Module):
         self.q_norm = RMSNorm(norm_q, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
         self.k_norm = RMSNorm(norm_k, cfg.rms_norm_eps, act, device) if cfg.qk_norm or cfg.qk_norm_full else None
         self.qk_norm_full = cfg.qk_norm_full
-        self.o_proj = Linear(self.q_size, H, False, dtype, device)
+        self.o_proj = Linear(self.q_size, H, cfg.o_proj_bias, dtype, device, act)
+        # gpt-oss: each head's sink logit in its softmax
+        self.sinks = nn.Parameter(torch.zeros(self.num_heads, dtype=act, device=device), requires_grad=False) \
+            if cfg.attn_sinks else None
+        self.cfg = cfg
         self.post_attention_layernorm = RMSNorm(H, cfg.rms_norm_eps, act, device)  # the MLP's input norm
         # Gemma's sandwich: the attention's and the MLP's outputs normed before they join the residual stream
         self.attn_out_norm = RMSNorm(H, cfg.rms_norm_eps, act, device) if cfg.sandwich_norms else None
@@ -79,9 +83,10 @@ class DecoderLayer(nn.Module):
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16) with every family
         option and its experts, None where it cannot run: a tensor-parallel shard (all-reduces between its halves),
         weights off the CPU, an input norm other than RMSNorm or none, latent attention or DeepSeek's routing (the
-        torch layer runs those, on the same native products and attention)."""
+        torch layer runs those, on the same native products and attention), gpt-oss's sinks, biases and SwiGLU."""
         if self._native is None:
-            if self.mla is not None or (self.moe is not None and not self.moe.plain_router):
+            if self.mla is not None or (self.moe is not None and not self.moe.plain_router) or \
+                    self.sinks is not None or self.o_proj.bias is not None or self.act == "swigluoai":
                 return None
             if self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
@@ -144,11 +149,12 @@ class DecoderLayer(nn.Module):
         """paged_attention, through the fused layers' own C++ attention on CPU: a query's result then does not
         depend on the other queries of its step (torch's attention picks kernels by shape)."""
         if not on_native(q, k, v) or k_pool.device.type != "cpu":
-            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.window, self.softcap)
+            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.window, self.softcap, self.sinks)
         k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
         v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+        sinks = self.sinks.detach().float().contiguous() if self.sinks is not None else torch.empty(0)
         return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask,
-                                      meta.row_starts(), self.scale, self.window, self.softcap)
+                                      meta.row_starts(), self.scale, self.window, self.softcap, sinks)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
@@ -180,7 +186,7 @@ class DecoderLayer(nn.Module):
             out = self.moe(h)
         else:
             gate, up = self.gate_up_proj(h).chunk(2, dim=-1)
-            out = self.down_proj(activation(self.act, gate) * up)
+            out = self.down_proj(glu(self.cfg, gate, up))
         out = out if self.tp is None else self.tp.all_reduce(out)
         return x + (self.mlp_out_norm(out) if self.mlp_out_norm is not None else out)
 
@@ -214,6 +220,10 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
             p + "self_attn.qkv_proj.bias")
     layer.o_proj.set_weight(take(p + "self_attn.o_proj.weight"), p + "self_attn.o_proj.weight")
+    if layer.o_proj.bias is not None:
+        put(layer.o_proj.bias, take(p + "self_attn.o_proj.bias"), p + "self_attn.o_proj.bias")
+    if layer.sinks is not None:
+        put(layer.sinks, take(p + "self_attn.sinks"), p + "self_attn.sinks")
     if layer.q_norm is not None:
         put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
         put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
@@ -231,9 +241,18 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
 
 
 def load_mlp(gate_up: Linear, down: Linear, p: str, take: Callable[[str], torch.Tensor]) -> None:
-    """A gated MLP's `{p}gate_proj`, `{p}up_proj` (fused by rows) and `{p}down_proj`."""
+    """A gated MLP's `{p}gate_proj`, `{p}up_proj` (fused by rows) and `{p}down_proj`, with their biases where the
+    layers have them (gpt-oss's experts)."""
     gate_up.set_weight(_cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]), p + "gate_up_proj.weight")
     down.set_weight(take(p + "down_proj.weight"), p + "down_proj.weight")
+    for lin, bias, name in ((gate_up, lambda: torch.cat([take(p + "gate_proj.bias"), take(p + "up_proj.bias")]),
+                             "gate_up_proj.bias"), (down, lambda: take(p + "down_proj.bias"), "down_proj.bias")):
+        if lin.bias is not None:
+            value = bias()
+            if tuple(value.shape) != tuple(lin.bias.shape):
+                raise ValueError(f"tensor {p + name!r} has shape {tuple(value.shape)}, config expects "
+                                 f"{tuple(lin.bias.shape)}")
+            lin.bias.data.copy_(value)
 
 
 def load_latent_attention(mla: LatentAttention, p: str, take: Callable[[str], torch.Tensor],
@@ -257,6 +276,8 @@ def load_moe(moe: MoE, p: str, take: Callable[[str], torch.Tensor],
     `{p}gate.weight` [E, H], experts `{p}experts.{e}.{gate,up,down}_proj.weight`, and a shared expert
     `{p}shared_expert.*` with its gate `{p}shared_expert_gate.weight` [1, H] where configured."""
     put(moe.gate, take(p + "gate.weight"), p + "gate.weight")
+    if moe.gate_bias is not None:
+        put(moe.gate_bias, take(p + "gate.bias"), p + "gate.bias")
     if moe.choice_bias is not None:
         put(moe.choice_bias, take(p + "gate.e_score_correction_bias"), p + "gate.e_score_correction_bias")
     for e, (gate_up, down) in enumerate(zip(moe.gate_up, moe.down)):

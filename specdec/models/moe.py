@@ -20,7 +20,7 @@ from torch import nn
 from specdec.config import ModelConfig
 from specdec.models import kernels
 from specdec.models.kernels import linear
-from specdec.models.layers import Linear, activation
+from specdec.models.layers import Linear, glu
 
 
 class MoE(nn.Module):
@@ -31,10 +31,14 @@ class MoE(nn.Module):
         self.scoring, self.groups, self.topk_groups = cfg.moe_scoring, cfg.moe_groups, cfg.moe_topk_groups
         self.scale = cfg.routed_scaling_factor
         self.gate = nn.Parameter(torch.empty(cfg.num_experts, H, dtype=act, device=device), requires_grad=False)
+        self.gate_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=act, device=device), requires_grad=False) \
+            if cfg.router_bias else None
+        self.cfg = cfg
         self.choice_bias = nn.Parameter(torch.zeros(cfg.num_experts, dtype=torch.float32, device=device),
                                         requires_grad=False) if cfg.moe_choice_bias else None
-        self.gate_up = nn.ModuleList(Linear(H, 2 * inter, False, dtype, device) for _ in range(cfg.num_experts))
-        self.down = nn.ModuleList(Linear(inter, H, False, dtype, device) for _ in range(cfg.num_experts))
+        bias = cfg.expert_bias
+        self.gate_up = nn.ModuleList(Linear(H, 2 * inter, bias, dtype, device, act) for _ in range(cfg.num_experts))
+        self.down = nn.ModuleList(Linear(inter, H, bias, dtype, device, act) for _ in range(cfg.num_experts))
         shared = cfg.shared_expert_intermediate_size
         self.shared_gate_up = Linear(H, 2 * shared, False, dtype, device) if shared else None
         self.shared_down = Linear(shared, H, False, dtype, device) if shared else None
@@ -45,7 +49,8 @@ class MoE(nn.Module):
     def plain_router(self) -> bool:
         """Softmax top-k over every expert, gated shared expert or none: the form the native layer runs."""
         return (self.scoring == "softmax" and self.groups == 1 and self.choice_bias is None and self.scale == 1.0
-                and (self.shared_gate_up is None or self.shared_gate is not None))
+                and (self.shared_gate_up is None or self.shared_gate is not None) and self.gate_bias is None
+                and self.gate_up[0].bias is None and self.act != "swigluoai")
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -65,7 +70,7 @@ class MoE(nn.Module):
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, k] (by descending choice score) and their weights [T, k], float32."""
-        logits = linear(x, self.gate).float()
+        logits = linear(x, self.gate, self.gate_bias).float()
         probs = torch.sigmoid(logits) if self.scoring == "sigmoid" else torch.softmax(logits, dim=-1)
         choice = probs if self.choice_bias is None else probs + self.choice_bias
         if self.groups > 1:  # only experts of the topk_groups best groups compete
@@ -95,7 +100,7 @@ class MoE(nn.Module):
             out = out + ys[j] * weights[:, j:j + 1].to(x.dtype)
         if self.shared_gate_up is not None:
             gate, up = self.shared_gate_up(x).chunk(2, dim=-1)
-            shared = self.shared_down(activation(self.act, gate) * up)
+            shared = self.shared_down(glu(self.cfg, gate, up))
             gated = shared if self.shared_gate is None else torch.sigmoid(linear(x, self.shared_gate)) * shared
             out = out + gated
         return out
@@ -103,4 +108,4 @@ class MoE(nn.Module):
     def expert(self, e: int, x: torch.Tensor) -> torch.Tensor:
         """Expert e's gated MLP on its rows x [n, H]."""
         gate, up = self.gate_up[e](x).chunk(2, dim=-1)
-        return self.down[e](activation(self.act, gate) * up)
+        return self.down[e](glu(self.cfg, gate, up))

@@ -1,7 +1,7 @@
 """Weights kept in GGUF block formats, and the linear layer that computes on them.
 
 A `QuantWeight` is a matrix [out, in] stored as the GGUF file stores it: each row a run of blocks (Q4_0,
-Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL: 32 weights; Q4_K, Q5_K, Q6_K, IQ4_XS: 256), in one format per range of rows
+Q4_1, Q5_0, Q5_1, Q8_0, IQ4_NL, MXFP4: 32 weights; Q4_K, Q5_K, Q6_K, IQ4_XS: 256), in one format per range of rows
 ("parts": q/k/v or gate/up fused from tensors a GGUF may quantize differently). The C++ kernels (`native`)
 regroup each 8 rows' blocks once at load into interleaved records holding the same scales and quants
 (csrc/formats.h), unpack them in registers and take integer dot products with activations quantized per row
@@ -53,6 +53,7 @@ FORMATS = {f.name: f for f in (
     BlockFormat("q5_k", GGMLQuantizationType.Q5_K, 7),
     BlockFormat("iq4_nl", GGMLQuantizationType.IQ4_NL, 8),
     BlockFormat("iq4_xs", GGMLQuantizationType.IQ4_XS, 9),
+    BlockFormat("mxfp4", GGMLQuantizationType.MXFP4, 13),
 )}
 BY_GGML = {f.ggml: f for f in FORMATS.values()}
 QUANTIZE_ON_LOAD = sorted(FORMATS)  # every format can also be made from float weights on load (`quantizers`)

@@ -44,7 +44,7 @@ _IQ4_VALUE = IQ4_VALUES[_IQ4_CODE]
 def quantize(data: np.ndarray, qtype: GGMLQuantizationType) -> np.ndarray:
     """float [rows, cols] -> uint8 [rows, cols // block * type_size], GGML's bytes for `qtype`.
 
-    Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS are quantized here; F32, F16, BF16 and Q4_0..Q8_0 by gguf-py.
+    Q4_K, Q5_K, Q6_K, IQ4_NL and IQ4_XS are quantized here; F32, F16, BF16, Q4_0..Q8_0 and MXFP4 by gguf-py.
     """
     data = np.asarray(data)
     if qtype not in SUPPORTED:
@@ -298,4 +298,4 @@ _QUANTIZERS: dict[GGMLQuantizationType, Callable[[np.ndarray], np.ndarray]] = {
     T.Q4_K: _quantize_q4_k, T.Q5_K: _quantize_q5_k, T.Q6_K: _quantize_q6_k,
     T.IQ4_NL: _quantize_iq4_nl, T.IQ4_XS: _quantize_iq4_xs,
 }
-SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, *_QUANTIZERS)
+SUPPORTED = (T.F32, T.F16, T.BF16, T.Q4_0, T.Q4_1, T.Q5_0, T.Q5_1, T.Q8_0, T.MXFP4, *_QUANTIZERS)

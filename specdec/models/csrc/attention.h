@@ -240,8 +240,10 @@ inline void fold(float* st, float* O, float m, float l, const float* o, int64_t 
   for (int64_t d = 0; d < D; d++) O[d] = O[d] * a + o[d] * b;
 }
 
-inline void finish(const float* st, const float* O, int64_t D, float* out) {
-  const float inv = 1.f / st[1];
+// out = O / L, or with an attention sink (gpt-oss: a learned logit per head that takes its share of the softmax and
+// contributes no value) O / (L + exp(sink - M)).
+inline void finish(const float* st, const float* O, int64_t D, float* out, const float* sink = nullptr) {
+  const float inv = 1.f / (st[1] + (sink ? std::exp(*sink - st[0]) : 0.f));
   for (int64_t d = 0; d < D; d++) out[d] = O[d] * inv;
 }
 
@@ -336,7 +338,7 @@ int touch_share(const AttentionPlan& plan, const Visible& vis, const KV* kp, con
 template <class KV>
 void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D,
                     const KV* kp, const KV* vp, const int64_t* context_slots, int64_t Lk, const Visible& vis,
-                    float scale, float softcap, float* out) {
+                    float scale, float softcap, float* out, const float* sinks = nullptr) {
   const int64_t G = Hq / Hkv, HD = Hkv * D, nunits = (int64_t)plan.units.size();
   const int64_t* chunks = plan.nchunks.data();
   const int64_t* part_base = plan.part_base.data();
@@ -430,7 +432,7 @@ void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int6
       for (int64_t t = u.t0; t < u.t1; t++)
         for (int64_t h = 0; h < Hq; h++) {
           const float* st = state.data() + ((t - u.t0) * Hq + h) * (D + 2);
-          finish(st, st + 2, D, out + (t * Hq + h) * D);
+          finish(st, st + 2, D, out + (t * Hq + h) * D, sinks ? sinks + h : nullptr);
         }
   }
 #pragma omp barrier
@@ -444,20 +446,21 @@ void attention_team(const AttentionPlan& plan, const float* qkv, int64_t W, int6
       const float* pt = parts + part_base[t] + (h * chunks[t] + c) * (D + 2);
       fold(st, st + 2, pt[0], pt[1], pt + 2, D, c == 0);
     }
-    finish(st, st + 2, D, out + (t * Hq + h) * D);
+    finish(st, st + 2, D, out + (t * Hq + h) * D, sinks ? sinks + h : nullptr);
   }
 }
 
 // attention_team in a team of its own (a layer called alone).
 template <class KV>
 void attention(const float* qkv, int64_t W, int64_t Hq, int64_t Hkv, int64_t D, const KV* kp, const KV* vp,
-               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float softcap, float* out) {
+               const int64_t* context_slots, int64_t Lk, const Visible& vis, float scale, float softcap, float* out,
+               const float* sinks = nullptr) {
   static thread_local AttentionPlan own;
   AttentionPlan& plan = own;  // the calling thread's, shared with the team (inside, `own` names each member's)
   const int64_t nthreads = at::get_num_threads();
   plan_attention(vis, Hq, D, nthreads, plan);
 #pragma omp parallel num_threads(nthreads)
-  attention_team(plan, qkv, W, Hq, Hkv, D, kp, vp, context_slots, Lk, vis, scale, softcap, out);
+  attention_team(plan, qkv, W, Hq, Hkv, D, kp, vp, context_slots, Lk, vis, scale, softcap, out, sinks);
 }
 
 }  // namespace

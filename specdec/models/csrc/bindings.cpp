@@ -131,8 +131,9 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("dequantize_rows", &dequantize_rows);
   m.def("attention", &attention_op, py::arg("q"), py::arg("k_pool"), py::arg("v_pool"), py::arg("context_slots"),
         py::arg("mask"), py::arg("query_starts"), py::arg("scale"), py::arg("window") = 0, py::arg("softcap") = 0.0,
+        py::arg("sinks") = torch::empty({0}),
         "attention of q [T, Hq, D] over the K/V pools (the layers' own kernel); window > 0: each query's last `window` "
-        "visible keys; softcap > 0: scores soft-capped");
+        "visible keys; softcap > 0: scores soft-capped; sinks [Hq]: a logit per head in each softmax, with no value");
   m.def("argmax_rows", &argmax_rows, "first index of each row's maximum, float32 [N, V] -> int64 [N]");
   m.def("logprob_rows", &logprob_rows, "log-softmax of each row's token and its k largest values with indices");
   m.def("race_rows", &race_rows, "a keyed sample of each row of probs float32 [N, V] for keys int64 [N]: the first index "

@@ -34,6 +34,8 @@ enum Kind { K_MIN, K_OFFSET, K_SIGNED, K_HALVES };
 
 // IQ4_NL / IQ4_XS: a 4-bit index into these 16 non-linear levels.
 constexpr int8_t IQ4_LEVELS[16] = {-127, -104, -83, -65, -49, -35, -22, -10, 1, 13, 25, 38, 53, 69, 89, 113};
+// MXFP4: the 16 FP4 (e2m1) values, doubled to integers (ggml's kvalues_mxfp4; the block scale is halved to match).
+constexpr int8_t MXFP4_LEVELS[16] = {0, 1, 2, 3, 4, 6, 8, 12, 0, -1, -2, -3, -4, -6, -8, -12};
 
 // ---- planes: writing them at load (scalar), reading them in the kernels (AVX2) ------------------------------
 
@@ -124,10 +126,11 @@ inline __m256i bits_to_bytes(uint32_t bits) {
   return _mm256_cmpeq_epi8(_mm256_and_si256(spread, select), select);
 }
 
-// The IQ4 levels as a 16-byte table in both lanes: signed, or + 128 (unsigned, for VNNI's u8 x s8 products).
-inline __m256i iq4_table(bool biased) {
+// A 4-bit format's levels (IQ4's, MXFP4's) as a 16-byte table in both lanes: signed, or + 128 (unsigned, for VNNI's
+// u8 x s8 products).
+inline __m256i iq4_table(bool biased, const int8_t* levels = IQ4_LEVELS) {
   alignas(16) int8_t t[16];
-  for (int i = 0; i < 16; i++) t[i] = (int8_t)(IQ4_LEVELS[i] + (biased ? 128 : 0));
+  for (int i = 0; i < 16; i++) t[i] = (int8_t)(levels[i] + (biased ? 128 : 0));
   const __m128i v = _mm_load_si128((const __m128i*)t);
   return _mm256_set_m128i(v, v);
 }
@@ -492,11 +495,68 @@ struct BF16W {  // bfloat16 is the top half of a float32: widening is exact
 #endif
 };
 
+// MXFP4 {u8 e; u8 qs[16]} (gpt-oss's experts): weight i is MXFP4_LEVELS[nibble (i / 16) of byte i % 16] times
+// 2^(e - 128), ggml's E8M0 half scale (the levels are the FP4 values doubled). The record's header is the 8 rows'
+// exponent bytes as the file stores them (padded to 16), the indices as IQ4_NL's.
+inline float e8m0_half(uint8_t e) {  // 2^(e - 128), subnormal for e < 2 (ggml's GGML_E8M0_TO_FP32_HALF)
+  const uint32_t bits = e < 2 ? 0x00200000u << e : (uint32_t)(e - 1) << 23;
+  float f;
+  std::memcpy(&f, &bits, 4);
+  return f;
+}
+struct MXFP4 {
+  static constexpr int BLOCK = 32, BYTES = 17, REC = 16 + 128;
+  static constexpr bool SIGNED = true;
+  static constexpr Kind KIND = K_SIGNED;
+  static void scales(const uint8_t* b, int, float sc[2], float& mn) {
+    sc[0] = sc[1] = e8m0_half(b[0]);
+    mn = 0.f;
+  }
+  static void quants(const uint8_t* b, int, uint8_t q[32]) {
+    IQ4_NL::indices(b + 1, q);
+    for (int i = 0; i < 32; i++) q[i] = (uint8_t)MXFP4_LEVELS[q[i]];
+  }
+  static void pack(const uint8_t* const blk[8], uint8_t* rec) {
+    uint8_t u[8][32];
+    std::memset(rec, 0, 16);
+    for (int i = 0; i < 8; i++) {
+      rec[i] = blk[i][0];
+      IQ4_NL::indices(blk[i] + 1, u[i]);
+    }
+    put_nibbles(u, rec + 16);
+  }
+#ifdef SPECDEC_AVX2
+  static __m256i quants(const uint8_t* b, int) {
+    __m128i raw = _mm_loadu_si128((const __m128i*)(b + 1)), low = _mm_set1_epi8(15);
+    __m256i idx = _mm256_set_m128i(_mm_and_si128(_mm_srli_epi16(raw, 4), low), _mm_and_si128(raw, low));
+    return _mm256_shuffle_epi8(iq4_table(false, MXFP4_LEVELS), idx);
+  }
+  struct Head {
+    __m256 d;
+    explicit Head(const uint8_t* rec) {
+      alignas(32) float f[8];
+      for (int i = 0; i < 8; i++) f[i] = e8m0_half(rec[i]);
+      d = _mm256_load_ps(f);
+    }
+    __m256 scale(const uint8_t*, int) const { return d; }
+  };
+  static void unpack(const uint8_t* rec, int, __m256i u[8]) {
+#ifdef SPECDEC_VNNI
+    const __m256i table = iq4_table(true, MXFP4_LEVELS);
+#else
+    const __m256i table = iq4_table(false, MXFP4_LEVELS);
+#endif
+    get_nibbles(rec + 16, u);
+    for (int e = 0; e < 8; e++) u[e] = _mm256_shuffle_epi8(table, u[e]);
+  }
+#endif
+};
+
 // The formats by id (quant.py's BlockFormat.kernel_id; the float ones: FLOAT_FORMATS there).
 enum FormatId { F_Q8_0 = 0, F_Q4_0 = 1, F_Q4_1 = 2, F_Q4_K = 3, F_Q6_K = 4, F_Q5_0 = 5, F_Q5_1 = 6, F_Q5_K = 7,
-                F_IQ4_NL = 8, F_IQ4_XS = 9, F_F32 = 10, F_F16 = 11, F_BF16 = 12 };
+                F_IQ4_NL = 8, F_IQ4_XS = 9, F_F32 = 10, F_F16 = 11, F_BF16 = 12, F_MXFP4 = 13 };
 
-inline bool is_float_format(int64_t fmt) { return fmt >= F_F32; }
+inline bool is_float_format(int64_t fmt) { return fmt >= F_F32 && fmt <= F_BF16; }
 
 template <class Fn>
 auto with_float(int64_t fmt, Fn&& fn) {
@@ -521,6 +581,7 @@ auto with_format(int64_t fmt, Fn&& fn) {
     case F_Q5_K: return fn(Q5_K{});
     case F_IQ4_NL: return fn(IQ4_NL{});
     case F_IQ4_XS: return fn(IQ4_XS{});
+    case F_MXFP4: return fn(MXFP4{});
   }
   TORCH_CHECK(false, "unknown block format id ", fmt);
 }

@@ -146,7 +146,8 @@ std::pair<torch::Tensor, torch::Tensor> rope_rows(const torch::Tensor& cos_table
 // between their QKV and O projections, for the tests.
 torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, const torch::Tensor& v_pool,
                            const torch::Tensor& context_slots, const torch::Tensor& mask,
-                           const torch::Tensor& query_starts, double scale, int64_t window, double softcap) {
+                           const torch::Tensor& query_starts, double scale, int64_t window, double softcap,
+                           const torch::Tensor& sinks) {
   TORCH_CHECK(q.dtype() == torch::kFloat32 && q.dim() == 3 && q.is_contiguous(), "q must be contiguous float32 [T, Hq, D]");
   TORCH_CHECK(k_pool.dim() == 3 && k_pool.sizes() == v_pool.sizes() && k_pool.size(2) == q.size(2) &&
               q.size(1) % k_pool.size(1) == 0, "pools must be [slots, Hkv, D] with Hq a multiple of Hkv");
@@ -154,9 +155,11 @@ torch::Tensor attention_op(const torch::Tensor& q, const torch::Tensor& k_pool, 
   TORCH_CHECK(step.vis.T == q.size(0), "query_starts covers ", step.vis.T, " queries, q has ", q.size(0));
   auto out = torch::empty_like(q);
   const int64_t Hq = q.size(1), D = q.size(2);
+  TORCH_CHECK(sinks.numel() == 0 || (sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() && sinks.numel() == Hq),
+              "sinks must be contiguous float32 [Hq] (or empty: none)");
   with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
     attention(q.data_ptr<float>(), Hq * D, Hq, k_pool.size(1), D, kp, vp, step.context_slots, step.Lk, step.vis,
-              (float)scale, (float)softcap, out.data_ptr<float>());
+              (float)scale, (float)softcap, out.data_ptr<float>(), sinks.numel() ? sinks.data_ptr<float>() : nullptr);
     return 0;
   });
   return out;

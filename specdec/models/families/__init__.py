@@ -9,6 +9,7 @@ canonical ones the decoder loads. Adding a family is adding a module here and na
     mixtral   mixtral                           eight experts, top-2
     olmoe     olmoe                             experts, whole-q/k norms, clipped q/k/v
     deepseek  deepseek_v2, deepseek_v3          latent attention, YaRN, shared experts, grouped and biased routing
+    gpt_oss   gpt_oss                           attention sinks, biases, alternating windows, clamped SwiGLU, MXFP4
 """
 from __future__ import annotations
 
@@ -32,9 +33,9 @@ class Family:
 
 
 def _families() -> tuple[Family, ...]:
-    from specdec.models.families import deepseek, gemma, llama, mixtral, olmoe, phi3, qwen_moe
+    from specdec.models.families import deepseek, gemma, gpt_oss, llama, mixtral, olmoe, phi3, qwen_moe
 
-    return tuple(m.FAMILY for m in (llama, gemma, phi3, qwen_moe, mixtral, olmoe, deepseek))
+    return tuple(m.FAMILY for m in (llama, gemma, phi3, qwen_moe, mixtral, olmoe, deepseek, gpt_oss))
 
 
 def family_of(hf: dict) -> Family:
