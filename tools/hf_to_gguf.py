@@ -81,7 +81,9 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
         _deepseek_keys(w, hf, cfg)
     if cfg.sliding_window and arch != "phi3":  # the layers that slide, as a list (llama.cpp's per-layer form)
         w.add_sliding_window(cfg.sliding_window)
-        w.add_array(f"{arch}.attention.sliding_window_pattern", [t == "sliding_attention" for t in cfg.layer_types])
+        sliding = [t == "sliding_attention" for t in cfg.layer_types]
+        if arch != "gpt-oss" or sliding != [i % 2 == 0 for i in range(len(sliding))]:  # gpt-oss: llama.cpp's rule
+            w.add_array(f"{arch}.attention.sliding_window_pattern", sliding)
     if arch in ("gemma2", "gemma3"):
         big = cfg.num_hidden_layers == (62 if arch == "gemma3" else 46)  # llama.cpp's rule for the query scale
         if cfg.attn_scale != (cfg.hidden_size // cfg.num_attention_heads if big else cfg.head_dim) ** -0.5:

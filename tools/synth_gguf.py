@@ -106,6 +106,14 @@ FAMILY_PRESETS: dict[str, dict] = {
     "olmoe-1b-7b": dict(model_type="olmoe", hidden_size=2048, intermediate_size=1024, num_hidden_layers=16,
                         num_attention_heads=16, num_key_value_heads=16, vocab_size=50304, num_experts=64,
                         num_experts_per_tok=8, max_position_embeddings=4096, rms_norm_eps=1e-5, rope_theta=10000.0),
+    "gpt-oss-20b": dict(model_type="gpt_oss", hidden_size=2880, intermediate_size=2880, num_hidden_layers=24,
+                        num_attention_heads=64, num_key_value_heads=8, head_dim=64, vocab_size=201088,
+                        num_local_experts=32, num_experts_per_tok=4, sliding_window=128,
+                        layer_types=["sliding_attention" if i % 2 == 0 else "full_attention" for i in range(24)],
+                        max_position_embeddings=131072, rms_norm_eps=1e-5,
+                        rope_parameters={"rope_type": "yarn", "factor": 32.0, "beta_fast": 32.0, "beta_slow": 1.0,
+                                         "truncate": False, "original_max_position_embeddings": 4096,
+                                         "rope_theta": 150000.0}),
     "deepseek-v2-lite": dict(model_type="deepseek_v2", hidden_size=2048, intermediate_size=10944, num_hidden_layers=27,
                              num_attention_heads=16, num_key_value_heads=16, vocab_size=102400, kv_lora_rank=512,
                              q_lora_rank=None, qk_rope_head_dim=64, qk_nope_head_dim=128, v_head_dim=128,
@@ -126,6 +134,7 @@ FILE_TYPES = {
     "Q4_K_M": (T.Q4_K, LlamaFileType.MOSTLY_Q4_K_M), "Q5_K_M": (T.Q5_K, LlamaFileType.MOSTLY_Q5_K_M),
     "Q6_K": (T.Q6_K, LlamaFileType.MOSTLY_Q6_K), "IQ4_NL": (T.IQ4_NL, LlamaFileType.MOSTLY_IQ4_NL),
     "IQ4_XS": (T.IQ4_XS, LlamaFileType.MOSTLY_IQ4_XS),
+    "MXFP4_MOE": (T.Q8_0, LlamaFileType.MOSTLY_MXFP4_MOE),  # experts MXFP4 (gpt-oss as published), the rest Q8_0
 }
 _FLOATS = (T.F32, T.F16, T.BF16)
 
@@ -317,8 +326,13 @@ def family_plan(config: dict, file_type: str) -> tuple[str, list[TensorSpec]]:
     for name, (_, dims) in specdec_gguf._expected_tensors(config, fused).items():
         kind = name.split(".")[-2].removesuffix("_exps")
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
-        floats = len(dims) == 1 or "gate_inp" in kind or dims[0] == 1
-        qtype = T.F32 if floats else tensor_type(kind.removesuffix("_shexp"), layer, dims[-1], file_type, shape)
+        floats = len(dims) == 1 or "gate_inp" in kind or dims[0] == 1 or name.endswith(".bias")
+        if floats:
+            qtype = T.F32
+        elif file_type == "MXFP4_MOE" and "_exps." in name:
+            qtype = T.MXFP4
+        else:
+            qtype = tensor_type(kind.removesuffix("_shexp"), layer, dims[-1], file_type, shape)
         specs.append(TensorSpec(name, dims, qtype))
     return arch, specs
 
@@ -344,6 +358,8 @@ def write_family_gguf(path: Path, preset: str, file_type: str, seed: int = 0, jo
     config = dict(FAMILY_PRESETS[preset])
     if layers is not None:
         config["num_hidden_layers"] = layers
+        if config.get("layer_types"):
+            config["layer_types"] = config["layer_types"][:layers]
     config["vocab_size"] = max(config["vocab_size"], len(tokenizer["tokenizer.ggml.tokens"][0]))
     tokenizer = padded_tokenizer(tokenizer, config["vocab_size"])
     arch, specs = family_plan(config, file_type)

@@ -250,10 +250,11 @@ def load_tokenizer(src: ModelSource) -> PreTrainedTokenizerBase:
             pass
     try:
         tok = AutoTokenizer.from_pretrained(str(src.path), gguf_file=src.gguf_file.name)
-    except ValueError as e:  # transformers reads no tokenizer of an architecture it has no model for (OLMoE)
-        if "is not supported" not in str(e):
-            raise
-        tok = _tokenizer_of_unknown_architecture(src.gguf_file, cache)
+    except (ValueError, TypeError, KeyError) as e:  # transformers reads the model's keys too: it refuses an
+        try:  # architecture it has no model for (OLMoE) and keys it reads another way (a window pattern as a list)
+            tok = _tokenizer_of_unknown_architecture(src.gguf_file, cache)
+        except Exception:
+            raise e from None
     try:
         tok.save_pretrained(str(cache))
     except OSError:

@@ -533,10 +533,11 @@ struct MXFP4 {
   }
   struct Head {
     __m256 d;
-    explicit Head(const uint8_t* rec) {
-      alignas(32) float f[8];
-      for (int i = 0; i < 8; i++) f[i] = e8m0_half(rec[i]);
-      d = _mm256_load_ps(f);
+    explicit Head(const uint8_t* rec) {  // e8m0_half of the 8 rows' exponents, in registers
+      const __m256i e = _mm256_cvtepu8_epi32(_mm_loadl_epi64((const __m128i*)rec));
+      const __m256i normal = _mm256_slli_epi32(_mm256_sub_epi32(e, _mm256_set1_epi32(1)), 23);
+      const __m256i tiny = _mm256_sllv_epi32(_mm256_set1_epi32(0x00200000), e);
+      d = _mm256_castsi256_ps(_mm256_blendv_epi8(normal, tiny, _mm256_cmpgt_epi32(_mm256_set1_epi32(2), e)));
     }
     __m256 scale(const uint8_t*, int) const { return d; }
   };
