@@ -222,7 +222,7 @@ def test_llama_cpps_own_gguf_of_a_family_loads_as_its_hugging_face_directory(tmp
 # ---- the Python layer (CUDA's path and the reference) and batch invariance ----
 
 @needs_native
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen2_moe", "olmoe"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen2_moe", "olmoe", "gpt_oss"])
 def test_the_python_layers_match_transformers_too(tmp_path, name, monkeypatch):
     """The torch layer (every product, norm and attention still the native kernels on CPU) where no fused layer
     runs: the decoder's own reference for each family option."""
@@ -240,7 +240,7 @@ def test_the_python_layers_match_transformers_too(tmp_path, name, monkeypatch):
 
 
 @needs_native
-@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "gemma2"])
+@pytest.mark.parametrize("name", ["qwen2_moe", "mixtral", "gemma2", "gpt_oss", "deepseek_v3"])
 def test_a_rows_logits_do_not_depend_on_the_other_rows_of_its_step(tmp_path, name):
     """Experts grouped over a step's rows, windows, soft-caps: a row's bits alone equal its bits beside another
     sequence and its own draft rows (what makes greedy speculation identical by construction)."""

@@ -83,10 +83,9 @@ class DecoderLayer(nn.Module):
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16) with every family
         option and its experts, None where it cannot run: a tensor-parallel shard (all-reduces between its halves),
         weights off the CPU, an input norm other than RMSNorm or none, latent attention or DeepSeek's routing (the
-        torch layer runs those, on the same native products and attention), gpt-oss's sinks, biases and SwiGLU."""
+        torch layer runs those, on the same native products and attention)."""
         if self._native is None:
-            if self.mla is not None or (self.moe is not None and not self.moe.plain_router) or \
-                    self.sinks is not None or self.o_proj.bias is not None or self.act == "swigluoai":
+            if self.mla is not None or (self.moe is not None and not self.moe.plain_router):
                 return None
             if self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
@@ -104,8 +103,12 @@ class DecoderLayer(nn.Module):
                 self.head_dim,
                 self.post_attention_layernorm.eps, window=self.window, softcap=self.softcap,
                 attn_out_norm=_weight(self.attn_out_norm), mlp_out_norm=_weight(self.mlp_out_norm),
-                act=0 if self.act == "silu" else 1, rotary=self.rotary, local_rope=self.local_rope,
-                qk_norm_full=self.qk_norm_full, clip=self.clip_qkv or 0.0, **({} if dense else self.moe.native_args()))
+                act={"silu": 0, "gelu_pytorch_tanh": 1, "swigluoai": 2}[self.act], rotary=self.rotary,
+                local_rope=self.local_rope, qk_norm_full=self.qk_norm_full, clip=self.clip_qkv or 0.0,
+                sinks=self.sinks.detach().float().contiguous() if self.sinks is not None else torch.empty(0),
+                o_b=self.o_proj.bias.detach().float().contiguous() if self.o_proj.bias is not None else torch.empty(0),
+                swiglu_alpha=self.cfg.swiglu_alpha, swiglu_limit=self.cfg.swiglu_limit,
+                **({} if dense else self.moe.native_args()))
         return self._native
 
     def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -54,9 +54,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        torch::Tensor attn_out_norm, torch::Tensor mlp_out_norm, int64_t act, int64_t rotary,
                        bool local_rope, bool qk_norm_full, double clip, torch::Tensor router,
                        std::vector<QMatrix> experts_gate_up, std::vector<QMatrix> experts_down, int64_t top_k,
-                       bool norm_topk, std::vector<QMatrix> shared, torch::Tensor shared_gate) {
+                       bool norm_topk, std::vector<QMatrix> shared, torch::Tensor shared_gate, torch::Tensor router_b,
+                       std::vector<torch::Tensor> experts_gate_up_b, std::vector<torch::Tensor> experts_down_b,
+                       torch::Tensor sinks, torch::Tensor o_b, double swiglu_alpha, double swiglu_limit) {
         TORCH_CHECK(window >= 0 && softcap >= 0 && clip >= 0, "window, softcap and clip must be >= 0 (0: none)");
-        TORCH_CHECK(act == 0 || act == 1, "act: 0 (SiLU) or 1 (tanh GELU)");
         TORCH_CHECK(rotary >= 0 && rotary <= head_dim && rotary % 2 == 0, "rotary must be even, in [0, head_dim]");
         for (const auto* t : {&attn_out_norm, &mlp_out_norm})
           TORCH_CHECK(!t->defined() || t->numel() == 0 || (t->dtype() == torch::kFloat32 && t->is_contiguous()),
@@ -78,9 +79,25 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           TORCH_CHECK(shared.empty() || (shared.size() == 2 && shared_gate.dtype() == torch::kFloat32 &&
                                          shared_gate.numel() == H && shared_gate.is_contiguous()),
                       "a shared expert is {gate_up, down} with a float32 gate [H]");
-          L.moe = Experts{router, std::move(experts_gate_up), std::move(experts_down), std::move(shared),
-                          shared_gate, top_k, norm_topk};
+          for (const auto* b : {&experts_gate_up_b, &experts_down_b})
+            TORCH_CHECK(b->empty() || (int64_t)b->size() == E, "expert biases: one per expert, or none");
+          for (int64_t e = 0; e < (int64_t)experts_gate_up_b.size(); e++)
+            TORCH_CHECK(experts_gate_up_b[e].dtype() == torch::kFloat32 && experts_gate_up_b[e].is_contiguous() &&
+                        experts_gate_up_b[e].numel() == experts_gate_up[e].N() &&
+                        experts_down_b[e].dtype() == torch::kFloat32 && experts_down_b[e].is_contiguous() &&
+                        experts_down_b[e].numel() == H, "expert ", e, "'s biases must be contiguous float32 [2I], [H]");
+          TORCH_CHECK(router_b.numel() == 0 || (router_b.dtype() == torch::kFloat32 && router_b.is_contiguous() &&
+                                                router_b.numel() == E), "router_b must be contiguous float32 [E]");
+          L.moe = Experts{router, router_b, std::move(experts_gate_up_b), std::move(experts_down_b),
+                          std::move(experts_gate_up), std::move(experts_down), std::move(shared), shared_gate, top_k,
+                          norm_topk};
         }
+        TORCH_CHECK(sinks.numel() == 0 || (sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() &&
+                                           sinks.numel() == n_heads), "sinks must be contiguous float32 [n_heads]");
+        TORCH_CHECK(o_b.numel() == 0 || (o_b.dtype() == torch::kFloat32 && o_b.is_contiguous() && o_b.numel() == qkv.K),
+                    "o_b must be contiguous float32 [H]");
+        TORCH_CHECK(act >= 0 && act <= 2, "act: 0 SiLU, 1 GELU (tanh), 2 clamped SwiGLU");
+        L.sinks = sinks; L.o_b = o_b; L.swiglu_alpha = (float)swiglu_alpha; L.swiglu_limit = (float)swiglu_limit;
         L.attn_out_norm = attn_out_norm.defined() ? attn_out_norm : torch::empty({0});
         L.mlp_out_norm = mlp_out_norm.defined() ? mlp_out_norm : torch::empty({0});
         L.act = act; L.rotary = rotary; L.local_rope = local_rope; L.qk_norm_full = qk_norm_full; L.clip = (float)clip;
@@ -92,7 +109,10 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("local_rope") = false, py::arg("qk_norm_full") = false, py::arg("clip") = 0.0,
           py::arg("router") = torch::empty({0}), py::arg("experts_gate_up") = std::vector<QMatrix>(),
           py::arg("experts_down") = std::vector<QMatrix>(), py::arg("top_k") = 0, py::arg("norm_topk") = false,
-          py::arg("shared") = std::vector<QMatrix>(), py::arg("shared_gate") = torch::empty({0}))
+          py::arg("shared") = std::vector<QMatrix>(), py::arg("shared_gate") = torch::empty({0}),
+          py::arg("router_b") = torch::empty({0}), py::arg("experts_gate_up_b") = std::vector<torch::Tensor>(),
+          py::arg("experts_down_b") = std::vector<torch::Tensor>(), py::arg("sinks") = torch::empty({0}),
+          py::arg("o_b") = torch::empty({0}), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0)
       .def("forward", &layer_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("qkv_input") = torch::Tensor());

@@ -37,6 +37,9 @@ struct Layer {
   bool qk_norm_full = false;  // OLMoE: q_norm over all of q and k_norm over all of k, not per head
   float clip = 0.f;  // OLMoE: q, k, v clamped to +-clip (0: none)
   Experts moe;  // a mixture of experts in place of gate_up and down (empty: the dense MLP)
+  torch::Tensor sinks;  // gpt-oss: a sink logit per query head [Hq] in each softmax (empty: none)
+  torch::Tensor o_b;  // gpt-oss: the output projection's bias [H] (empty: none)
+  float swiglu_alpha = 0.f, swiglu_limit = 0.f;  // act 2 (gpt-oss's clamped SwiGLU)
 };
 
 inline int64_t rotary_dims(const Layer& L) { return L.rotary > 0 ? L.rotary : L.head_dim; }
@@ -196,7 +199,13 @@ struct TeamBuffers {
 // caller's own; qkv, attn, o, gu shared within a team. qkv_in: when given, what the QKV projection reads [T,
 // L.qkv.K] instead of the input norm of x (an EAGLE-3 head's [norm(embedding), norm(hidden)], 2H wide).
 // x += out, or x += norm(out) under a sandwich norm (into h, the caller's own buffer: out may be shared by a team).
-inline void add_output(float* x, const float* out, const torch::Tensor& norm, float eps, int64_t T, int64_t H, float* h) {
+// bias: the projection's own [H], added to out first (gpt-oss's o_proj), or null.
+inline void add_output(float* x, const float* out, const torch::Tensor& norm, float eps, int64_t T, int64_t H, float* h,
+                       const float* bias = nullptr) {
+  if (bias != nullptr) {
+    for (int64_t i = 0; i < T * H; i++) h[i] = out[i] + bias[i % H];
+    out = h;
+  }
   if (norm.numel() > 0) {
     rms_norm_rows(out, norm.data_ptr<float>(), eps, T, H, h);
     out = h;
@@ -210,7 +219,8 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
                 float* qkv, float* attn, float* o, float* gu, const AttentionPlan* plan, const float* qkv_in) {
   const int64_t D = L.head_dim, Hq = L.n_heads, Hkv = L.n_kv;
   const int64_t W = (Hq + 2 * Hkv) * D, inter = L.gate_up.N() / 2;
-  GateFn gate = L.act == 1 ? gelu_mul : silu_mul;
+  const Gate gate{L.act == 1 ? gelu_mul : silu_mul, L.swiglu_alpha, L.act == 2 ? L.swiglu_limit : 0.f};
+  const float* sinks = L.sinks.numel() > 0 ? L.sinks.data_ptr<float>() : nullptr;
   auto product = [&](const QMatrix& M, const float* in, int64_t K, float* y, int64_t N) {
     if constexpr (TEAM) matmul_team(M, in, T, K, qx, y, N);
     else matmul(M, in, T, K, qx, y, N);
@@ -252,12 +262,13 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
   with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
     TORCH_CHECK(step.window == L.window, "a layer of window ", L.window, " given the layout of window ", step.window);
     if constexpr (TEAM) attention_team(*plan, qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis,
-                                       (float)scale, L.softcap, attn);
-    else attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, L.softcap, attn);
+                                       (float)scale, L.softcap, attn, sinks);
+    else attention(qkv, W, Hq, Hkv, D, kp, vp, step.context_slots, step.Lk, step.vis, (float)scale, L.softcap, attn,
+                   sinks);
     return 0;
   });
   product(L.o, attn, Hq * D, o, H);
-  add_output(x, o, L.attn_out_norm, (float)L.eps, T, H, h);
+  add_output(x, o, L.attn_out_norm, (float)L.eps, T, H, h, L.o_b.numel() > 0 ? L.o_b.data_ptr<float>() : nullptr);
   rms_norm_rows(x, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
   if (!L.moe.empty()) {
     static thread_local std::vector<float> mixed;  // the member's own

@@ -1,9 +1,9 @@
 // A mixture-of-experts MLP for a step's rows (models/moe.py's, in one native pass):
 //
-//   route:    p = softmax(h @ router.T) per row; its top k experts, by descending p (the first index at a tie); their
+//   route:    p = softmax(h @ router.T (+ router_b)) per row; its top k experts, by descending p (the first index at a tie); their
 //             weights renormalized to sum 1 where norm_topk
 //   experts:  for each expert e in ascending order, the rows that chose it gathered into one block, then
-//             down_e(act(gate_up_e(rows))): each expert's weights read once a step, whatever number of rows (a
+//             down_e(act(gate_up_e(rows))) (with each expert's biases where it has them): its weights read once a step, whatever number of rows (a
 //             batch, its draft rows) chose it
 //   combine:  out[t] = sum over the row's ranks j = 0..k-1 in order of w[t, j] y_j[t]  (+ sigmoid(h . shared_gate)
 //             shared(h) with a shared expert, Qwen2-MoE's)
@@ -19,6 +19,8 @@ namespace {
 
 struct Experts {
   torch::Tensor router;  // [E, H] float32
+  torch::Tensor router_b;  // [E] float32 added to the router's logits (gpt-oss), or empty
+  std::vector<torch::Tensor> gate_up_b, down_b;  // per expert [2I] and [H] float32 biases (gpt-oss), or none
   std::vector<QMatrix> gate_up, down;  // per expert: [2I, H] (gate rows, then up rows) and [H, I]
   std::vector<QMatrix> shared;  // a shared expert's {gate_up, down}, or none
   torch::Tensor shared_gate;  // [H] float32, with a shared expert
@@ -42,7 +44,11 @@ void route(const Experts& X, const float* h, int64_t T, int64_t H, int64_t* ids,
   std::vector<char> taken(E);
   for (int64_t t = 0; t < T; t++) {
     float top = -INFINITY, sum = 0.f;
-    for (int64_t e = 0; e < E; e++) { p[e] = dot_f32(h + t * H, R + e * H, H); top = std::max(top, p[e]); }
+    const float* rb = X.router_b.numel() > 0 ? X.router_b.data_ptr<float>() : nullptr;
+    for (int64_t e = 0; e < E; e++) {
+      p[e] = dot_f32(h + t * H, R + e * H, H) + (rb ? rb[e] : 0.f);
+      top = std::max(top, p[e]);
+    }
     for (int64_t e = 0; e < E; e++) { p[e] = std::exp(p[e] - top); sum += p[e]; }
     std::fill(taken.begin(), taken.end(), 0);
     float kept = 0.f;
@@ -62,10 +68,24 @@ void route(const Experts& X, const float* h, int64_t T, int64_t H, int64_t* ids,
 
 using GateFn = void (*)(const float*, int64_t, float*);
 
+// The gated MLP's product of one row's halves g = [gate | up] (inter each) into out: fn (SiLU or GELU gating), or
+// gpt-oss's clamped SwiGLU where limit > 0: min(gate, limit) sigmoid(alpha min(gate, limit)) (clamp(up) + 1).
+struct Gate {
+  GateFn fn;
+  float alpha = 0.f, limit = 0.f;
+  void operator()(const float* g, int64_t inter, float* out) const {
+    if (limit <= 0.f) return fn(g, inter, out);
+    for (int64_t i = 0; i < inter; i++) {
+      const float x = std::min(g[i], limit), u = std::min(std::max(g[inter + i], -limit), limit);
+      out[i] = x * (1.f / (1.f + std::exp(-(x * alpha)))) * (u + 1.f);
+    }
+  }
+};
+
 // The mixture's output for h [T, H] into the caller's own out [T, H]. gu [T, 2 width] and o [T, H]: product outputs
 // (shared within a team); every other buffer is the calling thread's own.
 template <bool TEAM>
-void moe_mlp(const Experts& X, const float* h, int64_t T, int64_t H, GateFn gate, QAct& qx, float* gu, float* o,
+void moe_mlp(const Experts& X, const float* h, int64_t T, int64_t H, const Gate& gate, QAct& qx, float* gu, float* o,
              float* out) {
   auto product = [&](const QMatrix& M, const float* in, int64_t M_rows, int64_t K, float* y, int64_t N) {
     if constexpr (TEAM) matmul_team(M, in, M_rows, K, qx, y, N);
@@ -73,7 +93,7 @@ void moe_mlp(const Experts& X, const float* h, int64_t T, int64_t H, GateFn gate
   };
   const int64_t k = X.top_k, E = (int64_t)X.gate_up.size();
   static thread_local std::vector<int64_t> ids, rows, ranks;
-  static thread_local std::vector<float> w, g, a, ys;
+  static thread_local std::vector<float> w, g, a, ys, biased;
   grow(ids, T * k); grow(w, T * k);
   route(X, h, T, H, ids.data(), w.data());
   float* ysp = grow(ys, k * T * H);
@@ -87,9 +107,23 @@ void moe_mlp(const Experts& X, const float* h, int64_t T, int64_t H, GateFn gate
     if (n == 0) continue;
     for (int64_t r = 0; r < n; r++) std::memcpy(gp + r * H, h + rows[r] * H, H * sizeof(float));
     product(X.gate_up[e], gp, n, H, gu, 2 * inter);
-    for (int64_t r = 0; r < n; r++) gate(gu + r * 2 * inter, inter, ap + r * inter);
+    if (X.gate_up_b.empty()) {
+      for (int64_t r = 0; r < n; r++) gate(gu + r * 2 * inter, inter, ap + r * inter);
+    } else {  // biases on the member's own copy (gu and o are shared within a team)
+      const float* b = X.gate_up_b[e].data_ptr<float>();
+      float* row = grow(biased, 2 * inter);
+      for (int64_t r = 0; r < n; r++) {
+        for (int64_t i = 0; i < 2 * inter; i++) row[i] = gu[r * 2 * inter + i] + b[i];
+        gate(row, inter, ap + r * inter);
+      }
+    }
     product(X.down[e], ap, n, inter, o, H);
-    for (int64_t r = 0; r < n; r++) std::memcpy(ysp + (ranks[r] * T + rows[r]) * H, o + r * H, H * sizeof(float));
+    const float* db = X.down_b.empty() ? nullptr : X.down_b[e].data_ptr<float>();
+    for (int64_t r = 0; r < n; r++) {
+      float* y = ysp + (ranks[r] * T + rows[r]) * H;
+      if (db) for (int64_t i = 0; i < H; i++) y[i] = o[r * H + i] + db[i];
+      else std::memcpy(y, o + r * H, H * sizeof(float));
+    }
   }
   for (int64_t t = 0; t < T; t++)
     for (int64_t i = 0; i < H; i++) {
