@@ -95,6 +95,7 @@ def prompt_logprobs(logits: torch.Tensor, ids: list[int]) -> torch.Tensor:
 def test_a_family_matches_transformers_through_the_paged_cache(tmp_path, name):
     path, hf = save_family(tmp_path, name)
     ours, _ = load_model(path)
+    assert ours.native_stack() is not None  # every family option in the fused native layer
     g = torch.Generator().manual_seed(1)
     prompts = [torch.randint(3, 320, (n,), generator=g).tolist() for n in (5, 19)]  # past the window
     conts = [torch.randint(3, 320, (12,), generator=g).tolist() for _ in prompts]
@@ -222,7 +223,8 @@ def test_llama_cpps_own_gguf_of_a_family_loads_as_its_hugging_face_directory(tmp
 # ---- the Python layer (CUDA's path and the reference) and batch invariance ----
 
 @needs_native
-@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen2_moe", "olmoe", "gpt_oss"])
+@pytest.mark.parametrize("name", ["gemma2", "gemma3", "phi4-partial-rotary", "qwen2_moe", "olmoe", "gpt_oss",
+                                  "deepseek_v2", "deepseek_v3"])
 def test_the_python_layers_match_transformers_too(tmp_path, name, monkeypatch):
     """The torch layer (every product, norm and attention still the native kernels on CPU) where no fused layer
     runs: the decoder's own reference for each family option."""

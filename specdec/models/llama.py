@@ -82,21 +82,19 @@ class DecoderLayer(nn.Module):
     def native_layer(self) -> Any:  # a native Layer (pybind), or None
         """The C++ decoder layer over this layer's weights (blocks or float32/bfloat16/float16) with every family
         option and its experts, None where it cannot run: a tensor-parallel shard (all-reduces between its halves),
-        weights off the CPU, an input norm other than RMSNorm or none, latent attention or DeepSeek's routing (the
-        torch layer runs those, on the same native products and attention)."""
+        weights off the CPU, or an input norm other than RMSNorm or none."""
         if self._native is None:
-            if self.mla is not None or (self.moe is not None and not self.moe.plain_router):
-                return None
             if self.tp is not None or not native.available() or not isinstance(
                     self.input_layernorm, (RMSNorm, nn.Identity)) or not all(
                     lin.quantized or (lin.weight.device.type == "cpu" and lin.weight.dtype in kernels.FLOAT_KERNEL_IDS)
                     for lin in self.linears):
                 return None
             qkv_b, q_norm, k_norm = (t.detach().float() for t in self._optional_weights())
+            qkv = self.qkv_proj if self.mla is None else self.mla.kv_a_proj  # latent attention: the key projection
             ln1 = self.input_layernorm.weight.detach() if isinstance(self.input_layernorm, RMSNorm) else torch.empty(0)
             dense = self.moe is None
             self._native = native.ops().Layer(
-                ln1, kernels.matrix(self.qkv_proj.weight), qkv_b, q_norm, k_norm, kernels.matrix(self.o_proj.weight),
+                ln1, kernels.matrix(qkv.weight), qkv_b, q_norm, k_norm, kernels.matrix(self.o_proj.weight),
                 self.post_attention_layernorm.weight.detach(),
                 kernels.matrix(self.gate_up_proj.weight) if dense else None,
                 kernels.matrix(self.down_proj.weight) if dense else None, self.num_heads, self.num_kv_heads,
@@ -108,27 +106,27 @@ class DecoderLayer(nn.Module):
                 sinks=self.sinks.detach().float().contiguous() if self.sinks is not None else torch.empty(0),
                 o_b=self.o_proj.bias.detach().float().contiguous() if self.o_proj.bias is not None else torch.empty(0),
                 swiglu_alpha=self.cfg.swiglu_alpha, swiglu_limit=self.cfg.swiglu_limit,
-                **({} if dense else self.moe.native_args()))
+                **({} if dense else self.moe.native_args()), **({} if self.mla is None else self.mla.native_args()))
         return self._native
 
     def _optional_weights(self) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:
         """The qkv bias and the q / k norms, empty where the architecture has none (the fused kernels' form)."""
         none = torch.empty(0)
-        return (self.qkv_proj.bias if self.qkv_proj.bias is not None else none,
+        return (self.qkv_proj.bias if self.qkv_proj is not None and self.qkv_proj.bias is not None else none,
                 self.q_norm.weight if self.q_norm is not None else none,
                 self.k_norm.weight if self.k_norm is not None else none)
 
     def forward(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor, meta: AttentionMetadata,
                 k_pool: torch.Tensor, v_pool: torch.Tensor) -> torch.Tensor:
         """x: [T, H], the flattened new tokens of every sequence."""
-        if self.mla is not None:
-            return self.finish(x, self.mla(self.input_layernorm(x), cos, sin, meta, k_pool, self.scale))
         if self.tp is not None:  # a shard: the row-parallel outputs are all-reduced between the fused halves
             q, k, v = self.project(self.input_layernorm(x), cos, sin)
             return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
         out = self.native_forward(x, cos, sin, meta, k_pool, v_pool)
         if out is not None:
             return out
+        if self.mla is not None:
+            return self.finish(x, self.mla(self.input_layernorm(x), cos, sin, meta, k_pool, self.scale))
         q, k, v = self.project(self.input_layernorm(x), cos, sin)
         return self.finish(x, self.attend(q, k, v, k_pool, v_pool, meta))
 

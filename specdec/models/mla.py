@@ -21,7 +21,7 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models import native
+from specdec.models import kernels, native
 from specdec.models.attention import AttentionMetadata, paged_attention
 from specdec.models.kernels import linear, on_native
 from specdec.models.layers import Linear, RMSNorm
@@ -58,6 +58,17 @@ class LatentAttention(nn.Module):
     @property
     def linears(self) -> tuple[Linear, ...]:
         return tuple(m for m in (self.q_a_proj, self.q_proj, self.kv_a_proj) if m is not None)
+
+    def native_args(self) -> dict:
+        """The native layer's view (`csrc/layer.h` Latent): q (or q_a, its norm and q), the kv_a norm, each head's
+        absorbed matrices; the layer's qkv is kv_a."""
+        return dict(mla_q_a=kernels.matrix(self.q_a_proj.weight) if self.q_a_proj is not None else None,
+                    mla_q=kernels.matrix(self.q_proj.weight),
+                    mla_q_a_norm=self.q_a_norm.weight.detach() if self.q_a_norm is not None else torch.empty(0),
+                    mla_kv_a_norm=self.kv_a_norm.weight.detach(),
+                    mla_w_uk=[kernels.matrix(w) for w in self.w_uk.detach()],
+                    mla_w_uv=[kernels.matrix(w) for w in self.w_uv.detach()], mla_rope=self.rope_dim,
+                    mla_nope=self.nope, mla_v=self.v_dim, mla_interleave=self.interleave)
 
     def set_absorbed(self, k_b: torch.Tensor | QuantWeight, v_b: torch.Tensor | QuantWeight, name: str) -> None:
         """The up-projections in llama.cpp's absorbed form: k_b [nH, r, nope], v_b [nH, v, r] (kv_b_proj's rows

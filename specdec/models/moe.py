@@ -45,12 +45,6 @@ class MoE(nn.Module):
         self.shared_gate = nn.Parameter(torch.empty(1, H, dtype=act, device=device), requires_grad=False) \
             if shared and cfg.shared_expert_gate else None
 
-    @property
-    def plain_router(self) -> bool:
-        """Softmax top-k over every expert (the router's and experts' biases allowed), a gated shared expert or none:
-        the form the native layer runs (not yet DeepSeek's routing)."""
-        return (self.scoring == "softmax" and self.groups == 1 and self.choice_bias is None and self.scale == 1.0
-                and (self.shared_gate_up is None or self.shared_gate is not None))
 
     @property
     def linears(self) -> tuple[Linear, ...]:
@@ -58,20 +52,23 @@ class MoE(nn.Module):
         return (*self.gate_up, *self.down, *shared)
 
     def native_args(self) -> dict:
-        """The native layer's view of the mixture (`csrc/moe.h`): the router (and its bias), each expert's matrices
-        (and biases), the shared expert's and its gate."""
+        """The native layer's view of the mixture (`csrc/moe.h`): the router (its bias, DeepSeek's scoring, groups,
+        correction bias and scale), each expert's matrices (and biases), the shared expert's and its gate."""
         shared = (self.shared_gate_up, self.shared_down) if self.shared_gate_up is not None else ()
         return dict(router=self.gate.detach().float().contiguous(),
                     experts_gate_up=[kernels.matrix(m.weight) for m in self.gate_up],
                     experts_down=[kernels.matrix(m.weight) for m in self.down], top_k=self.top_k,
                     norm_topk=self.norm_topk_prob, shared=[kernels.matrix(m.weight) for m in shared],
-                    shared_gate=self.shared_gate.detach().float().reshape(-1).contiguous() if shared
+                    shared_gate=self.shared_gate.detach().float().reshape(-1).contiguous() if self.shared_gate is not None
                     else torch.empty(0),
                     router_b=self.gate_bias.detach().float().contiguous() if self.gate_bias is not None
                     else torch.empty(0),
                     experts_gate_up_b=[m.bias.detach().float().contiguous() for m in self.gate_up
                                        if m.bias is not None],
-                    experts_down_b=[m.bias.detach().float().contiguous() for m in self.down if m.bias is not None])
+                    experts_down_b=[m.bias.detach().float().contiguous() for m in self.down if m.bias is not None],
+                    scoring=1 if self.scoring == "sigmoid" else 0, groups=self.groups, topk_groups=self.topk_groups,
+                    choice_b=self.choice_bias.detach().float().contiguous() if self.choice_bias is not None
+                    else torch.empty(0), routed_scale=self.scale)
 
     def route(self, x: torch.Tensor) -> tuple[torch.Tensor, torch.Tensor]:
         """Each row's experts [T, k] (by descending choice score) and their weights [T, k], float32."""

@@ -56,7 +56,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                        std::vector<QMatrix> experts_gate_up, std::vector<QMatrix> experts_down, int64_t top_k,
                        bool norm_topk, std::vector<QMatrix> shared, torch::Tensor shared_gate, torch::Tensor router_b,
                        std::vector<torch::Tensor> experts_gate_up_b, std::vector<torch::Tensor> experts_down_b,
-                       torch::Tensor sinks, torch::Tensor o_b, double swiglu_alpha, double swiglu_limit) {
+                       torch::Tensor sinks, torch::Tensor o_b, double swiglu_alpha, double swiglu_limit,
+                       int64_t scoring, int64_t groups, int64_t topk_groups, torch::Tensor choice_b,
+                       double routed_scale, std::optional<QMatrix> mla_q_a, std::optional<QMatrix> mla_q,
+                       torch::Tensor mla_q_a_norm, torch::Tensor mla_kv_a_norm, std::vector<QMatrix> mla_w_uk,
+                       std::vector<QMatrix> mla_w_uv, int64_t mla_rope, int64_t mla_nope, int64_t mla_v,
+                       bool mla_interleave) {
         TORCH_CHECK(window >= 0 && softcap >= 0 && clip >= 0, "window, softcap and clip must be >= 0 (0: none)");
         TORCH_CHECK(rotary >= 0 && rotary <= head_dim && rotary % 2 == 0, "rotary must be even, in [0, head_dim]");
         for (const auto* t : {&attn_out_norm, &mlp_out_norm})
@@ -77,8 +82,8 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
             TORCH_CHECK(experts_gate_up[e].K == H && experts_down[e].N() == H &&
                         experts_down[e].K * 2 == experts_gate_up[e].N(), "expert ", e, "'s shapes do not fit");
           TORCH_CHECK(shared.empty() || (shared.size() == 2 && shared_gate.dtype() == torch::kFloat32 &&
-                                         shared_gate.numel() == H && shared_gate.is_contiguous()),
-                      "a shared expert is {gate_up, down} with a float32 gate [H]");
+                                         shared_gate.is_contiguous()),
+                      "a shared expert is {gate_up, down} with a float32 gate [H] (or none)");
           for (const auto* b : {&experts_gate_up_b, &experts_down_b})
             TORCH_CHECK(b->empty() || (int64_t)b->size() == E, "expert biases: one per expert, or none");
           for (int64_t e = 0; e < (int64_t)experts_gate_up_b.size(); e++)
@@ -88,9 +93,18 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                         experts_down_b[e].numel() == H, "expert ", e, "'s biases must be contiguous float32 [2I], [H]");
           TORCH_CHECK(router_b.numel() == 0 || (router_b.dtype() == torch::kFloat32 && router_b.is_contiguous() &&
                                                 router_b.numel() == E), "router_b must be contiguous float32 [E]");
+          TORCH_CHECK((scoring == 0 || scoring == 1) && groups >= 1 && E % groups == 0 && topk_groups >= 1 &&
+                      topk_groups <= groups && (groups == 1 || E / groups >= 2),
+                      "scoring 0 (softmax) or 1 (sigmoid); groups dividing the experts, 1 <= topk_groups <= groups");
+          TORCH_CHECK(choice_b.numel() == 0 || (choice_b.dtype() == torch::kFloat32 && choice_b.is_contiguous() &&
+                                                choice_b.numel() == E), "choice_b must be contiguous float32 [E]");
+          TORCH_CHECK(shared.empty() || shared_gate.numel() == 0 || shared_gate.numel() == H,
+                      "a shared expert's gate is [H] or none");
           L.moe = Experts{router, router_b, std::move(experts_gate_up_b), std::move(experts_down_b),
                           std::move(experts_gate_up), std::move(experts_down), std::move(shared), shared_gate, top_k,
                           norm_topk};
+          L.moe.scoring = scoring; L.moe.groups = groups; L.moe.topk_groups = topk_groups; L.moe.choice_b = choice_b;
+          L.moe.scale = (float)routed_scale;
         }
         TORCH_CHECK(sinks.numel() == 0 || (sinks.dtype() == torch::kFloat32 && sinks.is_contiguous() &&
                                            sinks.numel() == n_heads), "sinks must be contiguous float32 [n_heads]");
@@ -98,6 +112,22 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
                     "o_b must be contiguous float32 [H]");
         TORCH_CHECK(act >= 0 && act <= 2, "act: 0 SiLU, 1 GELU (tanh), 2 clamped SwiGLU");
         L.sinks = sinks; L.o_b = o_b; L.swiglu_alpha = (float)swiglu_alpha; L.swiglu_limit = (float)swiglu_limit;
+        if (!mla_w_uk.empty()) {  // latent attention: qkv is kv_a [rank + rope, H]; one key head of rank + rope
+          const int64_t rank = head_dim - mla_rope, H = qkv.K;
+          TORCH_CHECK(mla_q.has_value() && n_kv == 1 && rank > 0 && mla_rope > 0 && mla_rope % 2 == 0 &&
+                      qkv.N() == head_dim && (int64_t)mla_w_uk.size() == n_heads &&
+                      (int64_t)mla_w_uv.size() == n_heads && rotary == mla_rope,
+                      "latent attention: q, kv_a [rank + rope, H], one key head, a W_uk and W_uv per head");
+          const bool bottleneck = mla_q_a.has_value() && mla_q_a->N() > 0;
+          TORCH_CHECK(mla_q->N() == n_heads * (mla_nope + mla_rope) && mla_q->K == (bottleneck ? mla_q_a->N() : H) &&
+                      (!bottleneck || (mla_q_a->K == H && mla_q_a_norm.numel() == mla_q_a->N())) &&
+                      mla_kv_a_norm.numel() == rank && o.K == n_heads * mla_v, "latent attention: shapes do not fit");
+          for (int64_t hh = 0; hh < n_heads; hh++)
+            TORCH_CHECK(mla_w_uk[hh].N() == rank && mla_w_uk[hh].K == mla_nope && mla_w_uv[hh].N() == mla_v &&
+                        mla_w_uv[hh].K == rank, "latent attention: head ", hh, "'s W_uk / W_uv do not fit");
+          L.mla = Latent{bottleneck ? *mla_q_a : QMatrix{}, *mla_q, mla_q_a_norm, mla_kv_a_norm, std::move(mla_w_uk),
+                         std::move(mla_w_uv), rank, mla_rope, mla_nope, mla_v, mla_interleave};
+        }
         L.attn_out_norm = attn_out_norm.defined() ? attn_out_norm : torch::empty({0});
         L.mlp_out_norm = mlp_out_norm.defined() ? mlp_out_norm : torch::empty({0});
         L.act = act; L.rotary = rotary; L.local_rope = local_rope; L.qk_norm_full = qk_norm_full; L.clip = (float)clip;
@@ -112,7 +142,13 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
           py::arg("shared") = std::vector<QMatrix>(), py::arg("shared_gate") = torch::empty({0}),
           py::arg("router_b") = torch::empty({0}), py::arg("experts_gate_up_b") = std::vector<torch::Tensor>(),
           py::arg("experts_down_b") = std::vector<torch::Tensor>(), py::arg("sinks") = torch::empty({0}),
-          py::arg("o_b") = torch::empty({0}), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0)
+          py::arg("o_b") = torch::empty({0}), py::arg("swiglu_alpha") = 0.0, py::arg("swiglu_limit") = 0.0,
+          py::arg("scoring") = 0, py::arg("groups") = 1, py::arg("topk_groups") = 1,
+          py::arg("choice_b") = torch::empty({0}), py::arg("routed_scale") = 1.0, py::arg("mla_q_a") = nullptr,
+          py::arg("mla_q") = nullptr, py::arg("mla_q_a_norm") = torch::empty({0}),
+          py::arg("mla_kv_a_norm") = torch::empty({0}), py::arg("mla_w_uk") = std::vector<QMatrix>(),
+          py::arg("mla_w_uv") = std::vector<QMatrix>(), py::arg("mla_rope") = 0, py::arg("mla_nope") = 0,
+          py::arg("mla_v") = 0, py::arg("mla_interleave") = true)
       .def("forward", &layer_forward, py::arg("x"), py::arg("cos"), py::arg("sin"), py::arg("k_pool"),
            py::arg("v_pool"), py::arg("slot_mapping"), py::arg("context_slots"), py::arg("mask"),
            py::arg("query_starts"), py::arg("scale"), py::arg("qkv_input") = torch::Tensor());

@@ -22,6 +22,18 @@ void rms_norm_rows(const float* x, const float* w, float eps, int64_t T, int64_t
   }
 }
 
+// DeepSeek's latent attention (models/mla.py) in its absorbed form: queries through q (or q_a, its norm, then q),
+// the cached key [latent (rank) | rotated key (rope)] from kv_a and its norm, each head's query latent q_nope W_uk[h],
+// attention over one key head whose values are the latent, each head's value o W_uv[h]. The layer's qkv holds kv_a.
+struct Latent {
+  QMatrix q_a, q;  // q_a empty (N() 0): no q bottleneck
+  torch::Tensor q_a_norm, kv_a_norm;
+  std::vector<QMatrix> w_uk, w_uv;  // per head: [rank, nope] and [v, rank], float32
+  int64_t rank = 0, rope = 0, nope = 0, v = 0;
+  bool interleave = true;  // rotary pairs (2i, 2i + 1), de-interleaved before the rotation
+  bool empty() const { return w_uk.empty(); }
+};
+
 struct Layer {
   torch::Tensor ln1, qkv_b, q_norm, k_norm, ln2;  // float32 (absent ones empty: ln1 for a layer without input norm)
   QMatrix qkv, o, gate_up, down;
@@ -40,6 +52,7 @@ struct Layer {
   torch::Tensor sinks;  // gpt-oss: a sink logit per query head [Hq] in each softmax (empty: none)
   torch::Tensor o_b;  // gpt-oss: the output projection's bias [H] (empty: none)
   float swiglu_alpha = 0.f, swiglu_limit = 0.f;  // act 2 (gpt-oss's clamped SwiGLU)
+  Latent mla;  // DeepSeek's attention in place of qkv's (empty: none); such a layer runs layer by layer, not in a team
 };
 
 inline int64_t rotary_dims(const Layer& L) { return L.rotary > 0 ? L.rotary : L.head_dim; }
@@ -213,6 +226,59 @@ inline void add_output(float* x, const float* out, const torch::Tensor& norm, fl
   for (int64_t i = 0; i < T * H; i++) x[i] += out[i];
 }
 
+// Latent attention for the normed rows h [T, H] (not in a team: each product its own parallel region, buffers the
+// caller's): each head's value into out [T, n_heads * v], the new latent keys into k_pool, attn [T, n_heads * (rank +
+// rope)] the attention's own output.
+void latent_attention(const Layer& L, const float* h, int64_t T, int64_t H, const float* cos, const float* ssin,
+                      torch::Tensor& k_pool, const StepLayout& step, double scale, QAct& qx, float* attn, float* out) {
+  const Latent& M = L.mla;
+  const int64_t nH = L.n_heads, r = M.rank, R = M.rope, D = r + R, qd = M.nope + R, half = R / 2;
+  static thread_local std::vector<float> qa_buf, q_buf, kv_buf, query_buf, tmp;
+  const float* qin = h;
+  int64_t K = H;
+  if (M.q_a.N() > 0) {
+    float* qa = grow(qa_buf, T * M.q_a.N());
+    matmul(M.q_a, h, T, H, qx, qa, M.q_a.N());
+    rms_norm_rows(qa, M.q_a_norm.data_ptr<float>(), (float)L.eps, T, M.q_a.N(), qa);
+    qin = qa;
+    K = M.q_a.N();
+  }
+  float* q = grow(q_buf, T * nH * qd);
+  float* kv = grow(kv_buf, T * D);
+  float* query = grow(query_buf, T * nH * D);
+  float* t2 = grow(tmp, 2 * R);
+  matmul(M.q, qin, T, K, qx, q, nH * qd);
+  matmul(L.qkv, h, T, H, qx, kv, D);  // kv_a
+  auto rotate = [&](float* x, const float* c, const float* sn) {  // RoPE on R dims (de-interleaved first)
+    if (M.interleave)
+      for (int64_t i = 0; i < half; i++) { t2[i] = x[2 * i]; t2[half + i] = x[2 * i + 1]; }
+    else
+      std::memcpy(t2, x, R * sizeof(float));
+    for (int64_t d = 0; d < half; d++) x[d] = t2[d] * c[d] + t2[d + half] * sn[d];
+    for (int64_t d = half; d < R; d++) x[d] = t2[d] * c[d] + t2[d - half] * sn[d];
+  };
+  for (int64_t t = 0; t < T; t++) {
+    float* row = kv + t * D;
+    rms_norm_rows(row, M.kv_a_norm.data_ptr<float>(), (float)L.eps, 1, r, row);
+    rotate(row + r, cos + t * R, ssin + t * R);
+    for (int64_t hh = 0; hh < nH; hh++) {
+      float* pe = q + t * nH * qd + hh * qd + M.nope;
+      rotate(pe, cos + t * R, ssin + t * R);
+      std::memcpy(query + t * nH * D + hh * D + r, pe, R * sizeof(float));
+    }
+  }
+  for (int64_t hh = 0; hh < nH; hh++)  // q_nope W_uk[h]: the head's query in the latent
+    matmul(M.w_uk[hh], q + hh * qd, T, nH * qd, qx, query + hh * D, nH * D);
+  with_kv(k_pool, k_pool, [&](auto* kp, auto*) {
+    for (int64_t t = 0; t < T; t++) narrow(kv + t * D, kp + step.slot_mapping[t] * D, D);
+    TORCH_CHECK(step.window == L.window, "a layer of window ", L.window, " given the layout of window ", step.window);
+    attention(query, nH * D, nH, 1, D, kp, kp, step.context_slots, step.Lk, step.vis, (float)scale, L.softcap, attn);
+    return 0;
+  });
+  for (int64_t hh = 0; hh < nH; hh++)  // the latent output W_uv[h]: the head's value
+    matmul(M.w_uv[hh], attn + hh * D, T, nH * D, qx, out + hh * M.v, nH * M.v);
+}
+
 template <bool TEAM>
 void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos, const float* ssin,
                 torch::Tensor& k_pool, torch::Tensor& v_pool, const StepLayout& step, double scale, float* h, QAct& qx,
@@ -225,6 +291,16 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
     if constexpr (TEAM) matmul_team(M, in, T, K, qx, y, N);
     else matmul(M, in, T, K, qx, y, N);
   };
+  bool latent = false;  // DeepSeek's attention (layer by layer only: Stack keeps such a model out of teams)
+  if constexpr (!TEAM) latent = !L.mla.empty();
+  if (latent) {
+    rms_norm_rows(x, L.ln1.data_ptr<float>(), (float)L.eps, T, H, h);
+    static thread_local std::vector<float> heads;
+    float* vo = grow(heads, T * L.n_heads * L.mla.v);
+    latent_attention(L, h, T, H, cos, ssin, k_pool, step, scale, qx, attn, vo);
+    product(L.o, vo, L.n_heads * L.mla.v, o, H);
+    add_output(x, o, L.attn_out_norm, (float)L.eps, T, H, h, L.o_b.numel() > 0 ? L.o_b.data_ptr<float>() : nullptr);
+  } else {
   if constexpr (TEAM) {
     static thread_local volatile int touched;  // keeps the loads
     touched = with_kv(k_pool, v_pool, [&](auto* kp, auto* vp) {
@@ -269,6 +345,7 @@ void layer_body(const Layer& L, float* x, int64_t T, int64_t H, const float* cos
   });
   product(L.o, attn, Hq * D, o, H);
   add_output(x, o, L.attn_out_norm, (float)L.eps, T, H, h, L.o_b.numel() > 0 ? L.o_b.data_ptr<float>() : nullptr);
+  }
   rms_norm_rows(x, L.ln2.data_ptr<float>(), (float)L.eps, T, H, h);
   if (!L.moe.empty()) {
     static thread_local std::vector<float> mixed;  // the member's own
@@ -378,7 +455,9 @@ struct Stack {
       if (k == steps.size()) steps.push_back(step_layout(slot_mapping, context_slots, mask, query_starts, layers[i].window));
       layout_of[i] = k;
     }
-    if (T <= team_max_rows.load() && num_layers > 0)
+    bool latent = false;  // latent-attention layers run layer by layer
+    for (int64_t i = 0; i < num_layers; i++) latent = latent || !layers[i].mla.empty();
+    if (T <= team_max_rows.load() && num_layers > 0 && !latent)
       return forward_team(x, tables, k_pools, v_pools, steps, layout_of, scale, num_layers, capture, lm_head, rows);
     std::vector<torch::Tensor> out(3);
     out[2] = torch::empty({T, (int64_t)capture.size() * H}, x.options());

@@ -26,6 +26,12 @@ struct Experts {
   torch::Tensor shared_gate;  // [H] float32, with a shared expert
   int64_t top_k = 0;
   bool norm_topk = false;
+  // DeepSeek's routing: sigmoid scores (1; 0 softmax), a correction bias that steers only the choice, the choice
+  // limited to the topk_groups best of `groups` groups (scored by their best expert under softmax, best two under
+  // sigmoid), the weights times `scale`
+  int64_t scoring = 0, groups = 1, topk_groups = 1;
+  torch::Tensor choice_b;
+  float scale = 1.f;
 
   bool empty() const { return gate_up.empty(); }
   // the widest intermediate of its experts (buffers)
@@ -38,31 +44,58 @@ struct Experts {
 
 // Each row's top-k experts and weights (ids, w: [T, k]) from its normed input h [T, H].
 void route(const Experts& X, const float* h, int64_t T, int64_t H, int64_t* ids, float* w) {
-  const int64_t E = X.router.size(0), k = X.top_k;
+  const int64_t E = X.router.size(0), k = X.top_k, G = X.groups, per = E / G;
   const float* R = X.router.data_ptr<float>();
-  std::vector<float> p(E);
-  std::vector<char> taken(E);
+  const float* rb = X.router_b.numel() > 0 ? X.router_b.data_ptr<float>() : nullptr;
+  const float* cb = X.choice_b.numel() > 0 ? X.choice_b.data_ptr<float>() : nullptr;
+  std::vector<float> p(E), choice(E), gscore(G);
+  std::vector<char> taken(E), open(G);
   for (int64_t t = 0; t < T; t++) {
     float top = -INFINITY, sum = 0.f;
-    const float* rb = X.router_b.numel() > 0 ? X.router_b.data_ptr<float>() : nullptr;
     for (int64_t e = 0; e < E; e++) {
       p[e] = dot_f32(h + t * H, R + e * H, H) + (rb ? rb[e] : 0.f);
       top = std::max(top, p[e]);
     }
-    for (int64_t e = 0; e < E; e++) { p[e] = std::exp(p[e] - top); sum += p[e]; }
-    std::fill(taken.begin(), taken.end(), 0);
+    if (X.scoring == 1) {
+      for (int64_t e = 0; e < E; e++) p[e] = 1.f / (1.f + std::exp(-p[e]));
+    } else {
+      for (int64_t e = 0; e < E; e++) { p[e] = std::exp(p[e] - top); sum += p[e]; }
+      for (int64_t e = 0; e < E; e++) p[e] = p[e] / sum;
+    }
+    for (int64_t e = 0; e < E; e++) choice[e] = cb ? p[e] + cb[e] : p[e];
+    std::fill(open.begin(), open.end(), 1);
+    if (G > 1) {  // only the topk_groups best groups' experts compete
+      for (int64_t g = 0; g < G; g++) {
+        float a = -INFINITY, b = -INFINITY;  // the group's best and second best
+        for (int64_t e = g * per; e < (g + 1) * per; e++) {
+          if (choice[e] > a) { b = a; a = choice[e]; }
+          else if (choice[e] > b) b = choice[e];
+        }
+        gscore[g] = X.scoring == 1 ? a + b : a;
+      }
+      std::fill(open.begin(), open.end(), 0);
+      for (int64_t j = 0; j < X.topk_groups; j++) {
+        int64_t best = -1;
+        for (int64_t g = 0; g < G; g++)
+          if (!open[g] && (best < 0 || gscore[g] > gscore[best])) best = g;
+        open[best] = 1;
+      }
+    }
+    for (int64_t e = 0; e < E; e++) taken[e] = !open[e / per];
     float kept = 0.f;
     for (int64_t j = 0; j < k; j++) {
       int64_t best = -1;
       for (int64_t e = 0; e < E; e++)
-        if (!taken[e] && (best < 0 || p[e] > p[best])) best = e;
+        if (!taken[e] && (best < 0 || choice[e] > choice[best])) best = e;
       taken[best] = 1;
       ids[t * k + j] = best;
-      w[t * k + j] = p[best] / sum;
+      w[t * k + j] = p[best];
       kept += w[t * k + j];
     }
     if (X.norm_topk)
-      for (int64_t j = 0; j < k; j++) w[t * k + j] /= kept;
+      for (int64_t j = 0; j < k; j++) w[t * k + j] /= X.scoring == 1 ? kept + 1e-20f : kept;
+    if (X.scale != 1.f)
+      for (int64_t j = 0; j < k; j++) w[t * k + j] *= X.scale;
   }
 }
 
@@ -136,8 +169,12 @@ void moe_mlp(const Experts& X, const float* h, int64_t T, int64_t H, const Gate&
     product(X.shared[0], h, T, H, gu, 2 * inter);
     for (int64_t t = 0; t < T; t++) gate(gu + t * 2 * inter, inter, ap + t * inter);
     product(X.shared[1], ap, T, inter, o, H);
-    const float* sg = X.shared_gate.data_ptr<float>();
+    const float* sg = X.shared_gate.numel() > 0 ? X.shared_gate.data_ptr<float>() : nullptr;  // DeepSeek's: none
     for (int64_t t = 0; t < T; t++) {
+      if (!sg) {
+        for (int64_t i = 0; i < H; i++) out[t * H + i] += o[t * H + i];
+        continue;
+      }
       const float s = 1.f / (1.f + std::exp(-dot_f32(h + t * H, sg, H)));
       for (int64_t i = 0; i < H; i++) out[t * H + i] += s * o[t * H + i];
     }
