@@ -59,8 +59,8 @@ class MoE(nn.Module):
                     experts_gate_up=[kernels.matrix(m.weight) for m in self.gate_up],
                     experts_down=[kernels.matrix(m.weight) for m in self.down], top_k=self.top_k,
                     norm_topk=self.norm_topk_prob, shared=[kernels.matrix(m.weight) for m in shared],
-                    shared_gate=self.shared_gate.detach().float().reshape(-1).contiguous() if self.shared_gate is not None
-                    else torch.empty(0),
+                    shared_gate=torch.empty(0) if self.shared_gate is None
+                    else self.shared_gate.detach().float().reshape(-1).contiguous(),
                     router_b=self.gate_bias.detach().float().contiguous() if self.gate_bias is not None
                     else torch.empty(0),
                     experts_gate_up_b=[m.bias.detach().float().contiguous() for m in self.gate_up
