@@ -52,7 +52,7 @@ FAMILIES = {
     "olmoe": (transformers.OlmoeConfig, dict(num_experts=8, num_experts_per_tok=2, clip_qkv=4.0)),
     # sinks, biases everywhere, alternating windows, YaRN without truncation, the clamped SwiGLU over interleaved halves
     "gpt_oss": (transformers.GptOssConfig, dict(head_dim=16, num_local_experts=4, num_experts_per_tok=2,
-                                                intermediate_size=48, sliding_window=WINDOW, swiglu_limit=2.0,
+                                                intermediate_size=48, sliding_window=WINDOW, swiglu_limit=0.5,
                                                 rope_parameters={"rope_type": "yarn", "factor": 4.0, "beta_fast": 32.0,
                                                                  "beta_slow": 1.0, "truncate": False,
                                                                  "original_max_position_embeddings": 64,
@@ -200,7 +200,7 @@ AS_PUBLISHED = {
     # V2-Lite's plain routing (llama.cpp scores a group by its best two, V2 by its best one); V3 names its gating
     "deepseek_v2": dict(topk_method="greedy", n_group=None, topk_group=None),
     "deepseek_v3": dict(scoring_func="sigmoid"),
-    "gpt_oss": {},
+    "gpt_oss": dict(swiglu_limit=7.0),  # llama.cpp's gpt-oss assumes the published limit (its converter writes none)
 }
 
 
@@ -402,7 +402,8 @@ def test_gpt_oss_mxfp4_experts_load_as_their_blocks_with_transformers_values(tmp
     from transformers.integrations.mxfp4 import convert_moe_packed_tensors
 
     cls, extra = FAMILIES["gpt_oss"]
-    monkeypatch.setitem(FAMILIES, "gpt_oss", (cls, {**extra, "intermediate_size": 64}))  # blocks of 32 both ways
+    monkeypatch.setitem(FAMILIES, "gpt_oss", (cls, {**extra, "intermediate_size": 64,  # blocks of 32 both ways
+                                                    "swiglu_limit": 7.0}))
     path, _ = save_family(tmp_path / "float", "gpt_oss")
     state, g = load_file(path / "model.safetensors"), torch.Generator().manual_seed(8)
     packed = dict(state)
@@ -431,6 +432,7 @@ def test_gpt_oss_mxfp4_experts_load_as_their_blocks_with_transformers_values(tmp
             assert torch.equal(fb.weight.dequantize(), fa.weight)
     prompt = torch.randint(3, 320, (16,), generator=g).tolist()
     (want,), (got,) = (run_paged(m, [prompt[:10]], [prompt[10:]]) for m in (floats, blocks))
-    # the blocks' products take int8 activations (the float model's do not): close, not equal (measured 3.2%, 7 of 8)
-    assert (got - want).abs().mean().item() < 0.06 * want.abs().mean().item()
-    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.75
+    # the blocks' products take int8 activations (the float model's do not), through three sharpened random layers:
+    # close, not equal (measured 6.5% of the mean logit; a wrong nibble order or scale gives errors of order 100%)
+    assert (got - want).abs().mean().item() < 0.12 * want.abs().mean().item()
+    assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.6

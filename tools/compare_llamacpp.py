@@ -74,8 +74,8 @@ def load_reference(path: str, dtype: torch.dtype):
     the checkpoint's own names (the reader and the forward stay transformers')."""
     try:
         return _load_hf(resolve(path), dtype).eval()
-    except ValueError as err:
-        if "is not supported" not in str(err):
+    except (ValueError, TypeError) as err:  # no reader for the architecture; gpt-oss's reader fails on its own
+        if isinstance(err, ValueError) and "is not supported" not in str(err):  # rope.scaling keys (transformers 5.23)
             raise
     import json
     import tempfile
@@ -94,10 +94,35 @@ def load_reference(path: str, dtype: torch.dtype):
             state[stem + "kv_b_proj.weight"] = torch.cat((k.transpose(1, 2), v), 1).reshape(-1, k.shape[1])
         state = {k.replace(".shared_expert.", ".shared_experts."): t for k, t in state.items()}
         hf.update(head_dim=hf["qk_rope_head_dim"], num_key_value_heads=hf["num_attention_heads"])  # HF's reading
+    if hf["model_type"] == "gpt_oss":
+        state = _gpt_oss_names(state, hf)
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(hf))
         save_file({k: t.contiguous() for k, t in state.items()}, Path(d) / "model.safetensors")
+        del state  # one copy of the weights in memory at a time
+        gc.collect()
         return AutoModelForCausalLM.from_pretrained(d, dtype=dtype).eval()
+
+
+def _gpt_oss_names(state: dict, hf: dict) -> dict:
+    """specdec's per-expert names back to gpt-oss's checkpoint: each layer's experts stacked, gate and up
+    interleaved by column ([E, H, 2I]), the router as `mlp.router`."""
+    out = {}
+    for i in range(hf["num_hidden_layers"]):
+        p, E = f"model.layers.{i}.mlp.", hf["num_experts"]
+        gate = [state.pop(f"{p}experts.{e}.gate_proj.weight") for e in range(E)]
+        up = [state.pop(f"{p}experts.{e}.up_proj.weight") for e in range(E)]
+        out[p + "experts.gate_up_proj"] = torch.stack([torch.stack((g, u), 1).flatten(0, 1).T
+                                                       for g, u in zip(gate, up)])
+        gb = [state.pop(f"{p}experts.{e}.gate_proj.bias") for e in range(E)]
+        ub = [state.pop(f"{p}experts.{e}.up_proj.bias") for e in range(E)]
+        out[p + "experts.gate_up_proj_bias"] = torch.stack([torch.stack((g, u), 1).flatten() for g, u in zip(gb, ub)])
+        out[p + "experts.down_proj"] = torch.stack([state.pop(f"{p}experts.{e}.down_proj.weight").T
+                                                    for e in range(E)])
+        out[p + "experts.down_proj_bias"] = torch.stack([state.pop(f"{p}experts.{e}.down_proj.bias")
+                                                         for e in range(E)])
+        out[p + "router.weight"], out[p + "router.bias"] = state.pop(p + "gate.weight"), state.pop(p + "gate.bias")
+    return {**state, **out}
 
 
 def main(argv: list[str] | None = None) -> None:

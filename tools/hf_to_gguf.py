@@ -79,6 +79,8 @@ def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
             w.add_uint32(f"{arch}.expert_shared_feed_forward_length", cfg.shared_expert_intermediate_size)
     if arch == "deepseek2":
         _deepseek_keys(w, hf, cfg)
+    if arch == "gpt-oss" and cfg.swiglu_limit != 7.0:  # llama.cpp's gpt-oss assumes 7; its per-layer clamp key
+        w.add_array(f"{arch}.swiglu_clamp_exp", [float(cfg.swiglu_limit)] * cfg.num_hidden_layers)
     if cfg.sliding_window and arch != "phi3":  # the layers that slide, as a list (llama.cpp's per-layer form)
         w.add_sliding_window(cfg.sliding_window)
         sliding = [t == "sliding_attention" for t in cfg.layer_types]

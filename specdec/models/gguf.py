@@ -1,7 +1,7 @@
 """Load llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict.
 
 Two ways: matrices kept in their own block formats (`keep_blocks`, the native quantized runtime: Q4_0, Q4_1,
-Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, see `quant.FORMATS`; a file with another type, such as
+Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, see `quant.FORMATS`; a file with another type, such as
 Q2_K, Q3_K or the smaller IQ types, is refused naming the tensor, its type and what dequantizing costs), or
 every weight dequantized to floats at load time, for which
 any type that `gguf.quants.dequantize` handles works: F32, F16, BF16, Q4_0, Q4_1, Q5_0, Q5_1, Q8_0,
@@ -232,6 +232,8 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
             SLIDING if (pattern[i] if pattern is not None else i % 2 == 0) else FULL for i in range(layers)])
         if config["rope_scaling"]:  # gpt-oss's YaRN ramp is not cut to whole dimensions (its config's truncate:
             config["rope_scaling"]["truncate"] = False  # false), which the file does not say and ggml always does
+        if (clamp := key("swiglu_clamp_exp", None)) is not None:  # the SwiGLU limit where not llama.cpp's 7
+            config["swiglu_limit"] = _f32(clamp[0] if isinstance(clamp, list) else clamp)
     elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
         pattern = key("attention.sliding_window_pattern", None)  # a file states it (llama.cpp reads none for these)
         config.update(sliding_window=window, layer_types=[

@@ -1,7 +1,8 @@
 """The decoder every family runs: the Llama form (Llama 2/3, SmolLM2, Mistral, Qwen2 with q/k/v bias, Qwen3 with
 q/k norms, sliding windows) and the options other families add to it (`ModelConfig`'s family fields, set by
 `specdec.models.families`): Gemma's GeGLU, sandwich norms, soft-caps and local rotary base, Phi's partial rotary
-and LongRoPE, OLMoE's whole-q/k norms, and mixture-of-experts MLPs (`moe.MoE`).
+and LongRoPE, OLMoE's whole-q/k norms, gpt-oss's sinks, biases and clamped SwiGLU, DeepSeek's latent attention
+(`mla.LatentAttention`), and mixture-of-experts MLPs (`moe.MoE`).
 
 On CPU (inference) every layer, with any of these options, runs as one C++ call (`native`: norm, fused q/k/v, RoPE,
 paged attention with its window, o, the gated MLP or the experts), whatever the weights are stored in (GGUF blocks or

@@ -12,7 +12,8 @@ up-projections absorbed, so the cache holds one latent row per token and every h
 query . key = q_nope . (W_uk c) + q_pe . k_pe: the same scores as decompressing every key, for a cache of
 r + rope numbers a token instead of nH * (nope + rope + v) (576 against 4,096 heads' worth on DeepSeek-V2-Lite).
 The interleaved rotary pairs are de-interleaved before rotating, in queries and keys alike, so their dot products are
-the model's. Every product goes through `kernels.linear` (per head for the absorbed ones), so a row's bits do not
+the model's. This is the reference and the CUDA path; on CPU the fused native layer runs the same steps (`Latent` in
+`csrc/layer.h`). Every product goes through `kernels.linear` (per head for the absorbed ones), so a row's bits do not
 depend on its step's other rows.
 """
 from __future__ import annotations
