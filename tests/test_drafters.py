@@ -347,7 +347,7 @@ def test_quantized_self_refuses_what_the_target_cannot_take(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="112 inputs, not a multiple of q4_0's block of 32"):
         LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "quantized_self"}))
     with pytest.raises(SpecdecError, match=r"unknown quantization 'q2'; choose one of "
-                                           r"\['iq4_nl', 'iq4_xs', 'q4_0', 'q4_1', 'q4_k'"):
+                                           r"\['iq4_nl', 'iq4_xs', 'mxfp4', 'q4_0', 'q4_1', 'q4_k'"):
         LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "quantized_self", "quantization": "q2"}))
 
 

@@ -142,8 +142,8 @@ def test_quantization_on_load(tmp_path_factory):
 
 def test_quantization_errors_name_the_choices(tiny_llama_dir):
     with pytest.raises(SpecdecError, match=r"unknown quantization 'int3'; choose one of "
-                                           r"\['gguf', 'iq4_nl', 'iq4_xs', 'q4_0', "
-                                         r"'q4_1', 'q4_k', 'q5_0', 'q5_1', 'q5_k', 'q6_k', 'q8_0'\]"):
+                                           r"\['gguf', 'iq4_nl', 'iq4_xs', 'mxfp4', 'q4_0', "
+                                           r"'q4_1', 'q4_k', 'q5_0', 'q5_1', 'q5_k', 'q6_k', 'q8_0'\]"):
         LLM(str(tiny_llama_dir), quantization="int3")
     with pytest.raises(SpecdecError, match="is a Hugging Face model: quantize it on load"):
         LLM(str(tiny_llama_dir), quantization="gguf")
