@@ -207,8 +207,9 @@ def test_native_load_keeps_the_files_blocks(tmp_path: Path, arch: str) -> None:
 def test_native_load_names_a_type_it_cannot_compute_on_and_the_cost_of_dequantizing(tmp_path: Path) -> None:
     write_model(tmp_path / "m.gguf", "llama", layers=1, down_types=(Q.Q3_K,))
     with pytest.raises(ValueError, match=r"tensor 'blk\.0\.ffn_down\.weight' is Q3_K, which the native quantized "
-                                         r"runtime does not compute on \(it does Q8_0, Q4_0, .*IQ4_XS\); dequantizing "
-                                         r"the whole model instead costs 0\.00 GB in float32 \(\d+\.\dx the file's"):
+                                         r"runtime does not compute on \(it does Q8_0, Q4_0, .*IQ4_XS, MXFP4\); "
+                                         r"dequantizing the whole model instead costs 0\.00 GB in float32 "
+                                         r"\(\d+\.\dx the file's"):
         load_gguf(tmp_path / "m.gguf", keep_blocks=True)
 
 

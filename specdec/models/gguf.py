@@ -202,7 +202,7 @@ def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch in ("qwen2", "qwen2moe") or "blk.0.attn_q.bias" in tensors,
+        "attention_bias": arch in ("qwen2", "qwen2moe", "gpt-oss"),
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
     }
