@@ -132,7 +132,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
                     "read per token; dtype='bfloat16' halves it)")
             rows, first = tensor.data.reshape(-1, tensor.data.shape[-1]), 0
             for hf_name, part in parts:
-                weights = QuantWeight.from_gguf(rows[first:first + part[0]], tensor.tensor_type, part[1])
+                weights = QuantWeight.from_mapping(rows[first:first + part[0]], tensor.tensor_type, part[1])
                 first += part[0]
                 if permuted:
                     order = _unpermute_qk(np.arange(part[0]), heads)

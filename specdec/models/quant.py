@@ -15,6 +15,9 @@ row is computed independently of the others, so speculative output equals plain 
 """
 from __future__ import annotations
 
+import ctypes
+import mmap
+import warnings
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -65,7 +68,9 @@ class QuantWeight:
 
     parts: list[tuple[torch.Tensor, BlockFormat]]
     in_features: int
+    mapped: bool = False  # every part is a view of a read-only file mapping (`from_mapping`), not memory of ours
     _matrix: object = field(default=None, repr=False, compare=False)
+    _rows: object = field(default=None, repr=False, compare=False)
     _dense: torch.Tensor | None = field(default=None, repr=False, compare=False)
 
     @property
@@ -92,6 +97,17 @@ class QuantWeight:
         return cls([(torch.from_numpy(rows), fmt)], in_features)
 
     @classmethod
+    def from_mapping(cls, data: np.ndarray, ggml: GGMLQuantizationType, in_features: int) -> QuantWeight:
+        """data: a read-only view of a mapped file's tensor, [rows, row_bytes] uint8, kept as a view: the file's
+        pages are read while the kernels interleave them and then given back (`matrix`), so a loaded model holds
+        one copy of its weights, not two."""
+        fmt = BY_GGML[ggml]
+        with warnings.catch_warnings():  # never written: torch's warning about a read-only buffer does not apply
+            warnings.filterwarnings("ignore", "The given NumPy array is not writable")
+            rows = torch.from_numpy(data.reshape(-1, in_features // fmt.block * fmt.bytes))
+        return cls([(rows, fmt)], in_features, mapped=True)
+
+    @classmethod
     def quantize(cls, weight: torch.Tensor, name: str) -> QuantWeight:
         """Quantize a float matrix [out, in] into format `name` (ggml's reference quantizers, `quantizers`)."""
         fmt = FORMATS[name]
@@ -100,17 +116,11 @@ class QuantWeight:
 
     @classmethod
     def cat(cls, weights: list[QuantWeight]) -> QuantWeight:
-        """Stack matrices by rows (q/k/v, gate/up); neighbouring parts of one format are merged."""
+        """Stack matrices by rows (q/k/v, gate/up). The parts stay as they are, not copied into one: a mapped
+        file's views stay views (each part of 8k rows is interleaved alike either way)."""
         if len({w.in_features for w in weights}) != 1:
             raise ValueError("cannot fuse matrices with different input sizes")
-        parts: list[tuple[torch.Tensor, BlockFormat]] = []
-        for w in weights:
-            for data, fmt in w.parts:
-                if parts and parts[-1][1] == fmt:
-                    parts[-1] = (torch.cat([parts[-1][0], data]), fmt)
-                else:
-                    parts.append((data, fmt))
-        return cls(parts, weights[0].in_features)
+        return cls([p for w in weights for p in w.parts], weights[0].in_features, all(w.mapped for w in weights))
 
     def permute_rows(self, order: torch.Tensor) -> QuantWeight:
         """Rows in a new order (undoing convert_hf_to_gguf's q/k permutation); one part only."""
@@ -133,7 +143,10 @@ class QuantWeight:
         """Rows (token ids, for an embedding) as float32 [len(rows), in_features]."""
         rows = torch.as_tensor(rows)
         if rows.device.type == "cpu" and native.available():
-            return native.ops().dequantize_rows(self.matrix(), rows)
+            if self._matrix is None and self._rows is None:  # an embedding only: no interleaved copy
+                self._rows = native.ops().QMatrix([d for d, _ in self.parts], [f.kernel_id for _, f in self.parts],
+                                                  self.in_features, interleave=False)
+            return native.ops().dequantize_rows(self._rows if self._matrix is None else self._matrix, rows)
         return self.dense(rows.device)[rows]
 
     def linear(self, x: torch.Tensor, bias: torch.Tensor | None = None) -> torch.Tensor:
@@ -158,7 +171,24 @@ class QuantWeight:
         if self._matrix is None:
             self._matrix = native.ops().QMatrix([d for d, _ in self.parts], [f.kernel_id for _, f in self.parts],
                                                 self.in_features)
+            if self.mapped:  # the kernels read their interleaved copy; the file's pages are read again only
+                for data, _ in self.parts:  # for the rows left over from groups of 8 (and embedding rows)
+                    release_pages(data)
         return self._matrix
+
+
+_libc = ctypes.CDLL(None, use_errno=True)
+_MADV_DONTNEED = 4
+
+
+def release_pages(view: torch.Tensor) -> None:
+    """Give back the resident pages of a view of a read-only file mapping (madvise DONTNEED on the whole pages it
+    spans): they stop counting towards this process's memory and are read again from the page cache if touched.
+    Only for file mappings: on memory of our own, DONTNEED would discard the data."""
+    start, end = view.data_ptr(), view.data_ptr() + view.numel() * view.element_size()
+    first, last = -(-start // mmap.PAGESIZE) * mmap.PAGESIZE, end // mmap.PAGESIZE * mmap.PAGESIZE
+    if last > first:
+        _libc.madvise(ctypes.c_void_p(first), ctypes.c_size_t(last - first), _MADV_DONTNEED)
 
 
 def check_quantizable(name: str, shape: tuple[int, ...], what: str) -> None:
