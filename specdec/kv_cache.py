@@ -65,6 +65,10 @@ class KVPool:
         # empty, not zeros: on CPU untouched pages cost no memory. Only the null block is ever read
         # before being written (by padding queries), so only it must hold finite values.
         self.block_size = block_size
+        # How far back a query reads: the widest window when every layer has one (a key further back than that
+        # is never read again), 0 when some layer sees every key.
+        windows = [cfg.window(i) if hasattr(cfg, "window") else 0 for i in range(cfg.num_hidden_layers)]
+        self.reach = max(windows) if windows and min(windows) > 0 else 0
         self.k = [pool_tensor(shape, dtype, device) for _ in range(cfg.num_hidden_layers)]
         self.v = [pool_tensor(v_shape, dtype, device) if v_shape[-1] else torch.empty(v_shape, dtype=dtype,
                                                                                       device=device)
@@ -177,7 +181,32 @@ class BlockAllocator:
     def free(self, table: BlockTable) -> None:
         self.truncate(table, 0)
 
+    @property
+    def reach(self) -> int:
+        """How many positions back any pool's query reads (every layer of every pool windowed); 0: unbounded."""
+        reaches = [pool.reach for pool in self.pools]
+        return max(reaches) if reaches and min(reaches) > 0 else 0
+
+    def release_behind(self, table: BlockTable, num_tokens: int) -> None:
+        """Free the blocks no query can read again once the first `num_tokens` tokens are committed: the next
+        query is at position num_tokens or later, and reads keys after position - reach (a sliding window on every
+        layer of every pool over these blocks). The table keeps the null block in their place, so positions still
+        map to table entries (a window masks them). With prefix caching only blocks already keyed are released:
+        they stay in the cache for a request with the same prefix, and no entry is keyed twice."""
+        reach = self.reach
+        if not reach:
+            return
+        behind = (num_tokens - reach + 1) // self.block_size  # blocks wholly before the first readable position
+        if self.enable_prefix_caching:
+            behind = min(behind, len(table.keys))
+        for b in range(min(behind, len(table.blocks))):
+            if table.blocks[b] != NULL_BLOCK:
+                self._release(table.blocks[b])
+                table.blocks[b] = NULL_BLOCK
+
     def _release(self, block: int) -> None:
+        if block == NULL_BLOCK:  # an entry a window left behind (`release_behind`)
+            return
         self.ref_count[block] -= 1
         if self.ref_count[block] == 0:
             if block in self.key_of:

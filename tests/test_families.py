@@ -436,3 +436,25 @@ def test_gpt_oss_mxfp4_experts_load_as_their_blocks_with_transformers_values(tmp
     # close, not equal (measured 6.5% of the mean logit; a wrong nibble order or scale gives errors of order 100%)
     assert (got - want).abs().mean().item() < 0.12 * want.abs().mean().item()
     assert (got.argmax(-1) == want.argmax(-1)).float().mean().item() >= 0.6
+
+
+@needs_native
+@pytest.mark.parametrize("spec", ["off", {"method": "ngram", "num_speculative_tokens": 4, "dispatch": {"1": "chain"}}])
+def test_blocks_behind_every_layers_window_are_freed_and_output_stays_exact(tmp_path, spec):
+    """Mistral with an 8-token window on every layer, blocks of 4: four 60-token sequences at once need 60 blocks
+    with the whole context kept, but only the blocks their windows still reach (about 4 each) when the rest are
+    freed. In 25 blocks they run without a preemption, give the tokens of a run with blocks to spare, and give
+    every block back; prefix caching still hits on a repeated prompt."""
+    path, _ = save_family(tmp_path, "mistral-window")
+    g = torch.Generator().manual_seed(3)
+    prompts = [{"prompt_token_ids": torch.randint(3, 320, (20,), generator=g).tolist()} for _ in range(4)]
+    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
+    ample = [o.token_ids for o in LLM(str(path), speculative_config="off", block_size=4).generate(prompts, params)]
+    llm = LLM(str(path), speculative_config=spec, block_size=4, num_kv_blocks=25, max_num_seqs=4)
+    assert [o.token_ids for o in llm.generate(prompts, params)] == ample
+    engine = llm.engine
+    assert engine.scheduler.num_preemptions == 0 and engine.allocator.num_used == 0
+    for _ in range(2):  # the prompt's blocks, freed behind the window, are still cached for the second run
+        hits = engine.allocator.prefix_hit_tokens
+        assert [o.token_ids for o in llm.generate(prompts[:1], params)] == ample[:1]
+    assert engine.allocator.prefix_hit_tokens - hits == 16 and engine.allocator.num_used == 0

@@ -29,6 +29,48 @@ def test_allocate_grow_truncate_free():
     assert t.blocks == [] and alloc.num_free == 5
 
 
+class _Windowed:
+    """A pool whose every layer reads `reach` positions back (only what the allocator asks of a pool)."""
+
+    def __init__(self, reach: int) -> None:
+        self.reach = reach
+
+    def fill(self, blocks: list[int], value: float) -> None:  # the debug fill has no tensors to fill here
+        pass
+
+
+@pytest.mark.parametrize("caching", [False, True])
+def test_blocks_no_window_reaches_are_freed_and_keep_their_place(caching):
+    """Window 6, blocks of 4: with 13 tokens committed the next query (position 13) reads positions 8.. only, so
+    blocks 0 and 1 (positions 0-7) are freed and the table keeps the null block in their place; a pool that sees
+    every key (a full layer, a draft head) frees nothing. With prefix caching a released block stays keyed for a
+    request with the same prefix, and only keyed blocks are released."""
+    alloc = BlockAllocator(num_blocks=10, block_size=4, enable_prefix_caching=caching)
+    alloc.pools.append(_Windowed(6))
+    t, ids = BlockTable(), list(range(100, 116))
+    alloc.allocate(t, 14)
+    held = list(t.blocks)
+    alloc.release_behind(t, 12)  # next query at 12 reads 7..: only block 0 is behind
+    assert t.blocks[0] == NULL_BLOCK if not caching else t.blocks == held  # nothing keyed yet
+    alloc.register(t, ids, 13)
+    alloc.release_behind(t, 13)
+    assert t.blocks == [NULL_BLOCK, NULL_BLOCK, *held[2:]] and alloc.num_free == 9 - 2
+    if caching:
+        assert list(alloc.evictable) == held[:2]  # kept for a later request with this prefix
+        other = BlockTable()
+        assert alloc.admit(other, ids, max_new=16) == 12 and other.blocks[:2] == held[:2]
+        alloc.free(other)
+    alloc.truncate(t, 9)  # a rewind past the kept blocks only
+    assert t.blocks == [NULL_BLOCK, NULL_BLOCK, held[2]]
+    alloc.free(t)
+    assert t.blocks == [] and alloc.num_free == 9 and alloc.ref_count == [0] * 10
+    alloc.pools.append(_Windowed(0))  # a pool whose layers see every key
+    alloc.allocate(t, 14)
+    alloc.register(t, ids, 14)
+    alloc.release_behind(t, 14)
+    assert NULL_BLOCK not in t.blocks
+
+
 def test_out_of_blocks_is_refused_without_side_effects():
     alloc = BlockAllocator(num_blocks=3, block_size=4)
     t = BlockTable()

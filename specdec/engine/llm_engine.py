@@ -149,7 +149,7 @@ class LLMEngine:
     def _finish(self, seq: Sequence, reason: str | None = None) -> None:
         if self.speculator is not None:  # a feature drafter's K/V follows it to the end, for the prefix cache
             self.speculator.catch_up([seq], final=True)
-        self._register_prefix(seq)  # its full blocks outlive it in the prefix cache
+        self._settle_blocks(seq)  # its full blocks outlive it in the prefix cache
         self.outputs.finished(seq)
         self.scheduler.finish(seq, reason)
         if self.speculator is not None:
@@ -248,7 +248,7 @@ class LLMEngine:
         if self.speculator is not None:
             self.speculator.catch_up(running)
         for seq in running:
-            self._register_prefix(seq)
+            self._settle_blocks(seq)
         return updates
 
     def _update(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestUpdate:
@@ -392,16 +392,16 @@ class LLMEngine:
         finally:
             self.speculator.trace = None
 
-    def _register_prefix(self, seq: Sequence) -> None:
-        """Offer the sequence's full blocks to the prefix cache, up to where both the target's K/V and the
-        drafter's (when it keeps any in the shared blocks) hold committed tokens."""
-        if not self.allocator.enable_prefix_caching:
-            return
+    def _settle_blocks(self, seq: Sequence) -> None:
+        """Offer the sequence's full blocks to the prefix cache and free those its windows left behind, up to
+        where both the target's K/V and the drafter's (when it keeps any in the shared blocks) hold committed
+        tokens."""
         n = min(seq.num_cached, len(seq.token_ids))
         if self.speculator is not None:
             drafted = self.speculator.cached_prefix(seq)
             n = n if drafted is None else min(n, drafted)
         self.allocator.register(seq.block_table, seq.token_ids, n)
+        self.allocator.release_behind(seq.block_table, n)
 
     def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
         """Append tokens until a stop condition; finish the sequence if one fired. A structured request whose
