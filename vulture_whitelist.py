@@ -24,7 +24,7 @@ _.cancelled, _.no_auth
 bos_token_id, extra_tokens
 
 # Public helpers: the path to the head shipped for the built-in model (for users and the tests), the distinct
-# instruction sets the native kernels build for (their tests run each; models/native.py)
+# instruction sets the native kernels build for (their tests run each; models/cpu/native.py)
 shipped_head, distinct_isas
 
 # Public API read by users and tests only: a speculative config as the flat dict `parse` reads back (registry.py);

@@ -10,7 +10,7 @@ from pathlib import Path
 
 from specdec.config import SpecdecError
 from specdec.drafting.registry import registered_methods
-from specdec.models.head_formats import FORMATS, WRITES
+from specdec.models.heads.formats import FORMATS, WRITES
 from specdec.models.loader import DEFAULT_MODEL
 
 # prompt sets of the package kept for measuring: never answered for training nor trained on
@@ -333,7 +333,7 @@ def cmd_generate(args: argparse.Namespace) -> None:
 
 
 def cmd_convert_head(args: argparse.Namespace) -> None:
-    from specdec.models.head_formats import find_method, read_head, write_head
+    from specdec.models.heads.formats import find_method, read_head, write_head
 
     method = args.method or find_method(args.src)
     ckpt = read_head(args.src, method)

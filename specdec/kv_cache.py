@@ -27,8 +27,8 @@ import numpy as np
 import torch
 
 from specdec.config import ModelConfig
-from specdec.models import native
-from specdec.models.attention import AttentionMetadata
+from specdec.models.blocks.attention import AttentionMetadata
+from specdec.models.cpu import native
 
 NULL_BLOCK = 0
 # Tests set SPECDEC_KV_FILL=nan: every block an allocation hands out is first filled with NaN in every pool over

@@ -15,7 +15,7 @@ import numpy as np
 import torch
 
 from specdec.config import SamplingParams
-from specdec.models import native
+from specdec.models.cpu import native
 
 
 @dataclass

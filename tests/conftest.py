@@ -29,7 +29,7 @@ import transformers
 from torch.utils._python_dispatch import TorchDispatchMode
 
 os.environ["SPECDEC_KV_FILL"] = "nan"  # before any engine is built; see specdec.kv_cache.FILL_ENV
-# before the kernels are built (needs_native, below); see specdec.models.native.cache_dir
+# before the kernels are built (needs_native, below); see specdec.models.cpu.native.cache_dir
 os.environ["SPECDEC_CACHE"] = str(Path(tempfile.gettempdir()) / f"specdec-tests-{os.getuid()}")
 
 CHAT_TEMPLATE = ("{% for m in messages %}<|{{ m['role'] }}|>{{ m['content'] }}<|end|>{% endfor %}"
@@ -104,7 +104,7 @@ def every_step(config):
 
 
 def native_available() -> bool:
-    from specdec.models import native
+    from specdec.models.cpu import native
 
     return native.available()
 

@@ -11,8 +11,8 @@ import transformers
 from conftest import assert_logprobs_equal, every_step, needs_default_model, sequence_inputs
 
 from specdec import LLM, SamplingParams
+from specdec.models.formats.quant import QuantWeight
 from specdec.models.loader import HEADS_DIR, resolve
-from specdec.models.quant import QuantWeight
 
 pytestmark = needs_default_model
 
@@ -207,8 +207,8 @@ def random_heads(llm, tmp_path_factory) -> dict[str, str]:
     their drafts are mostly rejected, which exercises every rejection path on real weights."""
     import dataclasses
 
-    from specdec.models.eagle import EagleHead
-    from specdec.models.medusa import MedusaHeads
+    from specdec.models.heads.eagle import EagleHead
+    from specdec.models.heads.medusa import MedusaHeads
 
     target, g = llm.engine.model, torch.Generator().manual_seed(0)
     heads = {"eagle": EagleHead(dataclasses.replace(target.config, num_hidden_layers=2), target, "eagle"),

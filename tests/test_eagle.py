@@ -11,7 +11,7 @@ import torch
 from conftest import assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.models.eagle import EagleHead
+from specdec.models.heads.eagle import EagleHead
 from specdec.training.targets import target_outputs
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
@@ -47,7 +47,7 @@ def serving_forward(head, target, ids: list[int]) -> torch.Tensor:
     """The head over a whole sequence through the serving path (paged cache, fused kernels): row t reads the
     target's feature of token t and the embedding of token t + 1."""
     from specdec.kv_cache import KVPool
-    from specdec.models.attention import AttentionMetadata
+    from specdec.models.blocks.attention import AttentionMetadata
 
     features, _, _ = target_outputs(target, ids, head.aux_layers)
     T, bs, dev = len(ids) - 1, 16, target.device

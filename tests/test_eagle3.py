@@ -11,7 +11,7 @@ from conftest import NEAR_TIE, assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.eagle import EagleDrafter
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.heads.eagle3 import Eagle3Head
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
@@ -188,7 +188,7 @@ def test_dynamic_tree_paths_are_the_heads_most_probable(target_dir, head_dir):
 def test_a_head_computes_on_blocks_when_the_target_does(tmp_path_factory, quantization, expected):
     """By default ("auto") a head drafting for a target on quantized blocks is quantized to q8_0 (the same
     acceptance as float32 at about half the draft time); "none" keeps its float weights; output equals plain."""
-    from specdec.models.quant import QuantWeight
+    from specdec.models.formats.quant import QuantWeight
 
     target = save_tiny_model(tmp_path_factory.mktemp("blocks"), "llama", num_hidden_layers=4, intermediate_size=128)
     plain = LLM(str(target), quantization="q8_0", speculative_config="off")
@@ -210,7 +210,7 @@ def test_the_native_draft_step_gives_the_op_by_op_steps_bits(tmp_path_factory, q
     thread team for a few rows, a parallel region per product above): the same output rows and draft tokens as
     `forward`, `compute_logits` and argmax one op at a time, from features (a catch-up) and from the head's own
     output (a chain's next step), in a head cache written either way."""
-    from specdec.models import native
+    from specdec.models.cpu import native
 
     target = save_tiny_model(tmp_path_factory.mktemp("step"), "llama", num_hidden_layers=4, intermediate_size=128)
     plain = LLM(str(target), quantization="q8_0", speculative_config="off")

@@ -335,7 +335,7 @@ def _mtp_reference(path: Path, mtp: dict, features: torch.Tensor, next_ids: list
 def test_deepseeks_mtp_module_drafts_as_its_formula_says(tmp_path, planted):
     """The MTP head loaded from the model's own files gives, row by row through the paged cache, the logits of the
     module written out with transformers' DeepSeek-V3 layer; with its two inputs swapped (a planted bug) it does not."""
-    from specdec.models.eagle import EagleHead
+    from specdec.models.heads.eagle import EagleHead
 
     path, _ = save_family(tmp_path, "deepseek_v3")
     mtp = _with_mtp_layer(path)

@@ -16,7 +16,7 @@ from conftest import MISSING
 from gguf import GGMLQuantizationType as Q
 from gguf.quants import dequantize, quantize
 
-from specdec.models.gguf import load_gguf
+from specdec.models.loader import load_gguf
 
 SMOLLM2_FILE = "SmolLM2-135M-Instruct.Q4_1.gguf"
 # Types gguf-py can quantize in numpy, cycled over the 2-D tensors of the synthetic models.
@@ -194,7 +194,7 @@ def test_llama_gqa_unpermutes_qk_for_every_quant_type(tmp_path: Path, arch: str)
 def test_native_load_keeps_the_files_blocks(tmp_path: Path, arch: str) -> None:
     """keep_blocks: every quantized matrix stays in its blocks (Q/K rows un-permuted as whole rows), and its
     dequantization is exactly what the float load gives."""
-    from specdec.models.quant import QuantWeight
+    from specdec.models.formats.quant import QuantWeight
 
     expected = write_model(tmp_path / "m.gguf", arch, types=(Q.Q8_0, Q.Q4_0, Q.F32, Q.Q4_1, Q.F16))
     _, state_dict = load_gguf(tmp_path / "m.gguf", keep_blocks=True)

@@ -49,7 +49,8 @@ STEPS = {
 @pytest.mark.parametrize("name", list(STEPS))
 def test_a_padded_bucket_gives_every_row_what_the_step_gives_it(model_dir, monkeypatch, native, name):
     if not native:  # the torch ops a GPU runs
-        from specdec.models import kernels, llama
+        from specdec.models import llama
+        from specdec.models.blocks import kernels
         for module in (kernels, llama):
             monkeypatch.setattr(module, "on_native", lambda *tensors: False)
     feeds, parents = STEPS[name]

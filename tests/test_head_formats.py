@@ -18,8 +18,8 @@ from test_eagle import target, target_dir  # noqa: F401  module fixtures of thei
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.cli import main
 from specdec.drafting.eagle import EagleDrafter
-from specdec.models.eagle3 import Eagle3Head, Eagle3Variant
-from specdec.models.head_formats import read_head, write_head
+from specdec.models.heads.eagle3 import Eagle3Head, Eagle3Variant
+from specdec.models.heads.formats import read_head, write_head
 from specdec.models.loader import shipped_head
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
@@ -265,7 +265,7 @@ def test_refused_options_and_tensors_are_named(target_dir, target, tmp_path):
 
 
 def test_medusa_reference_pickle_and_vllm_layout_load_as_the_safetensors_head(target_dir, target, tmp_path):
-    from specdec.models.medusa import MedusaHeads
+    from specdec.models.heads.medusa import MedusaHeads
 
     g = torch.Generator().manual_seed(0)
     heads = MedusaHeads(2, 1, 64, target.config.vocab_size, None)
@@ -330,7 +330,7 @@ def test_mtp_layers_inside_a_gguf_are_read_and_the_model_loads_without_them(tmp_
     import gguf
     from test_gguf import write_model
 
-    from specdec.models.gguf import load_gguf
+    from specdec.models.loader import load_gguf
 
     H, heads, kv_heads, D = 64, 4, 2, 16
     rng = np.random.default_rng(0)

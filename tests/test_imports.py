@@ -17,6 +17,8 @@ LEAVES = ("specdec.serving.api", "specdec.serving.plans", "specdec.serving.opena
           "specdec.bench")
 FROM_DRAFTING = ("specdec.drafting", "specdec.engine", "specdec.llm", "specdec.serving", *LEAVES, "specdec.cli")
 ABOVE_MODELS = ("specdec.kv_cache", "specdec.structured", "specdec.sampling", "specdec.verify", *FROM_DRAFTING)
+MODELS_ORDER = ("cpu", "formats", "blocks", "families", "llama", "heads", "parallel", "quantize", "loader")
+MODELS_ABOVE = {m: tuple(f"specdec.models.{n}" for n in MODELS_ORDER[i + 1:]) for i, m in enumerate(MODELS_ORDER)}
 
 
 def module_name(path: Path) -> str:
@@ -57,6 +59,14 @@ def test_the_walk_sees_the_whole_package():
     ("specdec.config", ("specdec.models", *ABOVE_MODELS)),
     ("specdec.tree", ("specdec.models", *ABOVE_MODELS)),
     ("specdec.models", ABOVE_MODELS),
+    # inside models, by concept from the ground up: the native kernels, the block formats and GGUF, the shared
+    # blocks, the families, the decoder, the heads, the loader
+    ("specdec.models.cpu", MODELS_ABOVE["cpu"]),
+    ("specdec.models.formats", MODELS_ABOVE["formats"]),
+    ("specdec.models.blocks", MODELS_ABOVE["blocks"]),
+    ("specdec.models.families", MODELS_ABOVE["families"]),
+    ("specdec.models.llama", MODELS_ABOVE["llama"]),
+    ("specdec.models.heads", MODELS_ABOVE["heads"]),
     ("specdec.kv_cache", ABOVE_MODELS[1:]),  # the models do not import it either (models.attention.KVLayers)
     ("specdec.structured", FROM_DRAFTING),
     ("specdec.structured.grammar", ("specdec.structured.xgrammar_backend", "specdec.structured.llguidance_backend")),

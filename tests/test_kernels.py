@@ -8,7 +8,8 @@ import torch
 import torch.nn.functional as F
 from conftest import needs_native
 
-from specdec.models import kernels, native
+from specdec.models.blocks import kernels
+from specdec.models.cpu import native
 
 pytestmark = needs_native
 TESTED_ISAS = native.distinct_isas() if native.available() else ["native"]  # as in test_quant.py

@@ -227,7 +227,7 @@ def test_the_native_causal_layout_equals_the_numpy_one(monkeypatch):
     import random
 
     from specdec.kv_cache import paged_inputs
-    from specdec.models import native
+    from specdec.models.cpu import native
     rng = random.Random(0)
     cases = [([[3, 1]], [5], [[7]], 4), ([[2], [4, 6]], [0, 17], [[1, 2, 3], []], 16)]
     for _ in range(40):

@@ -11,7 +11,7 @@ from conftest import assert_greedy_equal, every_step, save_tiny_model
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import DraftRequest
 from specdec.drafting.medusa import MedusaDrafter
-from specdec.models.medusa import MedusaHeads
+from specdec.models.heads.medusa import MedusaHeads
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)

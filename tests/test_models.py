@@ -120,7 +120,8 @@ def test_the_device_forward_compiles_as_one_graph(tmp_path, monkeypatch, feeds, 
     """The forward a GPU runs (torch ops, the C++ kernels off) captured whole by torch.compile(fullgraph=True): a
     graph break or a read back to the host inside it, which would also stop a CUDA graph capture, fails here
     without a GPU. The captured forward computes what the eager one does."""
-    from specdec.models import kernels, llama
+    from specdec.models import llama
+    from specdec.models.blocks import kernels
     from specdec.tree import TreeFeed
 
     for module in (kernels, llama):
@@ -148,7 +149,7 @@ def test_the_stack_in_one_thread_team_gives_the_bits_of_the_layer_by_layer_path(
     way, so decode, verification and tree steps over a cache filled by a prefill give the same hidden states,
     features and logits bit for bit whichever path runs them, and the logits computed in the same call are those
     of `compute_logits`."""
-    from specdec.models import native
+    from specdec.models.cpu import native
 
     path = save_tiny_model(tmp_path, "llama", intermediate_size=128, num_hidden_layers=3)
     model, _ = load_model(path, quantization=quantization)

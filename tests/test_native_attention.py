@@ -10,7 +10,7 @@ import torch
 from conftest import needs_native
 
 from specdec.kv_cache import paged_inputs
-from specdec.models import native
+from specdec.models.cpu import native
 from specdec.tree import TreeFeed
 
 pytestmark = needs_native
@@ -191,8 +191,8 @@ def test_a_build_lock_left_by_a_killed_process_does_not_hang_the_next_load(tmp_p
     lock = native.cache_dir() / "lock"  # what torch's builder leaves when its process is killed
     lock.parent.mkdir(parents=True)
     lock.touch()
-    done = subprocess.run([sys.executable, "-c", "from specdec.models import native; native.ops(); print('loaded')"],
-                          capture_output=True, text=True, timeout=600)
+    load = "from specdec.models.cpu import native; native.ops(); print('loaded')"
+    done = subprocess.run([sys.executable, "-c", load], capture_output=True, text=True, timeout=600)
     assert done.stdout.strip() == "loaded", done.stderr[-2000:]
     assert not lock.exists() and list(lock.parent.glob("*.so"))
 

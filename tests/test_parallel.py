@@ -16,9 +16,9 @@ from conftest import (
 
 from specdec import LLM, SamplingParams
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models.formats.quant import QuantWeight
 from specdec.models.loader import shipped_head
 from specdec.models.parallel import TPGroup, local_config, plan, split, take_columns, take_rows
-from specdec.models.quant import QuantWeight
 
 PROMPTS = [[1, 60, 61, 62, 63, 60, 61], [1, 100, 101, 100, 101, 100], [1, 45, 200, 45, 200, 7]]
 

@@ -148,7 +148,7 @@ def eagle3_head_dir(target_dir, path):
 
     import torch
 
-    from specdec.models.eagle3 import Eagle3Head
+    from specdec.models.heads.eagle3 import Eagle3Head
 
     config = LLM(str(target_dir)).engine.model.config
     g = torch.Generator().manual_seed(0)

@@ -8,9 +8,9 @@ import pytest
 import torch
 from conftest import needs_native
 
-from specdec.models import native
-from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
-from specdec.models.quantizers import quantize
+from specdec.models.cpu import native
+from specdec.models.formats.quant import FORMATS, QuantWeight, check_quantizable
+from specdec.models.formats.quantizers import quantize
 
 pytestmark = needs_native
 # every code path this CPU runs (the native build's, then AVX2 and the portable scalar one where they differ)
@@ -217,7 +217,7 @@ _MAPPED_CHILD = r"""
 import sys, numpy as np, torch
 sys.path.insert(0, sys.argv[3])
 from test_quant import random_blocks
-from specdec.models.quant import FORMATS, QuantWeight
+from specdec.models.formats.quant import FORMATS, QuantWeight
 
 def status():
     fields = dict(line.split(":", 1) for line in open("/proc/self/status"))

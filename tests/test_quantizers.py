@@ -1,4 +1,4 @@
-"""specdec.models.quantizers: GGML block bytes that gguf-py's dequantizers read back as the quantized values.
+"""specdec.models.formats.quantizers: GGML block bytes that gguf-py's dequantizers read back as the quantized values.
 
 Three kinds of checks: round-trip error bands on Gaussian and edge rows for every type; exact round trips
 of data already on each format's grid (the scale searches must find it); and packing of random codes,
@@ -12,8 +12,8 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from specdec.models import quantizers
-from specdec.models.quantizers import IQ4_VALUES, SUPPORTED, quantize
+from specdec.models.formats import quantizers
+from specdec.models.formats.quantizers import IQ4_VALUES, SUPPORTED, quantize
 
 # Relative RMS error on N(0, 1) rows; measured values (seed 0) in comments, bounds 15-20% above them.
 GAUSSIAN_BOUND = {

@@ -117,7 +117,7 @@ def test_the_keyed_race_is_one_function_of_key_and_token_on_every_path():
     no multiple of 8) draws the tokens of the tensor version's noise, row by row; the noise is never 0 or infinite
     (u is a float strictly inside (0, 1): its largest value once rounded up to 1, which made E = 0); a vocabulary-wide
     row over many keys follows its distribution (chi-square, 0.999 quantile), the lanes included."""
-    from specdec.models import native
+    from specdec.models.cpu import native
     assert native.available()
     g = torch.Generator().manual_seed(0)
     from specdec.sampling import _uniform
@@ -149,7 +149,7 @@ def test_a_temperature_alone_is_raced_straight_from_the_logits():
     instruction-set build): the token `keyed_sample` draws from softmax(logits / T) with the same key, row by row
     (the vector builds pad the last block, so widths that are no multiple of 8 are covered); -inf logits (a grammar's
     mask) are never drawn; over many keys a row follows softmax(logits / T) (chi-square, 0.999 quantile)."""
-    from specdec.models import native
+    from specdec.models.cpu import native
     from specdec.sampling import keyed_logit_sample
     assert native.available()
     g = torch.Generator().manual_seed(1)

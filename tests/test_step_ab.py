@@ -11,7 +11,7 @@ sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import step_ab  # noqa: E402
 
 from specdec.engine.model_runner import ModelRunner  # noqa: E402
-from specdec.models import native  # noqa: E402
+from specdec.models.cpu import native  # noqa: E402
 
 pytestmark = [needs_native, needs_default_model]
 

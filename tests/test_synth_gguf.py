@@ -11,7 +11,7 @@ from conftest import MISSING
 from gguf import GGUFReader
 from gguf.constants import GGMLQuantizationType as T
 
-from specdec.models.gguf import load_gguf
+from specdec.models.loader import load_gguf
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "tools"))
 import synth_gguf  # noqa: E402

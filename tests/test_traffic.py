@@ -17,9 +17,9 @@ from test_server import serving
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.cli import main
-from specdec.models.eagle import EagleHead
-from specdec.models.eagle3 import Eagle3Head
-from specdec.models.head_files import init_random
+from specdec.models.heads.eagle import EagleHead
+from specdec.models.heads.eagle3 import Eagle3Head
+from specdec.models.heads.files import init_random
 from specdec.models.loader import model_fingerprint
 from specdec.serving.traffic import TrafficRecorder, read_traffic
 
@@ -210,7 +210,7 @@ def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads)
 def test_reload_draft_prepares_the_head_as_a_fresh_load(target_dir, heads):
     """On a target computing on q8_0 blocks the reloaded head is quantized to q8_0 like the first ("auto") and
     drafts through its own native step; a hybrid's head source swaps too; a server without a head says why."""
-    from specdec.models.quant import QuantWeight
+    from specdec.models.formats.quant import QuantWeight
 
     quantized = LLM(str(target_dir), quantization="q8_0", speculative_config="off")
     reference = [o.token_ids for o in quantized.generate(PROMPTS, greedy(16))]

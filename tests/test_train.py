@@ -12,8 +12,8 @@ from conftest import gloo_threads_at_exit, gloo_threads_left, save_tiny_model
 from specdec import LLM, SamplingParams
 from specdec.cli import main
 from specdec.kv_cache import KVPool
-from specdec.models.attention import AttentionMetadata
-from specdec.models.eagle3 import Eagle3Head, default_aux_layers
+from specdec.models.blocks.attention import AttentionMetadata
+from specdec.models.heads.eagle3 import Eagle3Head, default_aux_layers
 from specdec.training.losses import head_loss
 from specdec.training.targets import target_outputs
 

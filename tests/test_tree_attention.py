@@ -5,8 +5,8 @@ import pytest
 import torch
 import torch.nn.functional as F
 
-from specdec.models.attention import _sdpa
-from specdec.models.tree_attention import attention_with_lse, merge_attention, paged_tree_attention
+from specdec.models.blocks.attention import _sdpa
+from specdec.models.blocks.tree_attention import attention_with_lse, merge_attention, paged_tree_attention
 
 HQ, HKV, D, BLOCK = 6, 2, 16, 4
 SCALE = D ** -0.5
@@ -192,7 +192,7 @@ def test_engine_tree_layouts_split_into_prefix_and_suffix_match_the_full_mask():
     """What the model runs: ModelRunner lays out verification trees (and a chain beside them) over the
     paged cache; attention split into prefix + tree suffix equals attention with the full explicit mask."""
     from specdec.kv_cache import BlockAllocator, BlockTable, paged_inputs
-    from specdec.models.attention import paged_attention
+    from specdec.models.blocks.attention import paged_attention
     from specdec.tree import TreeFeed
 
     gen = torch.Generator().manual_seed(4)
@@ -223,7 +223,7 @@ def test_a_tree_level_never_reads_slots_not_fed_yet(fed):
     later levels (and of leaves nobody expands) still hold whatever the pool held, NaN included. They must
     add exactly nothing: the result equals attention over a pool where those slots hold zeros."""
     from specdec.kv_cache import paged_inputs
-    from specdec.models.attention import paged_attention
+    from specdec.models.blocks.attention import paged_attention
     from specdec.tree import TreeFeed
 
     gen = torch.Generator().manual_seed(5)

@@ -84,7 +84,7 @@ def load_reference(path: str, dtype: torch.dtype):
     from safetensors.torch import save_file
     from transformers import AutoModelForCausalLM
 
-    from specdec.models.gguf import load_gguf
+    from specdec.models.loader import load_gguf
 
     hf, state = load_gguf(resolve(path).gguf_file, dtype=torch.float32)
     if hf["model_type"].startswith("deepseek"):  # the canonical absorbed pair back to kv_b_proj, shared experts

@@ -6,7 +6,7 @@ type (numpy quantizers, ggml's reference algorithms).
 
 What the tests use to check each family's GGUF path against its Hugging Face path on the same weights, and what
 `tools/compare_llamacpp.py` hands llama.cpp. Its layout is read back from specdec's own loader table
-(`specdec.models.gguf._expected_tensors`), so it is no independent check of that table: comparing its files with
+(`specdec.models.formats.gguf._expected_tensors`), so it is no independent check of that table: comparing its files with
 those of llama.cpp's own converter is (`--check-against FILE`, names, shapes and keys).
 
     python tools/hf_to_gguf.py MODEL_DIR OUT.gguf --type Q8_0
@@ -22,10 +22,10 @@ import numpy as np
 import torch
 from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
 
-from specdec.models import gguf as specdec_gguf
 from specdec.models.families import family_of, load_config
+from specdec.models.formats import gguf as specdec_gguf
+from specdec.models.formats.quantizers import quantize
 from specdec.models.loader import _load_safetensors
-from specdec.models.quantizers import quantize
 
 ARCH = {"llama": "llama", "mistral": "llama", "mixtral": "llama", "qwen2": "qwen2", "qwen3": "qwen3",
         "gemma2": "gemma2", "gemma3_text": "gemma3", "gemma3": "gemma3", "phi3": "phi3", "qwen2_moe": "qwen2moe",
@@ -184,7 +184,7 @@ def write(model_dir: str | Path, out: str | Path, file_type: str = "F32") -> Pat
     arch = ARCH[cfg.model_type]
     state = {k: v.float().numpy() for k, v in family.state(_load_safetensors(model_dir), hf).items()}
     fused = {f"blk.{i}.attn_qkv.weight" for i in range(cfg.num_hidden_layers)} if arch == "phi3" else set()
-    expected = specdec_gguf._expected_tensors({**hf, "model_type": cfg.model_type}, fused)
+    expected = specdec_gguf._expected_tensors(cfg, fused)
     w = GGUFWriter(str(out), arch)
     w.add_name(model_dir.name)
     add_family_keys(w, arch, hf, cfg)

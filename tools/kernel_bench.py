@@ -17,8 +17,8 @@ import time
 
 import torch
 
-from specdec.models import native
-from specdec.models.quant import FORMATS, QuantWeight
+from specdec.models.cpu import native
+from specdec.models.formats.quant import FORMATS, QuantWeight
 
 ROW_COUNTS = (1, 2, 4, 8, 16)
 

@@ -22,8 +22,8 @@ from specdec.config import SamplingParams
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence
 from specdec.kv_cache import BlockAllocator, KVPool
+from specdec.models.blocks.moe import MoE
 from specdec.models.loader import load_model
-from specdec.models.moe import MoE
 
 
 def expert_bytes(moe: MoE) -> float:

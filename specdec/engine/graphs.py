@@ -27,7 +27,7 @@ import numpy as np
 import torch
 
 from specdec.kv_cache import NULL_BLOCK, KVPool, paged_inputs
-from specdec.models.attention import AttentionMetadata
+from specdec.models.blocks.attention import AttentionMetadata
 from specdec.models.llama import LlamaModel
 
 log = logging.getLogger("specdec.engine")

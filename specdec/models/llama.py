@@ -20,14 +20,15 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models import kernels, native
-from specdec.models.attention import AttentionMetadata, KVLayers, paged_attention
-from specdec.models.kernels import linear, on_native
-from specdec.models.layers import Linear, RMSNorm, glu, replace_parameter
-from specdec.models.mla import LatentAttention
-from specdec.models.moe import MoE
-from specdec.models.quant import QuantWeight
-from specdec.models.rotary import rope_tables, rotate
+from specdec.models.blocks import kernels
+from specdec.models.blocks.attention import AttentionMetadata, KVLayers, paged_attention
+from specdec.models.blocks.kernels import linear, on_native
+from specdec.models.blocks.layers import Linear, RMSNorm, glu, replace_parameter
+from specdec.models.blocks.mla import LatentAttention
+from specdec.models.blocks.moe import MoE
+from specdec.models.blocks.rotary import rope_tables, rotate
+from specdec.models.cpu import native
+from specdec.models.formats.quant import QuantWeight
 
 __all__ = ["Linear", "RMSNorm", "DecoderLayer", "LlamaModel", "replace_parameter", "rope_tables"]
 

@@ -19,11 +19,11 @@ from typing import TYPE_CHECKING
 import torch
 
 from specdec.config import ModelConfig, SpecdecError, cache_root
-from specdec.models import native
+from specdec.models.cpu import native
 from specdec.models.families import family_of, load_config
+from specdec.models.formats.quant import QUANTIZE_ON_LOAD, QuantWeight
 from specdec.models.hub import is_hub_id, resolve_hub
 from specdec.models.llama import LlamaModel
-from specdec.models.quant import QUANTIZE_ON_LOAD, QuantWeight
 from specdec.models.quantize import quantize_model
 
 if TYPE_CHECKING:
@@ -142,14 +142,23 @@ def load_weights(src: ModelSource, keep_blocks: bool = False
     """The model's config and its Hugging Face-named state dict (a GGUF's matrices kept in their blocks with
     keep_blocks)."""
     if src.gguf_file is not None:
-        from specdec.models.gguf import load_gguf
-
         hf_config, state = load_gguf(src.gguf_file, keep_blocks=keep_blocks)
     else:
         hf_config = json.loads((src.path / "config.json").read_text())
         family = family_of(hf_config)  # refuses an unknown model_type before reading any weights
         state = family.state(_without_mtp_layers(_load_safetensors(src.path), hf_config), hf_config)
     return load_config(hf_config), state
+
+
+def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_blocks: bool = False
+              ) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
+    """A GGUF file as (hf_config, state_dict) shaped like its family's Hugging Face checkpoint, in the canonical names
+    the decoder loads (`formats.gguf.read_gguf` under the family's rules, then its `gguf_state`). keep_blocks: the
+    quantized matrices stay in their blocks, as views of the mapped file."""
+    from specdec.models.formats.gguf import read_gguf
+
+    hf_config, state = read_gguf(path, load_config, dtype=dtype, keep_blocks=keep_blocks)
+    return hf_config, family_of(hf_config).gguf_state(state, hf_config)
 
 
 def _without_mtp_layers(state: dict[str, torch.Tensor], hf_config: dict) -> dict[str, torch.Tensor]:

@@ -28,7 +28,7 @@ import torch
 import torch.distributed as dist
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models.quant import QuantWeight
+from specdec.models.formats.quant import QuantWeight
 
 if TYPE_CHECKING:
     from specdec.models.llama import LlamaModel

@@ -9,8 +9,8 @@ from __future__ import annotations
 import torch
 from torch import nn
 
+from specdec.models.formats.quant import FORMATS, QuantWeight, check_quantizable
 from specdec.models.llama import Linear, LlamaModel, RMSNorm, replace_parameter
-from specdec.models.quant import FORMATS, QuantWeight, check_quantizable
 
 
 def dense(weight: torch.Tensor | QuantWeight) -> torch.Tensor:

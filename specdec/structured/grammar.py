@@ -27,7 +27,7 @@ from typing import TYPE_CHECKING, Protocol
 import torch
 
 from specdec.config import SpecdecError, StructuredOutput
-from specdec.models import native
+from specdec.models.cpu import native
 from specdec.models.loader import token_codec
 from specdec.sampling import greedy_tokens
 

@@ -10,7 +10,7 @@ import torch
 import torch.nn.functional as F
 
 from specdec.config import SpecdecError
-from specdec.models.kernels import linear
+from specdec.models.blocks.kernels import linear
 from specdec.training.targets import target_outputs
 
 if TYPE_CHECKING:

@@ -21,7 +21,7 @@ def target_outputs(model: LlamaModel, ids: list[int], layers: tuple[int, ...], l
     [T, len(layers) * H], or None without any; the last layer's output before the final norm [T, H];
     logits [T, V], or None with logits=False)."""
     from specdec.kv_cache import KVPool
-    from specdec.models.attention import AttentionMetadata
+    from specdec.models.blocks.attention import AttentionMetadata
 
     T, bs = len(ids), 16
     kv = KVPool(model.config, -(-T // bs) + 1, bs, model.kv_dtype, model.device)

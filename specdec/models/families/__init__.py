@@ -30,6 +30,7 @@ class Family:
     model_types: tuple[str, ...]
     config: Callable[[dict], ModelConfig]  # config.json -> the decoder's shape and options
     state: Callable[[State, dict], State] = lambda state, hf: state  # a checkpoint's names -> the canonical ones
+    gguf_state: Callable[[State, dict], State] = lambda state, hf: state  # the same for a GGUF's (llama.cpp's) state
 
 
 def _families() -> tuple[Family, ...]:

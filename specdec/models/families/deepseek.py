@@ -7,9 +7,9 @@ two, weights renormalized and scaled). Their MTP layers (`num_nextn_predict_laye
 from __future__ import annotations
 
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models.blocks.rotary import yarn_mscale
 from specdec.models.families import Family, State, rope_fields
-from specdec.models.quant import QuantWeight
-from specdec.models.rotary import yarn_mscale
+from specdec.models.formats.quant import QuantWeight
 
 
 def _yarn_scale(rope: dict) -> float:
@@ -76,4 +76,5 @@ def state(state: State, hf: dict) -> State:
     return out
 
 
-FAMILY = Family("deepseek", ("deepseek_v2", "deepseek_v3"), config, state)
+FAMILY = Family("deepseek", ("deepseek_v2", "deepseek_v3"), config, state, gguf_state=state)  # an older
+# GGUF's one kv_b becomes the absorbed pair as a checkpoint's does

@@ -11,7 +11,7 @@ from gguf import GGMLQuantizationType
 
 from specdec.config import ModelConfig
 from specdec.models.families import Family, State, rope_fields
-from specdec.models.quant import QuantWeight
+from specdec.models.formats.quant import QuantWeight
 
 
 def config(hf: dict) -> ModelConfig:

@@ -22,12 +22,13 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models import kernels, native
-from specdec.models.attention import AttentionMetadata, paged_attention
-from specdec.models.kernels import linear, on_native
-from specdec.models.layers import Linear, RMSNorm
-from specdec.models.quant import QuantWeight
-from specdec.models.rotary import rotate
+from specdec.models.blocks import kernels
+from specdec.models.blocks.attention import AttentionMetadata, paged_attention
+from specdec.models.blocks.kernels import linear, on_native
+from specdec.models.blocks.layers import Linear, RMSNorm
+from specdec.models.blocks.rotary import rotate
+from specdec.models.cpu import native
+from specdec.models.formats.quant import QuantWeight
 
 
 def deinterleave(x: torch.Tensor) -> torch.Tensor:

@@ -147,7 +147,7 @@ def _tree_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, met
                 scale: float) -> torch.Tensor:
     """Draft trees the way the Meta report splits them: attention to the cached prefix without a mask,
     attention within the tree region with the small tree mask, merged exactly by log-sum-exp."""
-    from specdec.models.tree_attention import paged_tree_attention
+    from specdec.models.blocks.tree_attention import paged_tree_attention
 
     T, Hq, D = q.shape
     B, S = len(meta.query_lens), max(meta.query_lens)

@@ -15,8 +15,8 @@ from typing import Any
 import torch
 import torch.nn.functional as F
 
-from specdec.models import native
-from specdec.models.quant import QuantWeight
+from specdec.models.cpu import native
+from specdec.models.formats.quant import QuantWeight
 
 # the C++ float formats (csrc/formats.h FormatId) by weight dtype
 FLOAT_KERNEL_IDS = {torch.float32: 10, torch.float16: 11, torch.bfloat16: 12}

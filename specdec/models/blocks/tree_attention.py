@@ -19,7 +19,7 @@ sets are disjoint, `merge_attention` recombines them into exactly the attention 
 (Juravsky et al., 2024; xFormers `merge_attentions`). The expensive part (prefix) needs no tree
 mask, and the part that needs the tree mask is tiny.
 
-Pure torch and device-agnostic; all shapes follow `specdec.models.attention`:
+Pure torch and device-agnostic; all shapes follow `specdec.models.blocks.attention`:
     q:           [B, S, Hq, D]          Hq = G * Hkv (GQA)
     k/v pools:   [num_slots, Hkv, D]    slot = block_id * block_size + offset
 """

@@ -1,7 +1,7 @@
 """What every draft-head checkpoint shares: a directory with config.json and its weights (*.safetensors, or the
 PyTorch pickles the reference implementations publish, read with `weights_only`), or a Hub id resolving to
 one, made for one target's hidden and vocabulary sizes, whose tensors are copied into ours with their names
-and shapes checked. Layouts other than ours are translated by `specdec.models.head_formats`."""
+and shapes checked. Layouts other than ours are translated by `specdec.models.heads.formats`."""
 from __future__ import annotations
 
 import json

@@ -29,9 +29,17 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import quantize
 
 from specdec.config import SpecdecError
-from specdec.models.gguf import _LAYER_TENSORS, _QK_NORM_TENSORS, _dequantize, _f32, _field, _hf_config, _to_torch
-from specdec.models.gguf import _unpermute_qk as unpermute_qk
-from specdec.models.head_files import HeadCheckpoint
+from specdec.models.formats.gguf import (
+    _LAYER_TENSORS,
+    _QK_NORM_TENSORS,
+    _dequantize,
+    _f32,
+    _field,
+    _hf_config,
+    _to_torch,
+)
+from specdec.models.formats.gguf import _unpermute_qk as unpermute_qk
+from specdec.models.heads.files import HeadCheckpoint
 
 _EAGLE3_LAYER = {**_LAYER_TENSORS, "attn_norm_2.weight": "hidden_norm.weight"}
 _EAGLE3_TOP = {"fc.weight": "fc.weight", "output_norm.weight": "norm.weight", "output.weight": "lm_head.weight",

@@ -6,7 +6,7 @@
     out    = M Llama decoder layers (x)                                                             [T, H]
     logits = lm_head(norm(out))                       lm_head: the target's, shared and frozen      [T, V]
 
-Alignment is EAGLE-3's (`specdec/models/eagle3.py`): row t pairs the target's hidden state of token t with the
+Alignment is EAGLE-3's (`specdec/models/heads/eagle3.py`): row t pairs the target's hidden state of token t with the
 embedding of token t + 1 and predicts token t + 2; `out` regresses the target's final hidden state of token
 t + 1, which is why it can be fed back as h_in.
 
@@ -31,11 +31,12 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models.attention import AttentionMetadata, KVLayers
+from specdec.models.blocks.attention import AttentionMetadata, KVLayers
+from specdec.models.blocks.kernels import greedy_with_logprob, linear
 from specdec.models.families import family_of
-from specdec.models.head_files import TensorCopier, check_made_for, init_random
-from specdec.models.head_formats import read_head
-from specdec.models.kernels import greedy_with_logprob, linear
+from specdec.models.formats.quant import QuantWeight
+from specdec.models.heads.files import TensorCopier, check_made_for, init_random
+from specdec.models.heads.formats import read_head
 from specdec.models.llama import (
     DecoderLayer,
     Linear,
@@ -45,7 +46,6 @@ from specdec.models.llama import (
     load_decoder_layer,
     rope_tables,
 )
-from specdec.models.quant import QuantWeight
 
 LAYOUTS = ("eagle", "mtp")
 _MTP_NAMES = {"fc": "eh_proj.", "norm": "shared_head.norm.", "enorm": "enorm.", "hnorm": "hnorm."}  # ours -> DeepSeek

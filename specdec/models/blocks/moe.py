@@ -18,9 +18,9 @@ import torch
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models import kernels
-from specdec.models.kernels import linear
-from specdec.models.layers import Linear, glu
+from specdec.models.blocks import kernels
+from specdec.models.blocks.kernels import linear
+from specdec.models.blocks.layers import Linear, glu
 
 
 class MoE(nn.Module):

@@ -29,11 +29,13 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models import kernels, native
-from specdec.models.attention import AttentionMetadata, KVLayers
-from specdec.models.head_files import HeadCheckpoint, TensorCopier, check_made_for, init_random
-from specdec.models.head_formats import read_head
-from specdec.models.kernels import greedy_with_logprob, linear, on_native
+from specdec.models.blocks import kernels
+from specdec.models.blocks.attention import AttentionMetadata, KVLayers
+from specdec.models.blocks.kernels import greedy_with_logprob, linear, on_native
+from specdec.models.cpu import native
+from specdec.models.formats.quant import QuantWeight
+from specdec.models.heads.files import HeadCheckpoint, TensorCopier, check_made_for, init_random
+from specdec.models.heads.formats import read_head
 from specdec.models.llama import (
     DecoderLayer,
     Linear,
@@ -43,7 +45,6 @@ from specdec.models.llama import (
     load_decoder_layer,
     rope_tables,
 )
-from specdec.models.quant import QuantWeight
 
 
 def default_aux_layers(num_target_layers: int) -> tuple[int, int, int]:

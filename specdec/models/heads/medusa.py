@@ -23,9 +23,9 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig, SpecdecError
-from specdec.models.head_files import check_made_for
-from specdec.models.head_formats import read_head
-from specdec.models.kernels import linear
+from specdec.models.blocks.kernels import linear
+from specdec.models.heads.files import check_made_for
+from specdec.models.heads.formats import read_head
 from specdec.models.llama import Linear, LlamaModel
 
 

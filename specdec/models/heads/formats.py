@@ -29,8 +29,8 @@ from pathlib import Path
 import torch
 
 from specdec.config import SpecdecError
-from specdec.models.head_files import HeadCheckpoint, head_location, read_head_config, read_head_tensors
-from specdec.models.head_gguf import read_gguf_head, write_gguf_head
+from specdec.models.heads.files import HeadCheckpoint, head_location, read_head_config, read_head_tensors
+from specdec.models.heads.gguf import read_gguf_head, write_gguf_head
 
 METHOD_NAMES = {"eagle3": "EAGLE-3", "eagle": "EAGLE", "mtp": "MTP", "medusa": "Medusa"}
 FORMATS = ("specforge", "eagle", "speculators", "medusa", "gguf")

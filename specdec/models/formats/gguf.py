@@ -1,4 +1,5 @@
-"""Load llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict.
+"""Read llama.cpp GGUF checkpoints as a Hugging Face-style config dict and state dict (the loader's `load_gguf`
+adds the family's own conversions: this module knows llama.cpp's names and keys, not the families).
 
 Two ways: matrices kept in their own block formats (`keep_blocks`, the native quantized runtime: Q4_0, Q4_1,
 Q5_0, Q5_1, Q8_0, Q4_K, Q5_K, Q6_K, IQ4_NL, IQ4_XS, MXFP4, see `quant.FORMATS`; a file with another type, such as
@@ -11,6 +12,7 @@ from __future__ import annotations
 
 import math
 import os
+from collections.abc import Callable
 from pathlib import Path
 from typing import Any
 
@@ -20,9 +22,8 @@ from gguf import GGMLQuantizationType, GGUFReader
 from gguf.constants import GGML_QUANT_SIZES
 from gguf.quants import dequantize
 
-from specdec.config import FULL, SLIDING
-from specdec.models.families import load_config
-from specdec.models.quant import BY_GGML, FORMATS, QuantWeight
+from specdec.config import FULL, SLIDING, ModelConfig
+from specdec.models.formats.quant import BY_GGML, FORMATS, QuantWeight
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
@@ -89,9 +90,10 @@ class _Reader(GGUFReader):
         self._buffer = value.view(np.ndarray)
 
 
-def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_blocks: bool = False
-              ) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
-    """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint.
+def read_gguf(path: str | os.PathLike, config_of: Callable[[dict], ModelConfig], dtype: torch.dtype = torch.float32,
+              keep_blocks: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
+    """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint. config_of: the
+    decoder's shape for a config.json dict (its family's rules), which says what tensors the file must hold.
 
     hf_config mirrors config.json (model_type, architectures, sizes, rope_theta/rope_scaling, token ids);
     state_dict uses HF parameter names and [out, in] linear shapes, converted to `dtype`. lm_head.weight is
@@ -108,7 +110,7 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
         raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
     tensors = {t.name: t for t in reader.tensors}
     config = _hf_config(reader, arch, tensors)
-    expected = _expected_tensors(config, tensors)
+    expected = _expected_tensors(config_of(config), tensors)
     state_dict = {}
     mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], _field(reader, f"{arch}.block_count")))
     for name, tensor in tensors.items():
@@ -149,10 +151,6 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
             state_dict[hf_name] = _to_torch(piece, torch.float32 if keep_blocks else dtype)
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
-    if arch == "deepseek2":  # an older file's one kv_b as the absorbed pair the decoder loads
-        from specdec.models.families import deepseek
-
-        state_dict = deepseek.state(state_dict, config)
     return config, state_dict
 
 
@@ -369,11 +367,10 @@ def _llama3_scaling(factors: np.ndarray, rope_theta: float, head_dim: int, origi
     }
 
 
-def _expected_tensors(config: dict, tensors: dict) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], tuple]]:
+def _expected_tensors(cfg: ModelConfig, tensors: dict) -> dict[str, tuple[list[tuple[str, tuple[int, ...]]], tuple]]:
     """GGUF name -> (its parts: [(HF name, HF shape)] split from its rows in order, the GGUF tensor's shape) for every
     tensor the config implies, by llama.cpp's names. A tensor is one HF tensor, or several: Phi-3's fused attn_qkv
     and gate-up ffn_up, or a mixture's experts stacked in one [E, out, in] tensor (`*_exps`)."""
-    cfg = load_config(config)
     hidden, inter, D = cfg.hidden_size, cfg.intermediate_size, cfg.head_dim
     q_dim, kv_dim = cfg.num_attention_heads * D, cfg.num_key_value_heads * D
     vocab = cfg.vocab_size
@@ -507,4 +504,4 @@ def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(weights).to(dtype)
 
 
-__all__ = ["load_gguf", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES"]

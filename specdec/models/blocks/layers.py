@@ -8,8 +8,8 @@ import torch.nn.functional as F
 from torch import nn
 
 from specdec.config import ModelConfig
-from specdec.models.kernels import linear, rms_norm
-from specdec.models.quant import QuantWeight
+from specdec.models.blocks.kernels import linear, rms_norm
+from specdec.models.formats.quant import QuantWeight
 
 
 def replace_parameter(module: nn.Module, attr: str, value: QuantWeight) -> None:

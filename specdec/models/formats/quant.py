@@ -26,8 +26,8 @@ import torch
 from gguf import GGML_QUANT_SIZES, GGMLQuantizationType
 from gguf.quants import dequantize as gguf_dequantize
 
-from specdec.models import native
-from specdec.models.quantizers import quantize as ggml_quantize
+from specdec.models.cpu import native
+from specdec.models.formats.quantizers import quantize as ggml_quantize
 
 
 @dataclass(frozen=True)
