@@ -458,3 +458,70 @@ def test_blocks_behind_every_layers_window_are_freed_and_output_stays_exact(tmp_
         hits = engine.allocator.prefix_hit_tokens
         assert [o.token_ids for o in llm.generate(prompts[:1], params)] == ample[:1]
     assert engine.allocator.prefix_hit_tokens - hits == 16 and engine.allocator.num_used == 0
+
+
+EAGLE3_TARGETS = ["qwen3_moe", "gpt_oss", "gemma3"]  # the families EAGLE-3 heads are published for
+
+
+@needs_native
+@pytest.mark.parametrize("name", EAGLE3_TARGETS)
+def test_the_features_an_eagle3_head_reads_are_the_familys_layer_outputs(tmp_path, name):
+    """An EAGLE-3 head reads the outputs of three target layers, as its trainer (SpecForge, on transformers'
+    model) saw them: layer i's output is transformers' hidden_states[i + 1] (the last one under the final norm there).
+    Checked for every row of a prompt that
+    outgrows the window, through the native stack these targets run on."""
+    from conftest import sequence_inputs
+
+    from specdec.engine.model_runner import ModelRunner
+    from specdec.engine.sequence import Sequence
+    from specdec.kv_cache import BlockAllocator, KVPool
+
+    path, hf = save_family(tmp_path, name)
+    ours, _ = load_model(path)
+    ids = torch.randint(3, 320, (19,), generator=torch.Generator().manual_seed(2)).tolist()
+    alloc, layers = BlockAllocator(16, 4), (0, 1, 2)
+    runner = ModelRunner(ours, KVPool(ours.config, 16, 4, ours.act_dtype, "cpu"), 4)
+    seq = Sequence(0, ids, SamplingParams(), 64)
+    alloc.allocate(seq.block_table, len(ids))
+    _, features, _ = ours.forward_logits(*sequence_inputs(runner, [seq], [len(ids)]), runner.kv, [len(ids) - 1],
+                                         output_layers=layers)
+    with torch.no_grad():
+        states = hf(torch.tensor([ids]), output_hidden_states=True).hidden_states
+        # transformers' last entry is the final layer's output after the final norm
+        got = list(features.split(ours.config.hidden_size, -1))
+        got[-1] = ours.norm(got[-1])
+    for i, f in zip(layers, got, strict=True):
+        want = states[i + 1][0]
+        assert ((f - want).abs().max() / want.abs().max()).item() < 1e-4, (name, i)
+
+
+@needs_native
+@pytest.mark.parametrize("name", EAGLE3_TARGETS)
+def test_an_eagle3_head_made_for_a_family_loads_and_speculates_losslessly(tmp_path, name):
+    """A head as published for these targets: a Llama-form layer of the target's width in SpecForge's layout, with a
+    draft vocabulary of 100 target tokens, reading layers (0, 1, 2). It loads against the family's target and its
+    greedy speculation gives plain greedy's tokens while drafting."""
+    from specdec.config import ModelConfig
+    from specdec.models.heads.eagle3 import Eagle3Head
+
+    path, _ = save_family(tmp_path / "target", name)
+    target = LLM(str(path), speculative_config="off")
+    t = target.engine.model.config
+    g = torch.Generator().manual_seed(0)
+    cfg = ModelConfig(model_type="llama", vocab_size=t.vocab_size, hidden_size=t.hidden_size, intermediate_size=96,
+                      num_hidden_layers=1, num_attention_heads=4, num_key_value_heads=2, head_dim=16,
+                      max_position_embeddings=256)
+    head = Eagle3Head(cfg, 100, (0, 1, 2))
+    for p in head.parameters():
+        p.data.copy_(torch.randn(p.shape, generator=g) * 0.2 + (1.0 if p.dim() == 1 else 0.0))
+    chosen = torch.randperm(t.vocab_size, generator=g)[:100].sort().values
+    head.d2t.copy_(chosen - torch.arange(100))
+    head.save(tmp_path / "head")
+    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": list(range(40, 59))}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in target.generate(prompts, params)]
+    llm = LLM(str(path), speculative_config={"method": "eagle3", "model": str(tmp_path / "head"),
+                                             "num_speculative_tokens": 3, "dispatch": {"1": "chain"}})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
