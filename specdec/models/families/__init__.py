@@ -1,6 +1,7 @@
 """Every model family specdec runs, one module each, over the one decoder (`specdec.models.llama`) and its shared
-blocks: a family says how its config.json maps onto `ModelConfig` and how its checkpoint's tensor names map onto the
-canonical ones the decoder loads. Adding a family is adding a module here and naming it in FAMILIES.
+blocks: a family says how its config.json maps onto `ModelConfig`, how its checkpoint's tensor names map onto the
+canonical ones the decoder loads, and which of llama.cpp's GGUF architectures it reads, with their own keys
+(`formats.gguf.GGUFArch`). Adding a family is adding a module here and naming it in `_families`.
 
     llama     llama, mistral, qwen2, qwen3      the Llama form (windows where the config slides)
     gemma     gemma2, gemma3_text, gemma3       GeGLU, sandwich norms, soft-caps, local rotary base, q/k norms
@@ -20,6 +21,7 @@ from typing import Any
 import torch
 
 from specdec.config import ModelConfig, SpecdecError
+from specdec.models.formats.gguf import GGUFArch
 
 State = dict[str, Any]  # tensor name -> a float tensor or a block-quantized QuantWeight
 
@@ -31,6 +33,7 @@ class Family:
     config: Callable[[dict], ModelConfig]  # config.json -> the decoder's shape and options
     state: Callable[[State, dict], State] = lambda state, hf: state  # a checkpoint's names -> the canonical ones
     gguf_state: Callable[[State, dict], State] = lambda state, hf: state  # the same for a GGUF's (llama.cpp's) state
+    gguf: tuple[GGUFArch, ...] = ()  # llama.cpp's architectures this family reads, with their own keys
 
 
 def _families() -> tuple[Family, ...]:
@@ -50,6 +53,11 @@ def family_of(hf: dict) -> Family:
     supported = [t for f in families for t in f.model_types]
     raise SpecdecError(f"unsupported architecture {archs[0]!r} (model_type={model_type!r}); specdec supports "
                        f"model_type in {supported}")
+
+
+def gguf_archs() -> dict[str, GGUFArch]:
+    """Every llama.cpp architecture a family reads, by its name."""
+    return {arch.name: arch for family in _families() for arch in family.gguf}
 
 
 def load_config(hf: dict) -> ModelConfig:

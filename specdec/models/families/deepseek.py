@@ -9,6 +9,7 @@ from __future__ import annotations
 from specdec.config import ModelConfig, SpecdecError
 from specdec.models.blocks.rotary import yarn_mscale
 from specdec.models.families import Family, State, rope_fields
+from specdec.models.formats.gguf import GGUFArch, KeyReader, f32
 from specdec.models.formats.quant import QuantWeight
 
 
@@ -76,5 +77,39 @@ def state(state: State, hf: dict) -> State:
     return out
 
 
-FAMILY = Family("deepseek", ("deepseek_v2", "deepseek_v3"), config, state, gguf_state=state)  # an older
-# GGUF's one kv_b becomes the absorbed pair as a checkpoint's does
+def _gguf_keys(key: KeyReader, config: dict, tensors: dict) -> dict:
+    """DeepSeek-V2/V3's options from llama.cpp's deepseek2 keys: the latent ranks and head widths (the *_mla keys of
+    files with the absorbed k_b / v_b pair, the plain ones before), the leading dense layers, the shared experts and
+    the router (sigmoid gating or a correction bias: V3's; weights scale and norm; expert groups), YaRN's
+    log multiplier (written as 0.1 * mscale_all_dim). The rotated part is its own width (qk_rope_head_dim), not a
+    partial factor."""
+    config.pop("partial_rotary_factor", None)
+    rope = key("rope.dimension_count")
+    qk = key("attention.key_length_mla", None) or key("attention.key_length")
+    experts = key("expert_count", 0)
+    v3 = key("expert_gating_func", 1) == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
+    out = {"model_type": "deepseek_v3" if v3 else "deepseek_v2",
+           "architectures": ["DeepseekV3ForCausalLM" if v3 else "DeepseekV2ForCausalLM"],
+           "kv_lora_rank": key("attention.kv_lora_rank"), "q_lora_rank": key("attention.q_lora_rank", 0) or None,
+           "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope,
+           "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
+           "first_k_dense_replace": key("leading_dense_block_count", 0),
+           "n_routed_experts": experts or None, "n_shared_experts": key("expert_shared_count", 0),
+           "moe_intermediate_size": key("expert_feed_forward_length", 0),
+           "routed_scaling_factor": f32(key("expert_weights_scale", 1.0)),
+           "norm_topk_prob": bool(key("expert_weights_norm", False)),
+           "scoring_func": "sigmoid" if key("expert_gating_func", 1) == 2 else "softmax",
+           "rope_interleave": True}
+    groups = key("expert_group_count", 0)
+    if groups > 1:
+        out.update(n_group=groups, topk_group=key("expert_group_used_count"), topk_method="group_limited_greedy")
+    scaling = config["rope_scaling"]
+    if scaling and scaling.get("rope_type") == "yarn" and (log_mul := key("rope.scaling.yarn_log_multiplier", 0.0)):
+        mscale = f32(log_mul / 0.1)
+        out["rope_scaling"] = {**scaling, "mscale": mscale, "mscale_all_dim": mscale}
+    return out
+
+
+# an older GGUF's one kv_b becomes the absorbed pair as a checkpoint's does (gguf_state)
+FAMILY = Family("deepseek", ("deepseek_v2", "deepseek_v3"), config, state, gguf_state=state,
+                gguf=(GGUFArch("deepseek2", "deepseek_v2", "DeepseekV2ForCausalLM", _gguf_keys, window=False),))

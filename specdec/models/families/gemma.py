@@ -8,8 +8,9 @@ from __future__ import annotations
 
 import math
 
-from specdec.config import SLIDING, ModelConfig
+from specdec.config import FULL, SLIDING, ModelConfig
 from specdec.models.families import Family, State, rename, rope_fields
+from specdec.models.formats.gguf import GGUFArch, KeyReader, f32
 
 # Gemma's layer norms by the decoder's names: its pre-MLP norm is our post_attention_layernorm
 _RENAMES = {"post_attention_layernorm.weight": "attn_out_norm.weight",
@@ -67,4 +68,38 @@ def state(state: State, hf: dict) -> State:
     return rename(out, _RENAMES)
 
 
-FAMILY = Family("gemma", ("gemma2", "gemma3_text", "gemma3"), config, state)
+def _gguf_keys(gemma3: bool):
+    """Gemma 2 / 3's options from llama.cpp's keys and rules: sliding layers by the window pattern (every 2nd layer
+    full for Gemma 2, every 6th for Gemma 3, or the file's own list), the sliding layers' rotary base (Gemma 3:
+    10000 unless stated), the query scale 1 / sqrt(head_dim) but for the 27B shapes (1 / sqrt(hidden / heads)), and
+    the soft-caps."""
+    def keys(key: KeyReader, config: dict, tensors: dict) -> dict:
+        n = config["num_hidden_layers"]
+        pattern = key("attention.sliding_window_pattern", 6 if gemma3 else 2)
+        window = key("attention.sliding_window", 0 if gemma3 else 4096)
+        if isinstance(pattern, list):
+            sliding = [bool(p) for p in pattern][:n]
+        else:
+            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
+        big = n == (62 if gemma3 else 46)  # llama.cpp's 27B rule, unless the file states its scale
+        scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
+        if (scale := key("attention.scale", None)) is not None:
+            scalar = 1.0 / float(scale) ** 2
+        out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
+               "final_logit_softcapping": f32(key("final_logit_softcapping", 0.0)) or None,
+               "sliding_window": window or None,
+               "layer_types": [SLIDING if s and window else FULL for s in sliding]}
+        if gemma3:
+            full = {"rope_type": "default", "rope_theta": config["rope_theta"], **(config["rope_scaling"] or {})}
+            out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
+                "rope_type": "default", "rope_theta": f32(key("rope.freq_base_swa", 10000.0))}}
+        else:
+            out["attn_logit_softcapping"] = f32(key("attn_logit_softcapping", 0.0)) or None
+        return out
+    return keys
+
+
+FAMILY = Family("gemma", ("gemma2", "gemma3_text", "gemma3"), config, state, gguf=(
+    GGUFArch("gemma2", "gemma2", "Gemma2ForCausalLM", _gguf_keys(gemma3=False), window=False),
+    GGUFArch("gemma3", "gemma3_text", "Gemma3ForCausalLM", _gguf_keys(gemma3=True), window=False),
+))

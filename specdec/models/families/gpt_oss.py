@@ -9,8 +9,9 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from specdec.config import ModelConfig
+from specdec.config import FULL, SLIDING, ModelConfig
 from specdec.models.families import Family, State, rope_fields
+from specdec.models.formats.gguf import GGUFArch, KeyReader, f32
 from specdec.models.formats.quant import QuantWeight
 
 
@@ -85,4 +86,19 @@ def _split_gate_up(out: State, stem: str, t: torch.Tensor, suffix: str) -> None:
         out[f"{stem}.mlp.experts.{e}.up_proj{suffix}"] = w[1::2].contiguous()
 
 
-FAMILY = Family("gpt_oss", ("gpt_oss",), config, state)
+def _gguf_keys(key: KeyReader, config: dict, tensors: dict) -> dict:
+    """llama.cpp's rule: every even layer slides (unless the file lists them); YaRN's ramp not cut to whole
+    dimensions (the config's truncate: false, which the file does not say and ggml always does); the SwiGLU limit
+    where it is not llama.cpp's 7."""
+    pattern, layers = key("attention.sliding_window_pattern", None), config["num_hidden_layers"]
+    out = {"sliding_window": key("attention.sliding_window"), "layer_types": [
+        SLIDING if (pattern[i] if pattern is not None else i % 2 == 0) else FULL for i in range(layers)]}
+    if config["rope_scaling"]:
+        out["rope_scaling"] = {**config["rope_scaling"], "truncate": False}
+    if (clamp := key("swiglu_clamp_exp", None)) is not None:
+        out["swiglu_limit"] = f32(clamp[0] if isinstance(clamp, list) else clamp)
+    return out
+
+
+FAMILY = Family("gpt_oss", ("gpt_oss",), config, state, gguf=(
+    GGUFArch("gpt-oss", "gpt_oss", "GptOssForCausalLM", _gguf_keys, attention_bias=True, window=False),))

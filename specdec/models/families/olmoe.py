@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specdec.config import ModelConfig
 from specdec.models.families import Family, rope_fields
+from specdec.models.formats.gguf import GGUFArch
 
 
 def config(hf: dict) -> ModelConfig:
@@ -14,4 +15,4 @@ def config(hf: dict) -> ModelConfig:
         moe_layers=tuple(range(hf["num_hidden_layers"])))
 
 
-FAMILY = Family("olmoe", ("olmoe",), config)
+FAMILY = Family("olmoe", ("olmoe",), config, gguf=(GGUFArch("olmoe", "olmoe", "OlmoeForCausalLM"),))

@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from specdec.config import ModelConfig
 from specdec.models.families import Family, State, rope_fields, split_rows
+from specdec.models.formats.gguf import GGUFArch, KeyReader
 
 
 def config(hf: dict) -> ModelConfig:
@@ -27,4 +28,11 @@ def state(state: State, hf: dict) -> State:
     return split_rows(state, "mlp.gate_up_proj.weight", {"mlp.gate_proj.weight": inter, "mlp.up_proj.weight": inter})
 
 
-FAMILY = Family("phi3", ("phi3",), config, state)
+def _gguf_keys(key: KeyReader, config: dict, tensors: dict) -> dict:
+    """A stated window slides every layer, as transformers' Phi-3 does (llama.cpp turns Phi's off)."""
+    window = key("attention.sliding_window", 0)
+    return {"sliding_window": window} if window > 0 else {}
+
+
+FAMILY = Family("phi3", ("phi3",), config, state,
+                gguf=(GGUFArch("phi3", "phi3", "Phi3ForCausalLM", _gguf_keys, window=False),))

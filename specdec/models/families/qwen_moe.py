@@ -5,6 +5,7 @@ from __future__ import annotations
 
 from specdec.config import ModelConfig
 from specdec.models.families import Family, rope_fields
+from specdec.models.formats.gguf import GGUFArch
 
 
 def moe_layers(hf: dict, experts: int) -> tuple[int, ...]:
@@ -29,4 +30,7 @@ def config(hf: dict) -> ModelConfig:
     )
 
 
-FAMILY = Family("qwen_moe", ("qwen2_moe", "qwen3_moe"), config)
+FAMILY = Family("qwen_moe", ("qwen2_moe", "qwen3_moe"), config, gguf=(
+    GGUFArch("qwen2moe", "qwen2_moe", "Qwen2MoeForCausalLM", attention_bias=True),
+    GGUFArch("qwen3moe", "qwen3_moe", "Qwen3MoeForCausalLM", norm_topk=True),
+))

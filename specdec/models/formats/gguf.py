@@ -13,6 +13,7 @@ from __future__ import annotations
 import math
 import os
 from collections.abc import Callable
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
@@ -27,22 +28,24 @@ from specdec.models.formats.quant import BY_GGML, FORMATS, QuantWeight
 
 _FLOAT_TYPES = (GGMLQuantizationType.F32, GGMLQuantizationType.F16, GGMLQuantizationType.BF16)
 
-# GGUF architecture -> the Hugging Face model_type whose family reads it (a llama file with experts is Mixtral's)
-_MODEL_TYPE = {"llama": "llama", "mistral": "mistral", "qwen2": "qwen2", "qwen3": "qwen3", "gemma2": "gemma2",
-               "gemma3": "gemma3_text", "phi3": "phi3", "qwen2moe": "qwen2_moe", "qwen3moe": "qwen3_moe",
-               "olmoe": "olmoe", "deepseek2": "deepseek_v2", "gpt-oss": "gpt_oss"}
-SUPPORTED_ARCHITECTURES = tuple(_MODEL_TYPE)
-_HF_ARCHITECTURE = {"llama": "LlamaForCausalLM", "mistral": "MistralForCausalLM", "qwen2": "Qwen2ForCausalLM",
-                    "qwen3": "Qwen3ForCausalLM", "gemma2": "Gemma2ForCausalLM", "gemma3_text": "Gemma3ForCausalLM",
-                    "phi3": "Phi3ForCausalLM", "qwen2_moe": "Qwen2MoeForCausalLM", "qwen3_moe": "Qwen3MoeForCausalLM",
-                    "olmoe": "OlmoeForCausalLM", "mixtral": "MixtralForCausalLM",
-                    "deepseek_v2": "DeepseekV2ForCausalLM", "deepseek_v3": "DeepseekV3ForCausalLM",
-                    "gpt_oss": "GptOssForCausalLM"}
-# llama.cpp's routers renormalize their top-k weights for these (build_moe_ffn's norm_w), not for the others
-_NORM_TOPK = ("llama", "qwen3moe")
+KeyReader = Callable[..., Any]  # key(suffix, default) -> the file's `{arch}.{suffix}` value (no default: required)
 
-# llama.cpp's convert_hf_to_gguf.py interleaves the rotary halves of Q and K for these architectures only.
-_PERMUTED_QK = ("llama", "mistral")
+
+@dataclass(frozen=True)
+class GGUFArch:
+    """How one of llama.cpp's architectures (`general.architecture`) reads as a family's config.json: a family
+    module declares its own (`Family.gguf`), so this module holds llama.cpp's shared layout and keys only."""
+
+    name: str  # llama.cpp's architecture name
+    model_type: str  # the Hugging Face model_type whose family reads it
+    hf_architecture: str  # config.json's architectures[0]
+    keys: Callable[[KeyReader, dict, dict], dict] = lambda key, config, tensors: {}  # (key, config, tensors) -> the
+    # family's own options from its keys, updating the config (which may change model_type: a llama file of experts)
+    attention_bias: bool = False  # q/k/v biases (the file's tensors are then required)
+    norm_topk: bool = False  # llama.cpp's router renormalizes its top-k weights (build_moe_ffn's norm_w)
+    permuted_qk: bool = False  # llama.cpp's converter interleaves the rotary halves of Q and K
+    window: bool = True  # `attention.sliding_window` (and its pattern) as a Mistral or Qwen window, where stated
+
 
 _ROPE_TENSORS = ("rope_freqs.weight", "rope_factors_long.weight", "rope_factors_short.weight")
 # A dense Llama-form layer's GGUF suffix -> HF suffix under model.layers.N. (a draft head's layers: `head_gguf`)
@@ -90,10 +93,12 @@ class _Reader(GGUFReader):
         self._buffer = value.view(np.ndarray)
 
 
-def read_gguf(path: str | os.PathLike, config_of: Callable[[dict], ModelConfig], dtype: torch.dtype = torch.float32,
-              keep_blocks: bool = False) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
-    """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint. config_of: the
-    decoder's shape for a config.json dict (its family's rules), which says what tensors the file must hold.
+def read_gguf(path: str | os.PathLike, archs: dict[str, GGUFArch], config_of: Callable[[dict], ModelConfig],
+              dtype: torch.dtype = torch.float32, keep_blocks: bool = False
+              ) -> tuple[dict, dict[str, torch.Tensor | QuantWeight]]:
+    """Read a GGUF file; return (hf_config, state_dict) shaped like a Hugging Face checkpoint. archs: the
+    architectures the families read (`families.gguf_archs`); config_of: the decoder's shape for a config.json dict
+    (its family's rules), which says what tensors the file must hold.
 
     hf_config mirrors config.json (model_type, architectures, sizes, rope_theta/rope_scaling, token ids);
     state_dict uses HF parameter names and [out, in] linear shapes, converted to `dtype`. lm_head.weight is
@@ -105,24 +110,23 @@ def read_gguf(path: str | os.PathLike, config_of: Callable[[dict], ModelConfig],
     if not path.is_file():
         raise FileNotFoundError(f"GGUF file not found: {path}")
     reader = _Reader(path)
-    arch = _field(reader, "general.architecture")
-    if arch not in SUPPORTED_ARCHITECTURES:
-        raise ValueError(f"unsupported GGUF architecture {arch!r}; supported: {list(SUPPORTED_ARCHITECTURES)}")
+    arch = architecture(reader, archs)
     tensors = {t.name: t for t in reader.tensors}
-    config = _hf_config(reader, arch, tensors)
+    config = hf_config(reader, arch, tensors)
     expected = _expected_tensors(config_of(config), tensors)
     state_dict = {}
-    mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], _field(reader, f"{arch}.block_count")))
+    blocks = _field(reader, f"{arch.name}.block_count")
+    mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], blocks))
     for name, tensor in tensors.items():
         if name in _ROPE_TENSORS or name.startswith(mtp_blocks):  # rope scaling is in the config; MTP layers
             continue  # are a draft head's (`head_gguf`)
         if name not in expected:
-            raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch!r}")
+            raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch.name!r}")
         parts, hf_shape = expected.pop(name)
         shape = tuple(int(d) for d in reversed(tensor.shape))
         if shape != hf_shape:
             raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
-        permuted = arch in _PERMUTED_QK and name.endswith(("attn_q.weight", "attn_k.weight"))
+        permuted = arch.permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
         heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
         if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES and all(len(p[1]) == 2 for p in parts):
             if tensor.tensor_type not in BY_GGML:
@@ -168,144 +172,70 @@ def _field(reader: GGUFReader, key: str, default: Any = _REQUIRED) -> Any:
     return field.contents()
 
 
-def _f32(value: float) -> float:
+def f32(value: float) -> float:
     """GGUF stores floats as f32; the shortest repr gives back the config.json value (1e-05, not 9.99e-06)."""
     return float(str(np.float32(value)))
 
 
-def _hf_config(reader: GGUFReader, arch: str, tensors: dict) -> dict:
-    """The file's config as a Hugging Face config.json would state it, for the family that reads `arch`."""
+def architecture(reader: GGUFReader, archs: dict[str, GGUFArch]) -> GGUFArch:
+    """The file's architecture as a family reads it, or an error naming every one specdec reads."""
+    name = _field(reader, "general.architecture")
+    if name not in archs:
+        raise ValueError(f"unsupported GGUF architecture {name!r}; supported: {list(archs)}")
+    return archs[name]
+
+
+def hf_config(reader: GGUFReader, arch: GGUFArch, tensors: dict) -> dict:
+    """The file's config as a Hugging Face config.json would state it: llama.cpp's shared keys here, then the
+    family's own (`GGUFArch.keys`)."""
     def key(suffix: str, default: Any = _REQUIRED) -> Any:
-        return _field(reader, f"{arch}.{suffix}", default)
+        return _field(reader, f"{arch.name}.{suffix}", default)
 
     if "token_embd.weight" not in tensors:
         raise ValueError("missing tensor 'token_embd.weight'")
     hidden = key("embedding_length")
     heads = key("attention.head_count")
     head_dim = key("attention.key_length", None) or hidden // heads  # as llama.cpp: rope.dimension_count is the
-    rope_theta = _f32(key("rope.freq_base", 10000.0))  # rotated part (Phi-4-mini's is 3/4 of the head)
+    rope_theta = f32(key("rope.freq_base", 10000.0))  # rotated part (Phi-4-mini's is 3/4 of the head)
     layers = key("block_count") - key("nextn_predict_layers", 0)  # MTP layers count in block_count
     config = {
-        "model_type": _MODEL_TYPE[arch],
-        "architectures": [_HF_ARCHITECTURE[_MODEL_TYPE[arch]]],
+        "model_type": arch.model_type,
+        "architectures": [arch.hf_architecture],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length", 0),
         "num_hidden_layers": layers,
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,
-        "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
+        "rms_norm_eps": f32(key("attention.layer_norm_rms_epsilon", 1e-6)),
         "rope_theta": rope_theta,
-        "rope_scaling": _rope_scaling(reader, arch, tensors, rope_theta, head_dim),
+        "rope_scaling": _rope_scaling(reader, arch.name, tensors, rope_theta, head_dim),
         "max_position_embeddings": key("context_length", 4096),
         "vocab_size": int(tensors["token_embd.weight"].shape[1]),
         "tie_word_embeddings": "output.weight" not in tensors,
-        "attention_bias": arch in ("qwen2", "qwen2moe", "gpt-oss"),
+        "attention_bias": arch.attention_bias,
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
     }
     if (rotary := key("rope.dimension_count", head_dim)) != head_dim:  # RoPE on part of each head (Phi-4-mini)
         config["partial_rotary_factor"] = rotary / head_dim
     experts = key("expert_count", 0)
-    if experts:  # Mixtral (a llama file with experts), Qwen2/3-MoE, OLMoE: llama.cpp's MoE keys
-        if arch == "llama":
-            config.update(model_type="mixtral", architectures=[_HF_ARCHITECTURE["mixtral"]])
+    if experts:  # llama.cpp's MoE keys (Mixtral, Qwen2/3-MoE, OLMoE, gpt-oss; DeepSeek adds its own)
         config.update(num_experts=experts, num_experts_per_tok=key("expert_used_count"),
                       moe_intermediate_size=key("expert_feed_forward_length", 0) or config["intermediate_size"],
                       shared_expert_intermediate_size=key("expert_shared_feed_forward_length", 0),
-                      norm_topk_prob=arch in _NORM_TOPK, decoder_sparse_step=1,
+                      norm_topk_prob=arch.norm_topk, decoder_sparse_step=1,
                       mlp_only_layers=[i for i in range(layers) if f"blk.{i}.ffn_gate_inp.weight" not in tensors])
         if not config["intermediate_size"]:
             config["intermediate_size"] = config["moe_intermediate_size"]
     if (clamp := key("attention.clamp_kqv", None)) is not None:  # OLMoE's clip_qkv (llama.cpp's key for it)
-        config["clip_qkv"] = _f32(clamp)
-    if arch == "deepseek2":
-        config.update(_deepseek(reader, config, tensors))
-        config.pop("partial_rotary_factor", None)  # the rotated part is its own width (qk_rope_head_dim)
-    elif arch in ("gemma2", "gemma3"):
-        config.update(_gemma(reader, arch, config))
-    elif arch == "gpt-oss":  # llama.cpp's rule: every even layer slides (unless the file lists them)
-        pattern = key("attention.sliding_window_pattern", None)
-        config.update(sliding_window=key("attention.sliding_window"), layer_types=[
-            SLIDING if (pattern[i] if pattern is not None else i % 2 == 0) else FULL for i in range(layers)])
-        if config["rope_scaling"]:  # gpt-oss's YaRN ramp is not cut to whole dimensions (its config's truncate:
-            config["rope_scaling"]["truncate"] = False  # false), which the file does not say and ggml always does
-        if (clamp := key("swiglu_clamp_exp", None)) is not None:  # the SwiGLU limit where not llama.cpp's 7
-            config["swiglu_limit"] = _f32(clamp[0] if isinstance(clamp, list) else clamp)
-    elif arch != "phi3" and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where
-        pattern = key("attention.sliding_window_pattern", None)  # a file states it (llama.cpp reads none for these)
+        config["clip_qkv"] = f32(clamp)
+    if arch.window and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where a
+        pattern = key("attention.sliding_window_pattern", None)  # file states it (llama.cpp reads none for these)
         config.update(sliding_window=window, layer_types=[
             SLIDING if pattern is None or pattern[i] else FULL for i in range(layers)])
-    elif arch == "phi3":
-        if (window := key("attention.sliding_window", 0)) > 0:
-            config["sliding_window"] = window  # every layer, as transformers' Phi-3 (llama.cpp turns Phi's off)
+    config.update(arch.keys(key, config, tensors))
     return config
-
-
-def _gemma(reader: GGUFReader, arch: str, config: dict) -> dict:
-    """Gemma 2 / 3's options from llama.cpp's keys and rules: sliding layers by the window pattern (every 2nd layer
-    full for Gemma 2, every 6th for Gemma 3, or the file's own list), the sliding layers' rotary base (Gemma 3:
-    10000 unless stated), the query scale 1 / sqrt(head_dim) but for the 27B shapes (1 / sqrt(hidden / heads)), and
-    the soft-caps."""
-    def key(suffix: str, default: Any = _REQUIRED) -> Any:
-        return _field(reader, f"{arch}.{suffix}", default)
-
-    n, gemma3 = config["num_hidden_layers"], arch == "gemma3"
-    pattern = key("attention.sliding_window_pattern", 6 if gemma3 else 2)
-    window = key("attention.sliding_window", 0 if gemma3 else 4096)
-    if isinstance(pattern, list):
-        sliding = [bool(p) for p in pattern][:n]
-    else:
-        sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
-    big = n == (62 if gemma3 else 46)  # llama.cpp's 27B rule, unless the file states its scale
-    scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
-    if (scale := key("attention.scale", None)) is not None:
-        scalar = 1.0 / float(scale) ** 2
-    out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
-           "final_logit_softcapping": _f32(key("final_logit_softcapping", 0.0)) or None,
-           "sliding_window": window or None,
-           "layer_types": [SLIDING if s and window else FULL for s in sliding]}
-    if gemma3:
-        full = {"rope_type": "default", "rope_theta": config["rope_theta"], **(config["rope_scaling"] or {})}
-        out["rope_parameters"] = {"full_attention": full, "sliding_attention": {
-            "rope_type": "default", "rope_theta": _f32(key("rope.freq_base_swa", 10000.0))}}
-    else:
-        out["attn_logit_softcapping"] = _f32(key("attn_logit_softcapping", 0.0)) or None
-    return out
-
-
-def _deepseek(reader: GGUFReader, config: dict, tensors: dict) -> dict:
-    """DeepSeek-V2/V3's options from llama.cpp's deepseek2 keys: the latent ranks and head widths (the *_mla keys of
-    files with the absorbed k_b / v_b pair, the plain ones before), the leading dense layers, the shared experts and
-    the router (sigmoid gating or a correction bias: V3's; weights scale and norm; expert groups), YaRN's
-    log multiplier (written as 0.1 * mscale_all_dim)."""
-    def key(suffix: str, default: Any = _REQUIRED) -> Any:
-        return _field(reader, f"deepseek2.{suffix}", default)
-
-    rope = key("rope.dimension_count")
-    qk = key("attention.key_length_mla", None) or key("attention.key_length")
-    experts = key("expert_count", 0)
-    v3 = key("expert_gating_func", 1) == 2 or any(n.endswith("exp_probs_b.bias") for n in tensors)
-    out = {"model_type": "deepseek_v3" if v3 else "deepseek_v2",
-           "architectures": [_HF_ARCHITECTURE["deepseek_v3" if v3 else "deepseek_v2"]],
-           "kv_lora_rank": key("attention.kv_lora_rank"), "q_lora_rank": key("attention.q_lora_rank", 0) or None,
-           "qk_rope_head_dim": rope, "qk_nope_head_dim": qk - rope,
-           "v_head_dim": key("attention.value_length_mla", None) or key("attention.value_length"),
-           "first_k_dense_replace": key("leading_dense_block_count", 0),
-           "n_routed_experts": experts or None, "n_shared_experts": key("expert_shared_count", 0),
-           "moe_intermediate_size": key("expert_feed_forward_length", 0),
-           "routed_scaling_factor": _f32(key("expert_weights_scale", 1.0)),
-           "norm_topk_prob": bool(key("expert_weights_norm", False)),
-           "scoring_func": "sigmoid" if key("expert_gating_func", 1) == 2 else "softmax",
-           "rope_interleave": True}
-    groups = key("expert_group_count", 0)
-    if groups > 1:
-        out.update(n_group=groups, topk_group=key("expert_group_used_count"), topk_method="group_limited_greedy")
-    scaling = config["rope_scaling"]
-    if scaling and scaling.get("rope_type") == "yarn" and (log_mul := key("rope.scaling.yarn_log_multiplier", 0.0)):
-        mscale = _f32(log_mul / 0.1)
-        out["rope_scaling"] = {**scaling, "mscale": mscale, "mscale_all_dim": mscale}
-    return out
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
@@ -321,14 +251,14 @@ def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: floa
         scaling = {"rope_type": "longrope", "short_factor": factors["short"], "long_factor": factors["long"],
                    "original_max_position_embeddings": _field(reader, prefix + "original_context_length")}
         if (attn := _field(reader, prefix + "attn_factor", None)) is not None:
-            scaling["attention_factor"] = _f32(attn)
+            scaling["attention_factor"] = f32(attn)
         return scaling
     kind = _field(reader, prefix + "type", None)
     if kind not in (None, "none"):
         scaling = {"rope_type": kind}
         for suffix, hf_key in _ROPE_SCALING_KEYS.items():
             if (value := _field(reader, prefix + suffix, None)) is not None:
-                scaling[hf_key] = _f32(value) if isinstance(value, float) else value
+                scaling[hf_key] = f32(value) if isinstance(value, float) else value
         return scaling
     if "rope_freqs.weight" in tensors:
         factors = _dequantize(tensors["rope_freqs.weight"].data, tensors["rope_freqs.weight"].tensor_type,
@@ -504,4 +434,4 @@ def _to_torch(weights: np.ndarray, dtype: torch.dtype) -> torch.Tensor:
     return torch.from_numpy(weights).to(dtype)
 
 
-__all__ = ["read_gguf", "SUPPORTED_ARCHITECTURES"]
+__all__ = ["GGUFArch", "read_gguf", "hf_config", "architecture"]

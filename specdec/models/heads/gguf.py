@@ -29,15 +29,8 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import quantize
 
 from specdec.config import SpecdecError
-from specdec.models.formats.gguf import (
-    _LAYER_TENSORS,
-    _QK_NORM_TENSORS,
-    _dequantize,
-    _f32,
-    _field,
-    _hf_config,
-    _to_torch,
-)
+from specdec.models.families import gguf_archs
+from specdec.models.formats.gguf import _LAYER_TENSORS, _QK_NORM_TENSORS, _dequantize, _field, _to_torch, f32, hf_config
 from specdec.models.formats.gguf import _unpermute_qk as unpermute_qk
 from specdec.models.heads.files import HeadCheckpoint
 
@@ -93,8 +86,8 @@ def _read_eagle3(reader: GGUFReader, path: Path) -> HeadCheckpoint:
               "intermediate_size": int(key("feed_forward_length")), "num_hidden_layers": 1,
               "num_attention_heads": heads, "num_key_value_heads": kv_heads,
               "head_dim": int(key("attention.key_length", H // heads)),
-              "rms_norm_eps": _f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
-              "rope_theta": _f32(key("rope.freq_base", 10000.0)),
+              "rms_norm_eps": f32(key("attention.layer_norm_rms_epsilon", 1e-5)),
+              "rope_theta": f32(key("rope.freq_base", 10000.0)),
               "max_position_embeddings": int(key("context_length", 4096)),
               "draft_vocab_size": int(tensors["output.weight"].shape[1]),
               "eagle_config": {"eagle_aux_hidden_state_layer_ids": [i - 1 for i in layers]}}
@@ -133,7 +126,9 @@ def _offsets(absolute: np.ndarray, path: Path) -> torch.Tensor:
 
 def _read_nextn(reader: GGUFReader, path: Path, arch: str) -> HeadCheckpoint:
     tensors = {t.name: t for t in reader.tensors}
-    config = _hf_config(reader, arch, tensors)  # its num_hidden_layers excludes the MTP layers
+    if arch not in gguf_archs():
+        raise SpecdecError(f"{path}: MTP layers of a GGUF {arch!r} model, an architecture specdec does not read")
+    config = hf_config(reader, gguf_archs()[arch], tensors)  # its num_hidden_layers excludes the MTP layers
     block = config["num_hidden_layers"]
     prefix, hf = f"blk.{block}.", f"model.layers.{block}."
     per_layer = {**_LAYER_TENSORS, **(_QK_NORM_TENSORS if arch == "qwen3" else {})}
