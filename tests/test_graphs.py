@@ -50,8 +50,8 @@ STEPS = {
 def test_a_padded_bucket_gives_every_row_what_the_step_gives_it(model_dir, monkeypatch, native, name):
     if not native:  # the torch ops a GPU runs
         from specdec.models import llama
-        from specdec.models.blocks import kernels
-        for module in (kernels, llama):
+        from specdec.models.blocks import attention, kernels
+        for module in (kernels, attention, llama):
             monkeypatch.setattr(module, "on_native", lambda *tensors: False)
     feeds, parents = STEPS[name]
     engine = LLM(str(model_dir), speculative_config="off").engine

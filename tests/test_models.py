@@ -121,10 +121,10 @@ def test_the_device_forward_compiles_as_one_graph(tmp_path, monkeypatch, feeds, 
     graph break or a read back to the host inside it, which would also stop a CUDA graph capture, fails here
     without a GPU. The captured forward computes what the eager one does."""
     from specdec.models import llama
-    from specdec.models.blocks import kernels
+    from specdec.models.blocks import attention, kernels
     from specdec.tree import TreeFeed
 
-    for module in (kernels, llama):
+    for module in (kernels, attention, llama):
         monkeypatch.setattr(module, "on_native", lambda *tensors: False)
     model, _ = load_model(str(save_tiny_model(tmp_path, "llama")), torch.float32, "cpu")
     alloc = BlockAllocator(32, 4)

@@ -21,7 +21,7 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.blocks import kernels
-from specdec.models.blocks.attention import AttentionMetadata, KVLayers, paged_attention
+from specdec.models.blocks.attention import AttentionMetadata, KVLayers, attend
 from specdec.models.blocks.kernels import linear, on_native
 from specdec.models.blocks.layers import Linear, RMSNorm, glu, replace_parameter
 from specdec.models.blocks.mla import LatentAttention
@@ -149,15 +149,8 @@ class DecoderLayer(nn.Module):
 
     def attend(self, q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
                meta: AttentionMetadata) -> torch.Tensor:
-        """paged_attention, through the fused layers' own C++ attention on CPU: a query's result then does not
-        depend on the other queries of its step (torch's attention picks kernels by shape)."""
-        if not on_native(q, k, v) or k_pool.device.type != "cpu":
-            return paged_attention(q, k, v, k_pool, v_pool, meta, self.scale, self.window, self.softcap, self.sinks)
-        k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
-        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
-        sinks = self.sinks.detach().float().contiguous() if self.sinks is not None else torch.empty(0)
-        return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask,
-                                      meta.row_starts(), self.scale, self.window, self.softcap, sinks)
+        """This layer's paged attention (its scale, window, soft-cap and sinks)."""
+        return attend(q, k, v, k_pool, v_pool, meta, self.scale, self.window, self.softcap, self.sinks)
 
     def project(self, x: torch.Tensor, cos: torch.Tensor, sin: torch.Tensor
                 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor]:

@@ -19,6 +19,9 @@ from typing import Protocol
 import torch
 import torch.nn.functional as F
 
+from specdec.models.blocks.kernels import on_native
+from specdec.models.cpu import native
+
 
 class KVLayers(Protocol):
     """What a model reads and writes of a K/V cache: one paged K and one paged V tensor per layer, [num_blocks,
@@ -167,3 +170,19 @@ def _tree_split(q: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor, met
         suffix_mask[i, :n, :end - start] = meta.mask[i, :n, start:end]
     out = paged_tree_attention(qp, k_pool, v_pool, prefix, starts, suffix, suffix_mask, scale)
     return torch.cat([out[i, :n] for i, n in enumerate(meta.query_lens)])
+
+
+def attend(q: torch.Tensor, k: torch.Tensor, v: torch.Tensor, k_pool: torch.Tensor, v_pool: torch.Tensor,
+           meta: AttentionMetadata, scale: float, window: int = 0, softcap: float = 0.0,
+           sinks: torch.Tensor | None = None) -> torch.Tensor:
+    """`paged_attention`, through the fused layers' own C++ attention on CPU: a query's result then does not depend
+    on the other queries of its step (torch's attention picks kernels by shape). v_pool may be k_pool (latent
+    attention reads its keys as values): the rows are then written once."""
+    if not on_native(q, k, v) or k_pool.device.type != "cpu":
+        return paged_attention(q, k, v, k_pool, v_pool, meta, scale, window, softcap, sinks)
+    k_pool.index_copy_(0, meta.slot_mapping, k.to(k_pool.dtype))
+    if v_pool is not k_pool:
+        v_pool.index_copy_(0, meta.slot_mapping, v.to(v_pool.dtype))
+    sinks = sinks.detach().float().contiguous() if sinks is not None else torch.empty(0)
+    return native.ops().attention(q.contiguous(), k_pool, v_pool, meta.context_slots, meta.mask, meta.row_starts(),
+                                  scale, window, softcap, sinks)

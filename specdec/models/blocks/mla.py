@@ -23,11 +23,10 @@ from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.blocks import kernels
-from specdec.models.blocks.attention import AttentionMetadata, paged_attention
-from specdec.models.blocks.kernels import linear, on_native
+from specdec.models.blocks.attention import AttentionMetadata, attend
+from specdec.models.blocks.kernels import linear
 from specdec.models.blocks.layers import Linear, RMSNorm
 from specdec.models.blocks.rotary import rotate
-from specdec.models.cpu import native
 from specdec.models.formats.quant import QuantWeight
 
 
@@ -96,11 +95,5 @@ class LatentAttention(nn.Module):
         key = torch.cat((c, pe[:, -1]), dim=-1)[:, None, :].contiguous()  # [T, 1, r + rope]
         q_lat = torch.stack([linear(q_nope[:, h].contiguous(), self.w_uk[h]) for h in range(self.num_heads)], 1)
         query = torch.cat((q_lat, pe[:, :-1]), dim=-1).contiguous()  # [T, nH, r + rope]
-        if on_native(query) and k_pool.device.type == "cpu":
-            k_pool.index_copy_(0, meta.slot_mapping, key.to(k_pool.dtype))
-            o = native.ops().attention(query, k_pool, k_pool, meta.context_slots, meta.mask, meta.row_starts(),
-                                       scale, 0, 0.0)
-        else:
-            o = paged_attention(query, key, key, k_pool, k_pool, meta, scale)
-        o = o[..., :self.rank]
+        o = attend(query, key, key, k_pool, k_pool, meta, scale)[..., :self.rank]  # the values: the latent
         return torch.stack([linear(o[:, h].contiguous(), self.w_uv[h]) for h in range(self.num_heads)], 1)
