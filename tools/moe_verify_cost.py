@@ -7,6 +7,12 @@ each sparse layer the union of the experts the n rows route to (counted on the s
 `models.moe.MoE.route`), each expert's bytes once. Consecutive draft rows share experts, so k rows read far fewer than
 k times one row's experts.
 
+A second floor is the arithmetic: each row multiplies every non-expert matrix, its top-k experts and the LM head,
+and the machine does at most so many multiply-adds a second. The tool measures that rate on the model's own LM head
+at 32 rows (the kernels' best case: many rows per read weight) and reports time against the larger of the two
+floors too. Where the compute floor is the larger, the byte bound cannot be reached on this machine whatever the
+expert grouping does.
+
     python tools/moe_verify_cost.py /tmp/g/q3moe-4l-q4km.gguf --rows 1,2,3,5,9 --context 256
 """
 from __future__ import annotations
@@ -29,6 +35,34 @@ from specdec.models.loader import load_model
 def expert_bytes(moe: MoE) -> float:
     """The mean bytes of one expert's matrices."""
     return sum(m.weight.nbytes for m in (*moe.gate_up, *moe.down)) / len(moe.gate_up)
+
+
+def matrix_elements(model) -> tuple[int, list[int]]:
+    """Multiply-adds one row costs outside the experts (every decoder matrix and the LM head), and one expert's per
+    sparse layer (its gate/up and down, the mean over the layer's experts)."""
+    experts = {id(lin) for layer in model.layers if layer.moe is not None
+               for lin in (*layer.moe.gate_up, *layer.moe.down)}
+    base = sum(lin.weight.shape[0] * lin.weight.shape[1] for layer in model.layers for lin in layer.linears
+               if id(lin) not in experts)
+    lm = model.lm_head
+    base += lm.shape[0] * lm.shape[1]
+    per_expert = [sum(lin.weight.shape[0] * lin.weight.shape[1] for lin in (*moe.gate_up, *moe.down))
+                  // len(moe.gate_up) for moe in (layer.moe for layer in model.layers if layer.moe is not None)]
+    return base, per_expert
+
+
+def mac_rate(model, rows: int = 32, repeats: int = 5) -> float:
+    """Multiply-adds a second of the native GEMM on the model's LM head with `rows` rows (median of `repeats`)."""
+    lm = model.lm_head
+    x = torch.randn(rows, lm.shape[1])
+    linear = lm.linear if hasattr(lm, "linear") else (lambda v: v @ lm.T)
+    linear(x)
+    times = []
+    for _ in range(repeats):
+        start = time.perf_counter()
+        linear(x)
+        times.append(time.perf_counter() - start)
+    return rows * lm.shape[0] * lm.shape[1] / statistics.median(times)
 
 
 def union_sizes(model, runner: ModelRunner, seq: Sequence, rows: list[int]) -> list[int]:
@@ -93,19 +127,24 @@ def main(argv: list[str] | None = None) -> None:
             times[n].append(step(n))
     bandwidth.append(measure_bandwidth(torch.device("cpu"))["read_bytes_per_s"])
     read = statistics.mean(bandwidth)  # sampled before and after the timed steps
+    rate = mac_rate(model)
+    base_macs, expert_macs = matrix_elements(model)
     per_expert = [expert_bytes(moe) for moe in sparse]
     base = model.weight_bytes_per_token() - sum(moe.top_k * b for moe, b in zip(sparse, per_expert))
     t1 = statistics.median(times[rows[0]])
-    print(f"read bandwidth {read / 1e9:.1f} GB/s; {len(sparse)} sparse layers, top {sparse[0].top_k} of "
-          f"{len(sparse[0].gate_up)} experts; context {args.context}")
-    print("| rows | ms | x first | experts read per layer | MB read | bound ms | time / bound |")
-    print("|---|---|---|---|---|---|---|")
+    print(f"read bandwidth {read / 1e9:.1f} GB/s; GEMM {rate / 1e9:.0f} G multiply-adds/s (LM head, 32 rows); "
+          f"{len(sparse)} sparse layers, top {sparse[0].top_k} of {len(sparse[0].gate_up)} experts; "
+          f"context {args.context}")
+    print("| rows | ms | x first | experts read per layer | MB read | bound ms | time / bound "
+          "| compute floor ms | time / max(bound, floor) |")
+    print("|---|---|---|---|---|---|---|---|---|")
     for n in rows:
         t = statistics.median(times[n])
         nbytes = base + sum(u * b for u, b in zip(unions[n], per_expert))
         bound = nbytes / read
+        floor = n * (base_macs + sum(sparse[i].top_k * m for i, m in enumerate(expert_macs))) / rate
         print(f"| {n} | {t * 1e3:.2f} | {t / t1:.2f} | {statistics.mean(unions[n]):.1f} | {nbytes / 1e6:.1f} | "
-              f"{bound * 1e3:.2f} | {t / bound:.2f} |")
+              f"{bound * 1e3:.2f} | {t / bound:.2f} | {floor * 1e3:.2f} | {t / max(bound, floor):.2f} |")
 
 
 if __name__ == "__main__":
