@@ -389,6 +389,30 @@ def test_deepseeks_mtp_module_speculates_losslessly(tmp_path):
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
 
 
+@needs_native
+def test_deepseeks_mtp_layer_in_a_gguf_is_the_directorys_and_speculates_losslessly(tmp_path):
+    """The MTP layer written as llama.cpp's nextn block (block N: latent attention and experts under blk.N names, its
+    nextn.* tensors) reads back as the same head as from the Hugging Face directory, tensor for tensor, and drafts
+    for the GGUF target without changing its greedy output."""
+    from specdec.models.heads.eagle import EagleHead
+
+    path, _ = save_family(tmp_path / "hf", "deepseek_v3")
+    _with_mtp_layer(path)
+    gguf = hf_to_gguf.write(path, tmp_path / "m.gguf", "F32")
+    from_dir = EagleHead.load(path, load_model(path)[0], "mtp").state_dict()
+    from_gguf = EagleHead.load(gguf, load_model(gguf)[0], "mtp").state_dict()
+    assert from_dir.keys() == from_gguf.keys()
+    for name, t in from_dir.items():
+        assert torch.allclose(t, from_gguf[name], atol=1e-6), name
+    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 40, 41]}]
+    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(gguf), speculative_config="off").generate(prompts, params)]
+    llm = LLM(str(gguf), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "dispatch": {"1": "chain"}})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+
+
 # ---- gpt-oss's MXFP4 experts, as the published checkpoints ship them ----
 
 @needs_native

@@ -14,6 +14,7 @@ those of llama.cpp's own converter is (`--check-against FILE`, names, shapes and
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import math
 from pathlib import Path
@@ -53,8 +54,12 @@ def add_shape_keys(writer: GGUFWriter, context: int, hidden: int, layers: int, f
 def add_family_keys(w: GGUFWriter, arch: str, hf: dict, cfg) -> None:
     """A decoder's shape and its family's options under llama.cpp's keys for `arch` (where llama.cpp has none: the
     window pattern as a list, Gemma's query scale where its rule would not give it, OLMoE's clamp)."""
-    add_shape_keys(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers, cfg.intermediate_size,
-                   cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim, cfg.rope_theta, cfg.rms_norm_eps)
+    mtp = int(hf.get("num_nextn_predict_layers") or 0)  # MTP layers count in block_count (llama.cpp's nextn)
+    add_shape_keys(w, cfg.max_position_embeddings, cfg.hidden_size, cfg.num_hidden_layers + mtp,
+                   cfg.intermediate_size, cfg.num_attention_heads, cfg.num_key_value_heads, cfg.rotary_dim,
+                   cfg.rope_theta, cfg.rms_norm_eps)
+    if mtp:
+        w.add_uint32(f"{arch}.nextn_predict_layers", mtp)
     w.add_key_length(cfg.head_dim)
     w.add_value_length(cfg.kv_lora_rank or cfg.head_dim)  # latent attention: its values are the latent
     scaling = cfg.rope_scaling or {}
@@ -193,6 +198,7 @@ def write(model_dir: str | Path, out: str | Path, file_type: str = "F32") -> Pat
     if arch == "phi3" and (cfg.rope_scaling or {}).get("rope_type") in ("longrope", "su"):
         for k in ("long", "short"):
             w.add_tensor(f"rope_factors_{k}.weight", np.asarray(cfg.rope_scaling[f"{k}_factor"], dtype=np.float32))
+    expected |= mtp_tensors(hf, cfg, fused, state)
     for name, (parts, shape) in expected.items():
         if any(hf_name not in state for hf_name, _ in parts):
             continue  # a tied checkpoint's lm_head
@@ -209,6 +215,30 @@ def write(model_dir: str | Path, out: str | Path, file_type: str = "F32") -> Pat
     w.write_kv_data_to_file()
     w.write_tensors_to_file()
     w.close()
+    return out
+
+
+_NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head.norm": "shared_head_norm",
+          "shared_head.head": "shared_head_head", "embed_tokens": "embed_tokens"}
+
+
+def mtp_tensors(hf: dict, cfg, fused: set[str], state: dict) -> dict:
+    """The MTP layers a checkpoint carries after its main ones (`num_nextn_predict_layers`, DeepSeek-V3's layout), as
+    llama.cpp's nextn blocks: each a decoder layer of the model's kind under blk.{N + i}. names, and its nextn.*
+    tensors (eh_proj, enorm, hnorm, the shared head's norm and, where the checkpoint has them, its own LM head and
+    embedding)."""
+    n, main = int(hf.get("num_nextn_predict_layers") or 0), cfg.num_hidden_layers
+    if not n:
+        return {}
+    grown = dataclasses.replace(cfg, num_hidden_layers=main + n, layer_types=None,
+                                moe_layers=(*cfg.moe_layers, *range(main, main + n)) if cfg.moe_layers else ())
+    out = {k: v for k, v in specdec_gguf._expected_tensors(grown, fused).items()
+           if k.startswith(tuple(f"blk.{main + i}." for i in range(n)))}
+    for i in range(main, main + n):
+        for theirs, ours in _NEXTN.items():
+            if f"model.layers.{i}.{theirs}.weight" in state:
+                shape = tuple(state[f"model.layers.{i}.{theirs}.weight"].shape)
+                out[f"blk.{i}.nextn.{ours}.weight"] = ([(f"model.layers.{i}.{theirs}.weight", shape)], shape)
     return out
 
 

@@ -119,43 +119,80 @@ def read_gguf(path: str | os.PathLike, archs: dict[str, GGUFArch], config_of: Ca
     mtp_blocks = tuple(f"blk.{i}." for i in range(config["num_hidden_layers"], blocks))
     for name, tensor in tensors.items():
         if name in _ROPE_TENSORS or name.startswith(mtp_blocks):  # rope scaling is in the config; MTP layers
-            continue  # are a draft head's (`head_gguf`)
+            continue  # are a draft head's (`heads.gguf`)
         if name not in expected:
             raise ValueError(f"unexpected tensor {name!r} in {path} for architecture {arch.name!r}")
-        parts, hf_shape = expected.pop(name)
-        shape = tuple(int(d) for d in reversed(tensor.shape))
-        if shape != hf_shape:
-            raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
-        permuted = arch.permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
-        heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
-        if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES and all(len(p[1]) == 2 for p in parts):
-            if tensor.tensor_type not in BY_GGML:
-                f32, size = float32_bytes(reader), os.path.getsize(path)
-                raise ValueError(
-                    f"tensor {name!r} is {tensor.tensor_type.name}, which the native quantized runtime does not "
-                    f"compute on (it does {', '.join(f.upper() for f in FORMATS)}); dequantizing the whole model "
-                    f"instead costs {f32 / 1e9:.2f} GB in float32 ({f32 / size:.1f}x the file's {size / 1e9:.2f} GB "
-                    "read per token; dtype='bfloat16' halves it)")
-            rows, first = tensor.data.reshape(-1, tensor.data.shape[-1]), 0
-            for hf_name, part in parts:
-                weights = QuantWeight.from_mapping(rows[first:first + part[0]], tensor.tensor_type, part[1])
-                first += part[0]
-                if permuted:
-                    order = _unpermute_qk(np.arange(part[0]), heads)
-                    weights = weights.permute_rows(torch.from_numpy(order))
-                state_dict[hf_name] = weights
-            continue
-        weights = _dequantize(tensor.data, tensor.tensor_type, name).reshape(shape)
-        if permuted:
-            weights = _unpermute_qk(weights, heads)
-        rows, first = weights.reshape(-1, *parts[0][1][1:]) if len(parts) > 1 else weights, 0
-        for hf_name, part in parts:  # a whole tensor, or its rows split (fused q/k/v, gate/up, experts)
-            piece = rows[first:first + part[0]] if len(parts) > 1 else rows.reshape(part)
-            first += part[0]
-            state_dict[hf_name] = _to_torch(piece, torch.float32 if keep_blocks else dtype)
+        state_dict.update(_convert(reader, path, arch, config, name, tensor, expected.pop(name), dtype, keep_blocks))
     if expected:
         raise ValueError(f"missing tensor {next(iter(expected))!r} in {path} ({len(expected)} missing in all)")
     return config, state_dict
+
+
+def read_layer(reader: GGUFReader, path: Path, arch: GGUFArch, config_of: Callable[[dict], ModelConfig],
+               config: dict, layer: int) -> tuple[dict[str, torch.Tensor], dict[str, Any]]:
+    """Block `layer` past the model's main layers (an MTP layer, `nextn_predict_layers`) read as a decoder layer of
+    the model's own kind, float32 under `model.layers.{layer}.` names, and its other tensors as the file holds them
+    (its `nextn.*` ones): (decoder layer state, {GGUF name: tensor})."""
+    tensors = {t.name: t for t in reader.tensors}
+    grown = {**config, "num_hidden_layers": layer + 1}
+    if config.get("layer_types"):  # an MTP layer sees every key
+        grown["layer_types"] = [*config["layer_types"], FULL]
+    prefix = f"blk.{layer}."
+    expected = {k: v for k, v in _expected_tensors(config_of(grown), tensors).items() if k.startswith(prefix)}
+    state: dict[str, torch.Tensor] = {}
+    rest = {}
+    for name, tensor in tensors.items():
+        if not name.startswith(prefix):
+            continue
+        if name in expected:
+            state.update(_convert(reader, path, arch, config, name, tensor, expected.pop(name), torch.float32,
+                                  keep_blocks=False))
+        else:
+            rest[name] = tensor
+    if expected:
+        raise ValueError(f"MTP layer {layer} in {path}: missing tensor {next(iter(expected))!r} ({len(expected)} "
+                         "missing in all)")
+    return state, rest
+
+
+def _convert(reader: GGUFReader, path: Path, arch: GGUFArch, config: dict, name: str, tensor: Any,
+             entry: tuple[list[tuple[str, tuple[int, ...]]], tuple], dtype: torch.dtype, keep_blocks: bool
+             ) -> dict[str, torch.Tensor | QuantWeight]:
+    """One GGUF tensor as its Hugging Face tensors (`_expected_tensors` entry: its parts and shape): views of the
+    mapped blocks with keep_blocks, else dequantized to `dtype`; llama.cpp's q/k row permutation undone."""
+    parts, hf_shape = entry
+    shape = tuple(int(d) for d in reversed(tensor.shape))
+    if shape != hf_shape:
+        raise ValueError(f"tensor {name!r} has shape {list(shape)}, expected {list(hf_shape)} from the metadata")
+    permuted = arch.permuted_qk and name.endswith(("attn_q.weight", "attn_k.weight"))
+    heads = config["num_attention_heads"] if "attn_q" in name else config["num_key_value_heads"]
+    out: dict[str, torch.Tensor | QuantWeight] = {}
+    if keep_blocks and tensor.tensor_type not in _FLOAT_TYPES and all(len(p[1]) == 2 for p in parts):
+        if tensor.tensor_type not in BY_GGML:
+            f32_bytes, size = float32_bytes(reader), os.path.getsize(path)
+            raise ValueError(
+                f"tensor {name!r} is {tensor.tensor_type.name}, which the native quantized runtime does not "
+                f"compute on (it does {', '.join(f.upper() for f in FORMATS)}); dequantizing the whole model "
+                f"instead costs {f32_bytes / 1e9:.2f} GB in float32 ({f32_bytes / size:.1f}x the file's "
+                f"{size / 1e9:.2f} GB read per token; dtype='bfloat16' halves it)")
+        rows, first = tensor.data.reshape(-1, tensor.data.shape[-1]), 0
+        for hf_name, part in parts:
+            weights = QuantWeight.from_mapping(rows[first:first + part[0]], tensor.tensor_type, part[1])
+            first += part[0]
+            if permuted:
+                order = _unpermute_qk(np.arange(part[0]), heads)
+                weights = weights.permute_rows(torch.from_numpy(order))
+            out[hf_name] = weights
+        return out
+    weights = _dequantize(tensor.data, tensor.tensor_type, name).reshape(shape)
+    if permuted:
+        weights = _unpermute_qk(weights, heads)
+    rows, first = weights.reshape(-1, *parts[0][1][1:]) if len(parts) > 1 else weights, 0
+    for hf_name, part in parts:  # a whole tensor, or its rows split (fused q/k/v, gate/up, experts)
+        piece = rows[first:first + part[0]] if len(parts) > 1 else rows.reshape(part)
+        first += part[0]
+        out[hf_name] = _to_torch(piece, torch.float32 if keep_blocks else dtype)
+    return out
 
 
 def float32_bytes(reader: GGUFReader) -> int:

@@ -29,8 +29,8 @@ from gguf.gguf_reader import ReaderTensor
 from gguf.quants import quantize
 
 from specdec.config import SpecdecError
-from specdec.models.families import gguf_archs
-from specdec.models.formats.gguf import _LAYER_TENSORS, _QK_NORM_TENSORS, _dequantize, _field, _to_torch, f32, hf_config
+from specdec.models.families import family_of, gguf_archs, load_config
+from specdec.models.formats.gguf import _LAYER_TENSORS, _dequantize, _field, _to_torch, f32, hf_config, read_layer
 from specdec.models.formats.gguf import _unpermute_qk as unpermute_qk
 from specdec.models.heads.files import HeadCheckpoint
 
@@ -40,7 +40,6 @@ _EAGLE3_TOP = {"fc.weight": "fc.weight", "output_norm.weight": "norm.weight", "o
 _FIRST_VERSION = {"blk.0.hidden_norm.weight": "blk.0.attn_norm_2.weight"}  # names of the format's first version
 _NEXTN = {"eh_proj": "eh_proj", "enorm": "enorm", "hnorm": "hnorm", "shared_head_norm": "shared_head.norm",
           "shared_head_head": "shared_head.head", "embed_tokens": "embed_tokens"}
-_PERMUTED_ARCHS = ("llama", "mistral", "eagle3")
 
 
 def read_gguf_head(path: Path, method: str) -> HeadCheckpoint:
@@ -125,26 +124,25 @@ def _offsets(absolute: np.ndarray, path: Path) -> torch.Tensor:
 
 
 def _read_nextn(reader: GGUFReader, path: Path, arch: str) -> HeadCheckpoint:
-    tensors = {t.name: t for t in reader.tensors}
-    if arch not in gguf_archs():
+    """The first MTP layer: block N (N = the main layers) read as a decoder layer of the model's own family (its
+    attention and MLP kinds: DeepSeek's latent attention and experts too) plus its nextn.* tensors."""
+    archs = gguf_archs()
+    if arch not in archs:
         raise SpecdecError(f"{path}: MTP layers of a GGUF {arch!r} model, an architecture specdec does not read")
-    config = hf_config(reader, gguf_archs()[arch], tensors)  # its num_hidden_layers excludes the MTP layers
+    tensors = {t.name: t for t in reader.tensors}
+    config = hf_config(reader, archs[arch], tensors)  # its num_hidden_layers excludes the MTP layers
     block = config["num_hidden_layers"]
-    prefix, hf = f"blk.{block}.", f"model.layers.{block}."
-    per_layer = {**_LAYER_TENSORS, **(_QK_NORM_TENSORS if arch == "qwen3" else {})}
-    out: dict[str, torch.Tensor] = {}
-    for name, t in tensors.items():
-        if not name.startswith(prefix):
-            continue
-        suffix = name[len(prefix):]
-        if suffix.startswith("nextn.") and suffix[6:].removesuffix(".weight") in _NEXTN:
-            out[hf + _NEXTN[suffix[6:].removesuffix(".weight")] + ".weight"] = _tensor(t)
-        elif suffix in per_layer:
-            permuted = arch in _PERMUTED_ARCHS and suffix in ("attn_q.weight", "attn_k.weight")
-            heads = config["num_attention_heads"] if "attn_q" in suffix else config["num_key_value_heads"]
-            out[hf + per_layer[suffix]] = _tensor(t, heads if permuted else None)
-        else:
+    hf = f"model.layers.{block}."
+    try:
+        layer, rest = read_layer(reader, path, archs[arch], load_config, config, block)
+    except ValueError as e:
+        raise SpecdecError(str(e)) from None
+    out: dict[str, torch.Tensor] = dict(family_of(config).gguf_state(layer, config))
+    for name, t in rest.items():
+        short = name.removeprefix(f"blk.{block}.nextn.").removesuffix(".weight")
+        if not name.startswith(f"blk.{block}.nextn.") or short not in _NEXTN:
             raise SpecdecError(f"MTP layer in {path} has tensor {name!r}, which specdec has no place for")
+        out[hf + _NEXTN[short] + ".weight"] = _tensor(t)
     if hf + "eh_proj.weight" not in out:
         raise SpecdecError(f"{path} declares {arch}.nextn_predict_layers but block {block} has no nextn.eh_proj")
     return HeadCheckpoint("mtp", {**config, "num_hidden_layers": 1}, out, path.parent, "gguf")
