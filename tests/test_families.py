@@ -376,17 +376,22 @@ class _LayerOutput:
         return rows
 
 
+def assert_mtp_lossless(model: Path) -> None:
+    """The model's own MTP layer drafts (some tokens each run) and greedy output stays plain greedy's."""
+    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 40, 41]}]
+    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
+    plain = [o.token_ids for o in LLM(str(model), speculative_config="off").generate(prompts, params)]
+    llm = LLM(str(model), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "dispatch": {"1": "chain"}})
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == plain
+    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
+
+
 @needs_native
 def test_deepseeks_mtp_module_speculates_losslessly(tmp_path):
     path, _ = save_family(tmp_path, "deepseek_v3")
     _with_mtp_layer(path)
-    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 40, 41]}]
-    params = SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(str(path), speculative_config="off").generate(prompts, params)]
-    llm = LLM(str(path), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "dispatch": {"1": "chain"}})
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == plain
-    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
+    assert_mtp_lossless(path)
 
 
 @needs_native
@@ -404,13 +409,7 @@ def test_deepseeks_mtp_layer_in_a_gguf_is_the_directorys_and_speculates_lossless
     assert from_dir.keys() == from_gguf.keys()
     for name, t in from_dir.items():
         assert torch.allclose(t, from_gguf[name], atol=1e-6), name
-    prompts = [{"prompt_token_ids": [5, 9, 14, 5, 9, 14, 5, 9]}, {"prompt_token_ids": [40, 41, 42, 43, 40, 41]}]
-    params = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
-    plain = [o.token_ids for o in LLM(str(gguf), speculative_config="off").generate(prompts, params)]
-    llm = LLM(str(gguf), speculative_config={"method": "mtp", "num_speculative_tokens": 2, "dispatch": {"1": "chain"}})
-    outs = llm.generate(prompts, params)
-    assert [o.token_ids for o in outs] == plain
-    assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0
+    assert_mtp_lossless(gguf)
 
 
 # ---- gpt-oss's MXFP4 experts, as the published checkpoints ship them ----
