@@ -19,6 +19,9 @@ import contextlib
 import importlib.util
 import os
 import random
+import signal
+import subprocess
+import sys
 import tempfile
 from pathlib import Path
 
@@ -231,8 +234,19 @@ def pytest_addoption(parser):
                           "$SPECDEC_TEST_DEVICE, else cpu); `make test-gpu` runs the lossless suite on cuda")
 
 
+_builder: subprocess.Popen | None = None
+
+
 def pytest_configure(config):
+    """The device for every engine, and the kernels of every instruction set the tests run (`native.distinct_isas`)
+    built in a process of their own while the first tests run: each build is one compiler process, so on a fresh
+    checkout the other instruction sets' builds overlap the tests instead of following them (each build waits for
+    any other of the same build under its lock)."""
+    global _builder
     os.environ["SPECDEC_DEVICE"] = config.getoption("--device")  # LLM(device=None) and the CLI read it
+    build = "from specdec.models.cpu import native\nfor isa in native.distinct_isas(): native.available(isa)"
+    _builder = subprocess.Popen([sys.executable, "-c", build], stdout=subprocess.DEVNULL, stderr=subprocess.DEVNULL,
+                                start_new_session=True)  # its compiler processes too are stopped with it
 
 
 # ---- isolation --------------------------------------------------------------------------------------------
@@ -269,6 +283,9 @@ def pytest_sessionfinish(session, exitstatus):
 
 def pytest_unconfigure(config):
     """The last line of the run: how many tests were skipped, and why (nothing when none were)."""
+    if _builder is not None and _builder.poll() is None:  # a run shorter than the builds (a single test file)
+        os.killpg(_builder.pid, signal.SIGTERM)
+        _builder.wait()
     if _skipped:
         reasons = "; ".join(f"{n} x {reason}" for reason, n in _skipped.most_common())
         print(f"specdec: {sum(_skipped.values())} tests SKIPPED: {reasons}", flush=True)
