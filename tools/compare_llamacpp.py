@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import argparse
 import gc
+import re
 import sys
 from dataclasses import dataclass
 
@@ -68,14 +69,20 @@ def compare(path: str, num_prompts: int, max_tokens: int, tie: float, dtype: tor
     return verdicts
 
 
+_MIXTRAL = {"gate": "w1", "down": "w2", "up": "w3"}
+
+
 def load_reference(path: str, dtype: torch.dtype):
     """transformers' model of the GGUF: through its own GGUF loader, or where it has none for the architecture
-    (deepseek2, olmoe) through its model class on the file's weights as specdec dequantizes them, written back under
-    the checkpoint's own names (the reader and the forward stay transformers')."""
+    (deepseek2, olmoe; a llama file with experts) through its model class on the file's weights as specdec
+    dequantizes them, written back under the checkpoint's own names (the reader and the forward stay
+    transformers')."""
     try:
         return _load_hf(resolve(path), dtype).eval()
     except (ValueError, TypeError) as err:  # no reader for the architecture; gpt-oss's reader fails on its own
-        if isinstance(err, ValueError) and "is not supported" not in str(err):  # rope.scaling keys (transformers 5.23)
+        # rope.scaling keys (transformers 5.23); a llama file of experts (Mixtral as llama.cpp writes it) is read
+        # as a dense Llama, without its experts
+        if isinstance(err, ValueError) and not ("is not supported" in str(err) or "lacks tensors" in str(err)):
             raise
     import json
     import tempfile
@@ -96,6 +103,10 @@ def load_reference(path: str, dtype: torch.dtype):
         hf.update(head_dim=hf["qk_rope_head_dim"], num_key_value_heads=hf["num_attention_heads"])  # HF's reading
     if hf["model_type"] == "gpt_oss":
         state = _gpt_oss_names(state, hf)
+    if hf["model_type"] == "mixtral":  # Mixtral's checkpoint names, which transformers converts to its own
+        state = {re.sub(r"\.mlp\.experts\.(\d+)\.(gate|up|down)_proj\.",
+                        lambda m: f".block_sparse_moe.experts.{m[1]}.{_MIXTRAL[m[2]]}.", k)
+                 .replace(".mlp.gate.weight", ".block_sparse_moe.gate.weight"): t for k, t in state.items()}
     with tempfile.TemporaryDirectory() as d:
         (Path(d) / "config.json").write_text(json.dumps(hf))
         save_file({k: t.contiguous() for k, t in state.items()}, Path(d) / "model.safetensors")
