@@ -31,7 +31,7 @@ from specdec.models.loader import resolve
 _FFN = ("ffn_gate", "ffn_up", "ffn_down")
 
 
-def _copy_fields(reader: GGUFReader, writer: GGUFWriter, arch: str) -> None:
+def _copy_fields(reader: GGUFReader, writer: GGUFWriter) -> None:
     """Every metadata key but the file's own bookkeeping (GGUF.*) and the architecture (the writer's)."""
     for name, field in reader.fields.items():
         if name.startswith("GGUF.") or name == "general.architecture":
@@ -57,7 +57,7 @@ def upcycle(source: Path, out: Path, experts: int, top_k: int, noise: float, rou
         raise SystemExit(f"{source} is a mixture of experts already")
     rng = np.random.default_rng(seed)
     writer = GGUFWriter(str(out), arch)
-    _copy_fields(reader, writer, arch)
+    _copy_fields(reader, writer)
     writer.add_expert_count(experts)
     writer.add_expert_used_count(top_k)
     hidden = int(reader.fields[f"{arch}.embedding_length"].contents())

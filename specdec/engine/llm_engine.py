@@ -396,6 +396,8 @@ class LLMEngine:
         """Offer the sequence's full blocks to the prefix cache and free those its windows left behind, up to
         where both the target's K/V and the drafter's (when it keeps any in the shared blocks) hold committed
         tokens."""
+        if not (self.allocator.enable_prefix_caching or self.allocator.reach):
+            return
         n = min(seq.num_cached, len(seq.token_ids))
         if self.speculator is not None:
             drafted = self.speculator.cached_prefix(seq)

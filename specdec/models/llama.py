@@ -23,7 +23,7 @@ from specdec.config import ModelConfig
 from specdec.models.blocks import kernels
 from specdec.models.blocks.attention import AttentionMetadata, KVLayers, attend
 from specdec.models.blocks.kernels import linear, on_native
-from specdec.models.blocks.layers import Linear, RMSNorm, glu, replace_parameter
+from specdec.models.blocks.layers import Linear, RMSNorm, fuse_rows, glu, load_gated_mlp, replace_parameter
 from specdec.models.blocks.mla import LatentAttention
 from specdec.models.blocks.moe import MoE
 from specdec.models.blocks.rotary import rope_tables, rotate
@@ -192,15 +192,6 @@ def _weight(norm: RMSNorm | None) -> torch.Tensor:
     return norm.weight.detach() if norm is not None else torch.empty(0)
 
 
-def _cat(weights: list) -> torch.Tensor | QuantWeight:
-    """Fuse matrices by rows (q/k/v, gate/up), float or block-quantized."""
-    if any(isinstance(w, QuantWeight) for w in weights):
-        if not all(isinstance(w, QuantWeight) for w in weights):
-            raise ValueError("cannot fuse a quantized matrix with a float one")
-        return QuantWeight.cat(weights)
-    return torch.cat(weights)
-
-
 def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], torch.Tensor],
                        put: Callable[[torch.Tensor, torch.Tensor, str], None], cfg: ModelConfig) -> None:
     """Copy one Hugging Face-named decoder layer (`{prefix}self_attn.q_proj.weight`, ...) into `layer`,
@@ -208,9 +199,9 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
     input norm is an Identity (EAGLE-1's first layer) reads no input_layernorm."""
     p = prefix
     if layer.mla is not None:
-        load_latent_attention(layer.mla, p + "self_attn.", take, put)
+        layer.mla.load(p + "self_attn.", take, put)
     else:
-        layer.qkv_proj.set_weight(_cat([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
+        layer.qkv_proj.set_weight(fuse_rows([take(p + f"self_attn.{n}_proj.weight") for n in "qkv"]),
                                   p + "self_attn.qkv_proj.weight")
     if cfg.attention_bias and layer.mla is None:
         put(layer.qkv_proj.bias, torch.cat([take(p + f"self_attn.{n}_proj.bias") for n in "qkv"]),
@@ -224,9 +215,9 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
         put(layer.q_norm.weight, take(p + "self_attn.q_norm.weight"), p + "self_attn.q_norm.weight")
         put(layer.k_norm.weight, take(p + "self_attn.k_norm.weight"), p + "self_attn.k_norm.weight")
     if layer.moe is not None:
-        load_moe(layer.moe, p + "mlp.", take, put)
+        layer.moe.load(p + "mlp.", take, put)
     else:
-        load_mlp(layer.gate_up_proj, layer.down_proj, p + "mlp.", take)
+        load_gated_mlp(layer.gate_up_proj, layer.down_proj, p + "mlp.", take)
     if isinstance(layer.input_layernorm, RMSNorm):
         put(layer.input_layernorm.weight, take(p + "input_layernorm.weight"), p + "input_layernorm.weight")
     put(layer.post_attention_layernorm.weight, take(p + "post_attention_layernorm.weight"),
@@ -234,54 +225,6 @@ def load_decoder_layer(layer: DecoderLayer, prefix: str, take: Callable[[str], t
     if layer.attn_out_norm is not None:
         put(layer.attn_out_norm.weight, take(p + "attn_out_norm.weight"), p + "attn_out_norm.weight")
         put(layer.mlp_out_norm.weight, take(p + "mlp_out_norm.weight"), p + "mlp_out_norm.weight")
-
-
-def load_mlp(gate_up: Linear, down: Linear, p: str, take: Callable[[str], torch.Tensor]) -> None:
-    """A gated MLP's `{p}gate_proj`, `{p}up_proj` (fused by rows) and `{p}down_proj`, with their biases where the
-    layers have them (gpt-oss's experts)."""
-    gate_up.set_weight(_cat([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]), p + "gate_up_proj.weight")
-    down.set_weight(take(p + "down_proj.weight"), p + "down_proj.weight")
-    for lin, bias, name in ((gate_up, lambda: torch.cat([take(p + "gate_proj.bias"), take(p + "up_proj.bias")]),
-                             "gate_up_proj.bias"), (down, lambda: take(p + "down_proj.bias"), "down_proj.bias")):
-        if lin.bias is not None:
-            value = bias()
-            if tuple(value.shape) != tuple(lin.bias.shape):
-                raise ValueError(f"tensor {p + name!r} has shape {tuple(value.shape)}, config expects "
-                                 f"{tuple(lin.bias.shape)}")
-            lin.bias.data.copy_(value)
-
-
-def load_latent_attention(mla: LatentAttention, p: str, take: Callable[[str], torch.Tensor],
-                          put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
-    """DeepSeek's attention tensors: `{p}q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`), `kv_a_proj_with_mqa`,
-    `kv_a_layernorm` and kv_b_proj as its absorbed halves `k_b_proj`, `v_b_proj` (`families.deepseek`)."""
-    if mla.q_a_proj is not None:
-        mla.q_a_proj.set_weight(take(p + "q_a_proj.weight"), p + "q_a_proj.weight")
-        put(mla.q_a_norm.weight, take(p + "q_a_layernorm.weight"), p + "q_a_layernorm.weight")
-        mla.q_proj.set_weight(take(p + "q_b_proj.weight"), p + "q_b_proj.weight")
-    else:
-        mla.q_proj.set_weight(take(p + "q_proj.weight"), p + "q_proj.weight")
-    mla.kv_a_proj.set_weight(take(p + "kv_a_proj_with_mqa.weight"), p + "kv_a_proj_with_mqa.weight")
-    put(mla.kv_a_norm.weight, take(p + "kv_a_layernorm.weight"), p + "kv_a_layernorm.weight")
-    mla.set_absorbed(take(p + "k_b_proj.weight"), take(p + "v_b_proj.weight"), p)
-
-
-def load_moe(moe: MoE, p: str, take: Callable[[str], torch.Tensor],
-             put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
-    """A mixture-of-experts MLP under the canonical names (`families` renames each family's): the router
-    `{p}gate.weight` [E, H], experts `{p}experts.{e}.{gate,up,down}_proj.weight`, and a shared expert
-    `{p}shared_expert.*` with its gate `{p}shared_expert_gate.weight` [1, H] where configured."""
-    put(moe.gate, take(p + "gate.weight"), p + "gate.weight")
-    if moe.gate_bias is not None:
-        put(moe.gate_bias, take(p + "gate.bias"), p + "gate.bias")
-    if moe.choice_bias is not None:
-        put(moe.choice_bias, take(p + "gate.e_score_correction_bias"), p + "gate.e_score_correction_bias")
-    for e, (gate_up, down) in enumerate(zip(moe.gate_up, moe.down)):
-        load_mlp(gate_up, down, f"{p}experts.{e}.", take)
-    if moe.shared_gate_up is not None:
-        load_mlp(moe.shared_gate_up, moe.shared_down, p + "shared_expert.", take)
-    if moe.shared_gate is not None:
-        put(moe.shared_gate, take(p + "shared_expert_gate.weight"), p + "shared_expert_gate.weight")
 
 
 def decoder_layer_state(layer: DecoderLayer, prefix: str) -> dict[str, torch.Tensor]:

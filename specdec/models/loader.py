@@ -21,6 +21,7 @@ import torch
 from specdec.config import ModelConfig, SpecdecError, cache_root
 from specdec.models.cpu import native
 from specdec.models.families import family_of, gguf_archs, load_config
+from specdec.models.formats.gguf import read_gguf
 from specdec.models.formats.quant import QUANTIZE_ON_LOAD, QuantWeight
 from specdec.models.hub import is_hub_id, resolve_hub
 from specdec.models.llama import LlamaModel
@@ -155,8 +156,6 @@ def load_gguf(path: str | os.PathLike, dtype: torch.dtype = torch.float32, keep_
     """A GGUF file as (hf_config, state_dict) shaped like its family's Hugging Face checkpoint, in the canonical names
     the decoder loads (`formats.gguf.read_gguf` under the family's rules, then its `gguf_state`). keep_blocks: the
     quantized matrices stay in their blocks, as views of the mapped file."""
-    from specdec.models.formats.gguf import read_gguf
-
     hf_config, state = read_gguf(path, gguf_archs(), load_config, dtype=dtype, keep_blocks=keep_blocks)
     return hf_config, family_of(hf_config).gguf_state(state, hf_config)
 

@@ -3,6 +3,8 @@ the gated MLP's activations. (Attention is `attention`, `mla` and the native ker
 `moe`; rotary embeddings `rotary`.)"""
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 import torch.nn.functional as F
 from torch import nn
@@ -80,3 +82,28 @@ def glu(cfg: ModelConfig, gate: torch.Tensor, up: torch.Tensor) -> torch.Tensor:
     limit = cfg.swiglu_limit
     gate, up = gate.clamp(max=limit), up.clamp(-limit, limit)
     return gate * torch.sigmoid(gate * cfg.swiglu_alpha) * (up + 1)
+
+
+def fuse_rows(weights: list) -> torch.Tensor | QuantWeight:
+    """Fuse matrices by rows (q/k/v, gate/up), float or block-quantized."""
+    if any(isinstance(w, QuantWeight) for w in weights):
+        if not all(isinstance(w, QuantWeight) for w in weights):
+            raise ValueError("cannot fuse a quantized matrix with a float one")
+        return QuantWeight.cat(weights)
+    return torch.cat(weights)
+
+
+def load_gated_mlp(gate_up: Linear, down: Linear, p: str, take: Callable[[str], torch.Tensor]) -> None:
+    """A gated MLP's `{p}gate_proj`, `{p}up_proj` (fused by rows) and `{p}down_proj`, with their biases where the
+    layers have them (gpt-oss's experts). take(name) -> the checkpoint's tensor."""
+    gate_up.set_weight(fuse_rows([take(p + "gate_proj.weight"), take(p + "up_proj.weight")]),
+                       p + "gate_up_proj.weight")
+    down.set_weight(take(p + "down_proj.weight"), p + "down_proj.weight")
+    for lin, bias, name in ((gate_up, lambda: torch.cat([take(p + "gate_proj.bias"), take(p + "up_proj.bias")]),
+                             "gate_up_proj.bias"), (down, lambda: take(p + "down_proj.bias"), "down_proj.bias")):
+        if lin.bias is not None:
+            value = bias()
+            if tuple(value.shape) != tuple(lin.bias.shape):
+                raise ValueError(f"tensor {p + name!r} has shape {tuple(value.shape)}, config expects "
+                                 f"{tuple(lin.bias.shape)}")
+            lin.bias.data.copy_(value)

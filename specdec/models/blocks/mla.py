@@ -18,6 +18,8 @@ depend on its step's other rows.
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
@@ -70,6 +72,21 @@ class LatentAttention(nn.Module):
                     mla_w_uk=[kernels.matrix(w) for w in self.w_uk.detach()],
                     mla_w_uv=[kernels.matrix(w) for w in self.w_uv.detach()], mla_rope=self.rope_dim,
                     mla_nope=self.nope, mla_v=self.v_dim, mla_interleave=self.interleave)
+
+    def load(self, p: str, take: Callable[[str], torch.Tensor],
+             put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+        """DeepSeek's attention tensors: `{p}q_proj` (or `q_a_proj`, `q_a_layernorm`, `q_b_proj`),
+        `kv_a_proj_with_mqa`, `kv_a_layernorm` and kv_b_proj as its absorbed halves `k_b_proj`, `v_b_proj`
+        (`families.deepseek`)."""
+        if self.q_a_proj is not None:
+            self.q_a_proj.set_weight(take(p + "q_a_proj.weight"), p + "q_a_proj.weight")
+            put(self.q_a_norm.weight, take(p + "q_a_layernorm.weight"), p + "q_a_layernorm.weight")
+            self.q_proj.set_weight(take(p + "q_b_proj.weight"), p + "q_b_proj.weight")
+        else:
+            self.q_proj.set_weight(take(p + "q_proj.weight"), p + "q_proj.weight")
+        self.kv_a_proj.set_weight(take(p + "kv_a_proj_with_mqa.weight"), p + "kv_a_proj_with_mqa.weight")
+        put(self.kv_a_norm.weight, take(p + "kv_a_layernorm.weight"), p + "kv_a_layernorm.weight")
+        self.set_absorbed(take(p + "k_b_proj.weight"), take(p + "v_b_proj.weight"), p)
 
     def set_absorbed(self, k_b: torch.Tensor | QuantWeight, v_b: torch.Tensor | QuantWeight, name: str) -> None:
         """The up-projections in llama.cpp's absorbed form: k_b [nH, r, nope], v_b [nH, v, r] (kv_b_proj's rows

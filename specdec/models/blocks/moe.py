@@ -14,13 +14,15 @@ the other rows of the call: a row's bits are the same alone or in any batch, so 
 """
 from __future__ import annotations
 
+from collections.abc import Callable
+
 import torch
 from torch import nn
 
 from specdec.config import ModelConfig
 from specdec.models.blocks import kernels
 from specdec.models.blocks.kernels import linear
-from specdec.models.blocks.layers import Linear, glu
+from specdec.models.blocks.layers import Linear, glu, load_gated_mlp
 
 
 class MoE(nn.Module):
@@ -50,6 +52,23 @@ class MoE(nn.Module):
     def linears(self) -> tuple[Linear, ...]:
         shared = (self.shared_gate_up, self.shared_down) if self.shared_gate_up is not None else ()
         return (*self.gate_up, *self.down, *shared)
+
+    def load(self, p: str, take: Callable[[str], torch.Tensor],
+             put: Callable[[torch.Tensor, torch.Tensor, str], None]) -> None:
+        """The mixture under the canonical names (`families` renames each family's): the router `{p}gate.weight`
+        [E, H], experts `{p}experts.{e}.{gate,up,down}_proj.weight`, and a shared expert `{p}shared_expert.*` with
+        its gate `{p}shared_expert_gate.weight` [1, H] where configured. put(param, tensor, name) checks the shape."""
+        put(self.gate, take(p + "gate.weight"), p + "gate.weight")
+        if self.gate_bias is not None:
+            put(self.gate_bias, take(p + "gate.bias"), p + "gate.bias")
+        if self.choice_bias is not None:
+            put(self.choice_bias, take(p + "gate.e_score_correction_bias"), p + "gate.e_score_correction_bias")
+        for e, (gate_up, down) in enumerate(zip(self.gate_up, self.down)):
+            load_gated_mlp(gate_up, down, f"{p}experts.{e}.", take)
+        if self.shared_gate_up is not None:
+            load_gated_mlp(self.shared_gate_up, self.shared_down, p + "shared_expert.", take)
+        if self.shared_gate is not None:
+            put(self.shared_gate, take(p + "shared_expert_gate.weight"), p + "shared_expert_gate.weight")
 
     def native_args(self) -> dict:
         """The native layer's view of the mixture (`csrc/moe.h`): the router (its bias, DeepSeek's scoring, groups,

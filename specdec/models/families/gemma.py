@@ -10,7 +10,7 @@ import math
 
 from specdec.config import FULL, SLIDING, ModelConfig
 from specdec.models.families import Family, State, rename, rope_fields
-from specdec.models.formats.gguf import GGUFArch, KeyReader, f32
+from specdec.models.formats.gguf import GGUFArch, KeyReader, f32, window_layers
 
 # Gemma's layer norms by the decoder's names: its pre-MLP norm is our post_attention_layernorm
 _RENAMES = {"post_attention_layernorm.weight": "attn_out_norm.weight",
@@ -77,10 +77,6 @@ def _gguf_keys(gemma3: bool):
         n = config["num_hidden_layers"]
         pattern = key("attention.sliding_window_pattern", 6 if gemma3 else 2)
         window = key("attention.sliding_window", 0 if gemma3 else 4096)
-        if isinstance(pattern, list):
-            sliding = [bool(p) for p in pattern][:n]
-        else:
-            sliding = [pattern == 0 or i % pattern < pattern - 1 for i in range(n)]
         big = n == (62 if gemma3 else 46)  # llama.cpp's 27B rule, unless the file states its scale
         scalar = config["hidden_size"] // config["num_attention_heads"] if big else config["head_dim"]
         if (scale := key("attention.scale", None)) is not None:
@@ -88,7 +84,8 @@ def _gguf_keys(gemma3: bool):
         out = {"hidden_activation": "gelu_pytorch_tanh", "query_pre_attn_scalar": scalar,
                "final_logit_softcapping": f32(key("final_logit_softcapping", 0.0)) or None,
                "sliding_window": window or None,
-               "layer_types": [SLIDING if s and window else FULL for s in sliding]}
+               "layer_types": window_layers(pattern, n, lambda i: pattern == 0 or i % pattern < pattern - 1)
+               if window else [FULL] * n}
         if gemma3:
             full = {"rope_type": "default", "rope_theta": config["rope_theta"], **(config["rope_scaling"] or {})}
             out["rope_parameters"] = {"full_attention": full, "sliding_attention": {

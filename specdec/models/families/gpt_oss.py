@@ -9,9 +9,9 @@ from __future__ import annotations
 import torch
 from gguf import GGMLQuantizationType
 
-from specdec.config import FULL, SLIDING, ModelConfig
+from specdec.config import ModelConfig
 from specdec.models.families import Family, State, rope_fields
-from specdec.models.formats.gguf import GGUFArch, KeyReader, f32
+from specdec.models.formats.gguf import GGUFArch, KeyReader, f32, window_layers
 from specdec.models.formats.quant import QuantWeight
 
 
@@ -91,8 +91,8 @@ def _gguf_keys(key: KeyReader, config: dict, tensors: dict) -> dict:
     dimensions (the config's truncate: false, which the file does not say and ggml always does); the SwiGLU limit
     where it is not llama.cpp's 7."""
     pattern, layers = key("attention.sliding_window_pattern", None), config["num_hidden_layers"]
-    out = {"sliding_window": key("attention.sliding_window"), "layer_types": [
-        SLIDING if (pattern[i] if pattern is not None else i % 2 == 0) else FULL for i in range(layers)]}
+    out = {"sliding_window": key("attention.sliding_window"),
+           "layer_types": window_layers(pattern, layers, lambda i: i % 2 == 0)}
     if config["rope_scaling"]:
         out["rope_scaling"] = {**config["rope_scaling"], "truncate": False}
     if (clamp := key("swiglu_clamp_exp", None)) is not None:

@@ -60,7 +60,6 @@ _LAYER_TENSORS = {
     "ffn_up.weight": "mlp.up_proj.weight",
     "ffn_down.weight": "mlp.down_proj.weight",
 }
-_QK_NORM_TENSORS = {"attn_q_norm.weight": "self_attn.q_norm.weight", "attn_k_norm.weight": "self_attn.k_norm.weight"}
 # GGUF rope.scaling.* suffix -> HF rope_scaling key, for files that state their scaling explicitly.
 _ROPE_SCALING_KEYS = {
     "factor": "factor",
@@ -269,10 +268,15 @@ def hf_config(reader: GGUFReader, arch: GGUFArch, tensors: dict) -> dict:
         config["clip_qkv"] = f32(clamp)
     if arch.window and (window := key("attention.sliding_window", 0)) > 0:  # a Mistral or Qwen window, where a
         pattern = key("attention.sliding_window_pattern", None)  # file states it (llama.cpp reads none for these)
-        config.update(sliding_window=window, layer_types=[
-            SLIDING if pattern is None or pattern[i] else FULL for i in range(layers)])
+        config.update(sliding_window=window, layer_types=window_layers(pattern, layers, lambda i: True))
     config.update(arch.keys(key, config, tensors))
     return config
+
+
+def window_layers(pattern: Any, layers: int, slides: Callable[[int], bool]) -> list[str]:
+    """Each layer's attention (config.json's layer_types): a file's own `sliding_window_pattern` list (true: the
+    layer slides), else the family's rule `slides(layer)`."""
+    return [SLIDING if (bool(pattern[i]) if isinstance(pattern, list) else slides(i)) else FULL for i in range(layers)]
 
 
 def _rope_scaling(reader: GGUFReader, arch: str, tensors: dict, rope_theta: float, head_dim: int) -> dict | None:
