@@ -7,6 +7,12 @@ _ = object()
 # FastAPI / pydantic: response bodies' fields are serialized by name; model_config is pydantic's own
 model_config, completion_tokens, total_tokens, acceptance_length, function, text_offset, owned_by
 
+# Request fields the serving layer reads by name (getattr) from its tables of fields it refuses or checks:
+# plans.UNSUPPORTED_FIELDS and STRUCTURED_FIELDS, and the REFUSED of responses_api, messages_api and tokenize_api
+skip_special_tokens, guided_json, guided_regex, guided_grammar, guided_choice, structured_outputs, function_call
+thinking, mcp_servers, container, output_format, output_config, background, truncation, reasoning, max_tool_calls
+include, chat_template_kwargs, continue_final_message, mm_processor_kwargs
+
 # Ray Serve: the router's and the deployment's hooks, and the application builder `serve run` names
 _.initialize_state, _.choose_replicas, _.on_request_routed, _.record_routing_stats, _.check_health
 build_app

@@ -27,8 +27,8 @@ def add_model_args(p: argparse.ArgumentParser) -> None:
     p.add_argument("--device", default=None, help="cpu | cuda (default: $SPECDEC_DEVICE, else cpu)")
     p.add_argument("--speculative-config", default=None, help="JSON, vLLM-style: "
                    '\'{"method": "ngram", "num_speculative_tokens": 4}\', or off (default: the built-in model '
-                   "uses its tuned default, specdec/heads/<model>.json, a dispatch table by batch size chosen by "
-                   "`specdec tune`; other models do not speculate)")
+                   "its tuned default, specdec/heads/<model>.json; any other model n-gram drafting; the cost model "
+                   "verifies drafts only where they are expected to pay)")
 
 
 def add_parallel_args(p: argparse.ArgumentParser) -> None:
@@ -65,16 +65,22 @@ def build_parser() -> argparse.ArgumentParser:
     s = sub.add_parser("serve", help="serve an OpenAI-compatible HTTP API (chat and text completions, /metrics)",
                        description="Serve MODEL over an OpenAI-compatible HTTP API: /v1/chat/completions, "
                        "/v1/completions, /v1/models, /health, /metrics. --speculative-config also takes 'off'. "
-                       "GET /admin/draft names the draft head drafting; POST /admin/draft with {\"model\": DIR} "
-                       "swaps it for the head in DIR (same method and shape, for the same target) between two "
-                       "engine steps, without a restart (400 naming why when refused; behind --api-key).")
+                       "With --admin-key: GET /admin/draft names the draft head drafting; POST /admin/draft with "
+                       "{\"model\": DIR} swaps it for the head in DIR (same method and shape, for the same target) "
+                       "between two engine steps, without a restart (400 naming why when refused).")
     s.add_argument("model_arg", nargs="?", default=None, metavar="MODEL", help="same as --model")
     add_model_args(s)
     add_parallel_args(s)
     s.set_defaults(model=None)  # so that a positional MODEL and --model can be told apart
     s.add_argument("--host", default="127.0.0.1", help="address to bind (default 127.0.0.1: this machine only)")
     s.add_argument("--port", type=int, default=8000)
-    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request")
+    s.add_argument("--api-key", default=None, help="require 'Authorization: Bearer KEY' on every request but /admin/*")
+    s.add_argument("--admin-key", default=None,
+                   help="turn on /admin/* (off: 404), behind 'Authorization: Bearer KEY', a key other than --api-key")
+    s.add_argument("--allowed-head-dirs", nargs="+", default=[], metavar="DIR",
+                   help="folders POST /admin/draft may load heads from, besides the Hugging Face cache (else 403)")
+    s.add_argument("--allow-unknown-fields", action="store_true",
+                   help="accept and ignore request fields no endpoint knows (default: 400 naming the field)")
     s.add_argument("--served-model-name", default=None, help="the name clients pass as `model` (default: MODEL)")
     s.add_argument("--max-num-seqs", type=int, default=None, help="most requests decoded together")
     s.add_argument("--max-num-batched-tokens", type=int, default=512,
@@ -100,9 +106,13 @@ def build_parser() -> argparse.ArgumentParser:
                    help="on SIGTERM or Ctrl-C, how long requests in flight may take to finish (default 30)")
     s.add_argument("--record-traffic", default=None, metavar="DIR",
                    help="record every finished request in DIR/traffic-<UTC time>-<pid>.jsonl, one JSON line each "
-                   "(the target's fingerprint, prompt and output token ids, finish reason, temperature, time; "
-                   "specdec.serving.traffic), a new file every 10,000; aborted requests are not recorded "
-                   "(default: off)")
+                   "(the target's fingerprint, prompt and output token ids, finish reason, temperature, time), files "
+                   "0600 in a 0700 DIR; not aborted requests, nor those sent with \"record\": false (default: off)")
+    s.add_argument("--record-traffic-max-mb", type=float, default=1024.0, metavar="MB",
+                   help="with --record-traffic: DIR's files together; past it the oldest are deleted (default 1024)")
+    s.add_argument("--record-traffic-days", type=float, default=None, metavar="DAYS",
+                   help="with --record-traffic: delete files older than this, at start and at each new file "
+                   "(default: kept until the size cap)")
     s.add_argument("--replicas", type=int, default=None,
                    help="serve N engine replicas behind this one endpoint on Ray Serve (pip install specdec[ray]); "
                    "requests go to the replica holding their prompt's prefix, else the least loaded. Joins the "
@@ -156,8 +166,8 @@ def build_parser() -> argparse.ArgumentParser:
     add_model_args(t)
     add_prompt_set_args(t, max_tokens=64, batch_sizes="1,4,16", out="tune.json")
     t.add_argument("--write-default", action="store_true",
-                   help="write the fastest config (of a JSON list given to --speculative-config) as the built-in "
-                        "model's default, specdec/heads/<model>.json")
+                   help="write the fastest config (of a JSON list given to --speculative-config) as the model's "
+                        "default: specdec/heads/<model>.json for a built-in model, else $SPECDEC_CACHE/defaults")
     tr = sub.add_parser("train", help="train a draft head (eagle3, eagle, mtp, medusa) by online distillation")
     tr.add_argument("--method", default="eagle3",
                     help=f"a draft-head method: {', '.join(registered_methods(head=True))} (default eagle3)")
@@ -368,8 +378,10 @@ def cmd_distill(args: argparse.Namespace) -> None:
 
 def cmd_serve(args: argparse.Namespace) -> None:
     from specdec.llm import LLM
+    from specdec.serving.admin import Admin
     from specdec.serving.api import Limits
     from specdec.serving.server import serve
+    from specdec.serving.traffic import Recording
 
     if args.model_arg and args.model and args.model_arg != args.model:
         raise SpecdecError(f"two models given: {args.model_arg!r} and --model {args.model!r}; give one")
@@ -387,7 +399,7 @@ def cmd_serve(args: argparse.Namespace) -> None:
         raise SpecdecError(f"invalid --request-timeout {args.request_timeout}: must be positive")
     limits = Limits(max_request_bytes=args.max_request_bytes, default_max_tokens=args.default_max_tokens,
                     max_queue=args.max_queue, request_timeout_s=args.request_timeout, max_choices=args.max_choices,
-                    max_stored_responses=args.max_stored_responses)
+                    max_stored_responses=args.max_stored_responses, allow_unknown_fields=args.allow_unknown_fields)
     engine_kwargs = {"max_num_batched_tokens": args.max_num_batched_tokens}
     for name in ("max_num_seqs", "max_model_len"):
         if getattr(args, name) is not None:
@@ -395,6 +407,9 @@ def cmd_serve(args: argparse.Namespace) -> None:
     if args.replicas is not None:
         if args.record_traffic is not None:
             raise SpecdecError("--record-traffic records one engine's requests; it does not work with --replicas yet")
+        if args.admin_key is not None:
+            raise SpecdecError("--admin-key: the /admin routes swap one engine's head; they are not served with "
+                               "--replicas")
         try:
             from specdec.serving.replicas import ReplicaSpec, serve_replicas
         except ImportError as e:
@@ -404,10 +419,13 @@ def cmd_serve(args: argparse.Namespace) -> None:
                       **engine_kwargs}
         spec = ReplicaSpec(model, llm_kwargs, args.replicas, args.served_model_name, args.api_key, limits=limits)
         return serve_replicas(spec, host=args.host, port=args.port)
+    admin = Admin(args.admin_key, args.allowed_head_dirs)
+    record = None if args.record_traffic is None else \
+        Recording(args.record_traffic, args.record_traffic_max_mb, args.record_traffic_days)
     llm = LLM(model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
               quantization=args.quantization, tensor_parallel_size=args.tensor_parallel_size, **engine_kwargs)
     serve(llm, host=args.host, port=args.port, api_key=args.api_key, served_model_name=args.served_model_name,
-          limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=args.record_traffic)
+          limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=record, admin=admin)
 
 
 def launch_ranks(nproc: int, argv: list[str]) -> int:

@@ -399,6 +399,8 @@ def test_a_serving_engine_refuses_each_bad_head_by_name_and_keeps_serving(target
     import httpx
     from test_server import serving
 
+    from specdec.serving.admin import Admin
+
     random_head(target.config).save(tmp_path / "ours")
     write_head(read_head(tmp_path / "ours", "eagle3"), "speculators", tmp_path / "good")
     config = json.loads((tmp_path / "good" / "config.json").read_text())
@@ -415,13 +417,13 @@ def test_a_serving_engine_refuses_each_bad_head_by_name_and_keeps_serving(target
     monkeypatch.setenv("HF_HUB_CACHE", str(tmp_path / "empty-cache"))
     reference = [o.text for o in LLM(str(target_dir)).generate(PROMPTS, GREEDY)]
     llm = LLM(str(target_dir), speculative_config=spec(tmp_path / "good"))
-    with serving(llm, served_model_name="m", api_key="k") as s:
-        auth = {"Authorization": "Bearer k"}
+    with serving(llm, served_model_name="m", api_key="k", admin=Admin("adm", [tmp_path])) as s:
+        auth, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
         cases = [(tmp_path / n, words) for n, (_, _, words) in bad.items()]
         for path, words in [*cases, ("nobody/no-such-head", "is not in the Hugging Face cache")]:
-            resp = s.post("/admin/draft", {"model": str(path)}, headers=auth)
+            resp = s.post("/admin/draft", {"model": str(path)}, headers=admin)
             assert resp.status_code == 400 and words in resp.json()["error"]["message"], resp.text
             body = {"model": "m", "prompt": PROMPTS[0], "max_tokens": 16, "temperature": 0, "ignore_eos": True}
             assert s.post("/v1/completions", body, headers=auth).json()["choices"][0]["text"] == reference[0]
-        assert httpx.get(s.url + "/admin/draft", headers=auth).json()["model"] == str(tmp_path / "good")
+        assert httpx.get(s.url + "/admin/draft", headers=admin).json()["model"] == str(tmp_path / "good")
     assert llm.engine.allocator.num_used == 0

@@ -13,8 +13,8 @@ PACKAGE = Path(__file__).resolve().parents[1] / "specdec"
 LEAVES = ("specdec.serving.api", "specdec.serving.plans", "specdec.serving.openai_format",
           "specdec.serving.served_model", "specdec.serving.responses_api", "specdec.serving.response_store",
           "specdec.serving.messages_api", "specdec.serving.tokenize_api", "specdec.serving.server",
-          "specdec.serving.engine_thread", "specdec.serving.replicas", "specdec.serving.chat_path", "specdec.training",
-          "specdec.bench")
+          "specdec.serving.engine_thread", "specdec.serving.replicas", "specdec.serving.chat_path",
+          "specdec.serving.admin", "specdec.training", "specdec.bench")
 FROM_DRAFTING = ("specdec.drafting", "specdec.engine", "specdec.llm", "specdec.serving", *LEAVES, "specdec.cli")
 ABOVE_MODELS = ("specdec.kv_cache", "specdec.structured", "specdec.sampling", "specdec.verify", *FROM_DRAFTING)
 MODELS_ORDER = ("cpu", "formats", "blocks", "families", "llama", "heads", "parallel", "quantize", "loader")

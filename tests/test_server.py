@@ -14,6 +14,7 @@ import time
 from collections.abc import Iterator
 from concurrent.futures import ThreadPoolExecutor
 from dataclasses import dataclass
+from pathlib import Path
 
 import httpx
 import openai
@@ -23,9 +24,10 @@ from conftest import every_step
 from fastapi import FastAPI
 from prometheus_client.parser import text_string_to_metric_families
 
-from specdec import LLM, SamplingParams
+from specdec import LLM, SamplingParams, SpecdecError
 from specdec.cli import main
-from specdec.serving.api import Limits
+from specdec.serving.admin import Admin, head_path
+from specdec.serving.api import APIError, Limits, warn_if_exposed
 from specdec.serving.openai_format import streamable_length
 from specdec.serving.server import create_app
 
@@ -96,7 +98,7 @@ def offline(tiny_llama_dir) -> LLM:
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir) -> Iterator[Served]:
-    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL) as s:
+    with serving(LLM(str(tiny_llama_dir), speculative_config="off"), served_model_name=MODEL) as s:
         yield s
 
 
@@ -411,6 +413,10 @@ def test_fields_we_do_not_use_but_that_change_nothing_are_accepted(plain):
     ("/v1/completions", OK_COMPLETION | {"max_tokens": 0}, 400, "max_tokens"),
     ("/v1/completions", OK_COMPLETION | {"best_of": 3}, 400, "best_of"),
     ("/v1/completions", OK_COMPLETION | {"suffix": "x"}, 400, "suffix"),
+    ("/v1/completions", OK_COMPLETION | {"skip_special_tokens": False}, 400, "skip_special_tokens"),
+    ("/v1/completions", OK_COMPLETION | {"stop_token_ids": [100000]}, 400, "stop_token_ids"),
+    ("/v1/completions", OK_COMPLETION | {"stop_token_ids": list(range(17))}, 400, "stop_token_ids"),
+    ("/v1/chat/completions", OK_CHAT | {"record": "no"}, 400, "record"),
     # issue 18: input the edge refuses, each naming its field
     ("/v1/chat/completions", OK_CHAT | {"messages": [{"role": "wizard", "content": "hi"}]}, 400, "messages"),
     ("/v1/chat/completions", json.dumps(OK_CHAT | {"messages": [{"role": "user", "content": "a\ud800"}]}), 400,
@@ -509,13 +515,63 @@ def test_logprobs_through_the_openai_client(served, offline):
     assert plain_answer.choices[0].logprobs is None
 
 
-def test_unknown_fields_are_ignored_and_errors_leak_nothing(plain):
-    body = OK_CHAT | {"frequency_penalty": 0, "user": "u", "logit_bias": {}, "stream_options": None,
+def test_documented_fields_are_accepted_and_errors_leak_nothing(plain):
+    body = OK_CHAT | {"frequency_penalty": 0, "user": "u", "logit_bias": {}, "stream_options": None, "store": False,
+                      "service_tier": "auto", "metadata": {"a": "b"}, "prediction": {"type": "content", "content": "x"},
                       "messages": [{"role": "user", "content": [{"type": "text", "text": "hi"}], "name": "x"}]}
     assert plain.post("/v1/chat/completions", body).status_code == 200
+    assert plain.post("/v1/completions", OK_COMPLETION | {"user": "u", "skip_special_tokens": True}).status_code == 200
     m = plain.wait_idle()
     assert m["specdec_kv_blocks_used"] == m["specdec_kv_blocks_cached"]
     assert plain.post("/v1/nope", {}).json()["error"]["message"]  # unknown routes also answer in OpenAI shape
+
+
+ASK = [{"role": "user", "content": "Hi"}]
+# every endpoint that takes a body: a body it answers 200, with documented fields it accepts and ignores
+ENDPOINTS = [("/v1/chat/completions", OK_CHAT | {"reasoning_effort": "low", "web_search_options": {}}),
+             ("/v1/completions", OK_COMPLETION | {"user": "u"}),
+             ("/v1/responses", {"model": MODEL, "input": "Hi", "max_output_tokens": 2, "user": "u",
+                                "prompt_cache_key": "k", "service_tier": "auto"}),
+             ("/v1/messages", {"model": MODEL, "max_tokens": 2, "messages": ASK, "metadata": {"user_id": "u"},
+                               "service_tier": "auto"}),
+             ("/v1/messages/count_tokens", {"model": MODEL, "messages": ASK, "cache_control": {"type": "ephemeral"}}),
+             ("/tokenize", {"prompt": "Hello"}), ("/detokenize", {"tokens": [5, 6]})]
+
+
+@pytest.mark.parametrize("path, body", ENDPOINTS)
+def test_unknown_fields_are_refused_naming_them(plain, path, body):
+    """A field no endpoint knows is a 400 naming it, in OpenAI's words and shape (Anthropic's shape under
+    /v1/messages); the same body without it is answered."""
+    assert plain.post(path, body).status_code == 200
+    for unknown in ("frobnicate", "guided_decoding_backend", "max_output_tokens" if "/messages" in path else "top_n"):
+        resp = plain.post(path, body | {unknown: 1})
+        assert resp.status_code == 400, resp.text
+        message = f"Unrecognized request argument supplied: {unknown}"
+        if path.startswith("/v1/messages"):
+            assert resp.json() == {"type": "error", "error": {"type": "invalid_request_error", "message": message}}
+        else:
+            assert resp.json() == {"error": {"message": message, "type": "invalid_request_error", "param": unknown,
+                                             "code": None}}
+
+
+def test_allow_unknown_fields_accepts_and_ignores_them(tiny_llama_dir):
+    limits = Limits(allow_unknown_fields=True)
+    with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL, limits=limits) as s:
+        for path, body in ENDPOINTS:
+            resp = s.post(path, body | {"frobnicate": 1, "guided_decoding_backend": "x"})
+            assert resp.status_code == 200, (path, resp.text)
+        resp = s.post("/v1/chat/completions", OK_CHAT | {"suffix": "x"})  # known elsewhere, refused as before
+        assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix"
+
+
+def test_stop_token_ids_end_a_choice(plain, offline):
+    ids = offline.generate(REPETITIVE, greedy(6))[0].token_ids
+    want = offline.generate(REPETITIVE, greedy(6, stop_token_ids=[ids[-1]]))[0]
+    assert want.finish_reason == "stop" and want.token_ids == ids[:ids.index(ids[-1]) + 1]
+    body = {"model": MODEL, "prompt": REPETITIVE, "max_tokens": 6, "temperature": 0, "ignore_eos": True,
+            "stop_token_ids": [ids[-1]]}
+    choice = plain.post("/v1/completions", body).json()["choices"][0]
+    assert (choice["text"], choice["finish_reason"]) == (want.text, "stop")
 
 
 def test_api_key(tiny_llama_dir):
@@ -530,6 +586,75 @@ def test_api_key(tiny_llama_dir):
         for route in ("/health", "/metrics"):  # every route, not only /v1
             assert httpx.get(s.url + route).status_code == 401
             assert httpx.get(s.url + route, headers={"Authorization": "Bearer sekret"}).status_code == 200
+
+
+def test_admin_routes_are_off_without_an_admin_key(plain):
+    for method in ("GET", "POST", "DELETE"):
+        resp = httpx.request(method, plain.url + "/admin/draft", json={"model": "/x"})
+        assert resp.status_code == 404 and "--admin-key" in resp.json()["error"]["message"]
+        assert resp.json()["error"]["code"] == "admin_off"
+
+
+def test_admin_routes_have_a_key_of_their_own(tiny_llama_dir, tmp_path):
+    """No key 401, the API key alone 403, the admin key 200 (and it opens nothing else); a head outside the allowed
+    folders is a 403 before anything is read, one inside reaches the engine (which has no head: 400)."""
+    (tmp_path / "heads" / "h").mkdir(parents=True)
+    admin = Admin("adm", [tmp_path / "heads"])
+    llm = LLM(str(tiny_llama_dir), speculative_config="off")
+    with serving(llm, served_model_name=MODEL, api_key="k", admin=admin) as s:
+        def draft(key: str | None = None, **body) -> httpx.Response:
+            headers = {"Authorization": f"Bearer {key}"} if key else {}
+            if body:
+                return s.post("/admin/draft", body, headers=headers)
+            return httpx.get(s.url + "/admin/draft", headers=headers, timeout=10)
+
+        for key, status in ((None, 401), ("wrong", 401), ("k", 403), ("adm", 200)):
+            assert draft(key).status_code == status
+            assert draft(key, model=str(tmp_path / "heads" / "h")).status_code == (400 if key == "adm" else status)
+        assert draft("adm").json() == {"object": "draft_head", "method": None, "model": None}
+        assert httpx.get(s.url + "/admin/draft", headers={"x-api-key": "adm"}).status_code == 200
+        assert draft("k").json()["error"]["code"] == "admin_key_required"
+        assert httpx.get(s.url + "/v1/models", headers={"Authorization": "Bearer adm"}).status_code == 401
+        resp = draft("adm", model=str(tmp_path / "heads" / ".." / "elsewhere"))
+        assert resp.status_code == 403 and resp.json()["error"]["param"] == "model"
+        assert f"is {(tmp_path / 'elsewhere').resolve()}, outside the folders" in resp.json()["error"]["message"]
+        assert "--allowed-head-dirs" in resp.json()["error"]["message"]
+    with pytest.raises(SpecdecError, match="--admin-key must differ from --api-key"):
+        create_app(LLM(str(tiny_llama_dir)), api_key="k", admin=Admin("k"))
+    with pytest.raises(SpecdecError, match="no such directory"):
+        Admin("adm", [tmp_path / "missing"])
+
+
+def test_a_head_path_is_resolved_before_it_is_checked(tmp_path):
+    """Links and `..` are followed first: a folder, or one file in it, that leads outside the allowed folders is
+    refused, naming where it leads; a Hub id goes on to the Hugging Face cache."""
+    allowed, outside = tmp_path / "allowed", tmp_path / "outside"
+    for folder in (allowed / "good", allowed / "leaky", outside / "head"):
+        folder.mkdir(parents=True)
+        (folder / "config.json").write_text("{}")
+    (allowed / "linked").symlink_to(outside / "head")
+    (allowed / "leaky" / "model.safetensors").symlink_to(outside / "head" / "config.json")
+    roots = [allowed.resolve()]
+    assert head_path(str(allowed / "good"), roots) == str((allowed / "good").resolve())
+    assert head_path(str(allowed / "good" / "config.json"), roots) == str((allowed / "good" / "config.json").resolve())
+    assert head_path(str(allowed / "nowhere"), roots) == str((allowed / "nowhere").resolve())  # the loader says
+    assert head_path("someone/some-head", roots) == "someone/some-head"
+    for name, leads in ((allowed / "linked", outside / "head"), (allowed / "good" / ".." / ".." / "outside", outside),
+                        (allowed / "leaky", outside / "head" / "config.json"), ("/etc/passwd", "/etc/passwd")):
+        with pytest.raises(APIError) as refused:
+            head_path(str(name), roots)
+        assert refused.value.status == 403 and f"is {Path(leads).resolve()}, outside" in refused.value.message
+
+
+def test_serving_beyond_this_machine_without_an_api_key_is_warned_about(caplog):
+    for host, key, warned in (("127.0.0.1", None, False), ("::1", None, False), ("localhost", None, False),
+                              ("0.0.0.0", None, True), ("192.168.1.5", None, True), ("myhost", None, True),
+                              ("0.0.0.0", "k", False)):
+        caplog.clear()
+        warn_if_exposed(host, key)
+        assert bool(caplog.records) == warned, host
+        if warned:
+            assert "--api-key" in caplog.text and host in caplog.text
 
 
 # -- health, models, metrics -------------------------------------------------------------------------------
@@ -617,7 +742,7 @@ def test_health_reports_a_dead_engine(tiny_llama_dir):
 
 
 # -- the command line --------------------------------------------------------------------------------------
-def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch):
+def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, tmp_path, monkeypatch):
     import specdec.serving.server
 
     calls = []
@@ -626,18 +751,22 @@ def test_cli_serve_builds_the_server_it_is_asked_for(tiny_llama_dir, monkeypatch
     llm, kw = calls[-1]
     assert llm.engine.speculator is None and kw == {"host": "127.0.0.1", "port": 8000, "api_key": None,
                                                     "served_model_name": None, "limits": Limits(),
-                                                    "shutdown_timeout": 30.0, "record_traffic": None}
+                                                    "shutdown_timeout": 30.0, "record_traffic": None, "admin": Admin()}
     assert main(["serve", "--model", str(tiny_llama_dir), "--port", "9001", "--api-key", "k", "--max-num-seqs", "3",
                  "--served-model-name", "m", "--speculative-config", json.dumps(SPEC), "--max-model-len", "256",
                  "--default-max-tokens", "5", "--max-queue", "0", "--request-timeout", "2.5",
-                 "--max-request-bytes", "1000", "--shutdown-timeout", "5"]) == 0
+                 "--max-request-bytes", "1000", "--shutdown-timeout", "5", "--admin-key", "a",
+                 "--allowed-head-dirs", str(tmp_path), str(tiny_llama_dir), "--allow-unknown-fields"]) == 0
     llm, kw = calls[-1]
     assert llm.engine.speculator is not None and llm.engine.cfg.max_num_seqs == 3 and llm.engine.max_model_len == 256
     assert kw == {"host": "127.0.0.1", "port": 9001, "api_key": "k", "served_model_name": "m", "shutdown_timeout": 5.0,
-                  "limits": Limits(max_request_bytes=1000, default_max_tokens=5, max_queue=0, request_timeout_s=2.5),
-                  "record_traffic": None}
+                  "limits": Limits(max_request_bytes=1000, default_max_tokens=5, max_queue=0, request_timeout_s=2.5,
+                                   allow_unknown_fields=True),
+                  "record_traffic": None, "admin": Admin("a", [str(tmp_path), str(tiny_llama_dir)])}
     assert main(["serve", str(tiny_llama_dir), "--model", "/elsewhere"]) == 2
-    for bad in (["--max-num-seqs", "0"], ["--max-queue", "-1"], ["--request-timeout", "0"], ["--max-model-len", "0"]):
+    for bad in (["--max-num-seqs", "0"], ["--max-queue", "-1"], ["--request-timeout", "0"], ["--max-model-len", "0"],
+                ["--admin-key", "a", "--allowed-head-dirs", str(tmp_path / "missing")], ["--admin-key", " "],
+                ["--admin-key", "a", "--replicas", "2"]):
         assert main(["serve", str(tiny_llama_dir), *bad]) == 2
     assert len(calls) == 2
 
@@ -811,7 +940,7 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
     )
 
     app = create_app(LLM(str(tiny_llama_dir), max_num_seqs=4), served_model_name=MODEL, engine_thread=False,
-                     limits=Limits(default_max_tokens=8))
+                     limits=Limits(default_max_tokens=8), admin=Admin("adm"))
     engine = app.state.server.engine
     engine.start()
     checks = [not_a_server_error, status_code_conformance, content_type_conformance, response_schema_conformance]
@@ -824,7 +953,7 @@ def test_schemathesis_finds_no_server_error_and_no_response_off_the_schema(tiny_
                       database=None)
             @given(operation.as_strategy())
             def fuzz(case):
-                case.call_and_validate(checks=checks)
+                case.call_and_validate(checks=checks, headers={"Authorization": "Bearer adm"})
 
             fuzz()
             tested.append(f"{operation.method.upper()} {operation.path}")

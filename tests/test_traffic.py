@@ -1,13 +1,17 @@
 """A head that learns from the deployment's traffic, the serving side: `--record-traffic` writes exactly what
-the server served (prompt and output ids), rotates its files and is read back past a line cut by a crash; `POST
-/admin/draft` swaps the EAGLE-3 head between engine steps, refuses a head of another method or shape by name
-while the old one keeps drafting, and greedy output stays plain decoding's throughout."""
+the server served (prompt and output ids), in private files, within a size cap and a retention, never a request
+that opted out, rotates its files and is read back past a line cut by a crash; `POST /admin/draft` (behind the
+admin key) swaps the EAGLE-3 head between engine steps, refuses a head of another method or shape by name while
+the old one keeps drafting, and greedy output stays plain decoding's throughout."""
 from __future__ import annotations
 
 import dataclasses
+import logging
 import os
+import stat
 import threading
 import time
+from pathlib import Path
 
 import httpx
 import pytest
@@ -21,7 +25,8 @@ from specdec.models.heads.eagle import EagleHead
 from specdec.models.heads.eagle3 import Eagle3Head
 from specdec.models.heads.files import init_random
 from specdec.models.loader import model_fingerprint
-from specdec.serving.traffic import TrafficRecorder, read_traffic
+from specdec.serving.admin import Admin
+from specdec.serving.traffic import Recording, TrafficRecorder, read_traffic
 
 MODEL = "tiny"
 CHAT = [{"role": "user", "content": "Hello world, 1 2 3 1 2 3"}]
@@ -146,18 +151,125 @@ def test_cli_passes_record_traffic(target_dir, tmp_path, monkeypatch):
     calls = []
     monkeypatch.setattr(specdec.serving.server, "serve", lambda llm, **kw: calls.append(kw))
     assert main(["serve", str(target_dir), "--speculative-config", "off", "--record-traffic", str(tmp_path)]) == 0
-    assert calls[-1]["record_traffic"] == str(tmp_path)
+    assert calls[-1]["record_traffic"] == Recording(str(tmp_path), max_mb=1024, max_days=None)
+    assert main(["serve", str(target_dir), "--speculative-config", "off", "--record-traffic", str(tmp_path),
+                 "--record-traffic-max-mb", "50", "--record-traffic-days", "7.5"]) == 0
+    assert calls[-1]["record_traffic"] == Recording(str(tmp_path), max_mb=50, max_days=7.5)
     assert main(["serve", str(target_dir), "--record-traffic", str(tmp_path), "--replicas", "2"]) == 2
+    for bad in (["--record-traffic-max-mb", "0"], ["--record-traffic-days", "-1"]):
+        assert main(["serve", str(target_dir), "--record-traffic", str(tmp_path), *bad]) == 2
+    assert len(calls) == 2
+
+
+# -- what an operator can trust: private files, a size cap, a retention, an opt-out ------------------------------
+def write(recorder: TrafficRecorder, n: int, start: int = 0) -> None:
+    for i in range(start, start + n):
+        recorder.record([1, i], [i, 2], "stop", 0.5)
+
+
+def traffic_files(folder: Path) -> list[Path]:
+    return sorted(folder.glob("traffic-*.jsonl"))
+
+
+@pytest.mark.parametrize("umask", [0o000, 0o022, 0o277])
+def test_files_are_0600_in_a_0700_folder_whatever_the_umask(tmp_path, umask):
+    old = os.umask(umask)
+    try:
+        recorder = TrafficRecorder(tmp_path / "parent" / "traffic", "fp", max_records=2)
+        write(recorder, 3)
+        recorder.close()
+    finally:
+        os.umask(old)
+    assert stat.S_IMODE((tmp_path / "parent" / "traffic").stat().st_mode) == 0o700
+    files = traffic_files(tmp_path / "parent" / "traffic")
+    assert len(files) == 2 and {stat.S_IMODE(f.stat().st_mode) for f in files} == {0o600}
+    assert len(read_traffic(tmp_path / "parent" / "traffic")) == 3
+
+
+def test_a_folder_open_to_others_is_used_with_a_warning(tmp_path, caplog):
+    (tmp_path / "shared").mkdir()
+    os.chmod(tmp_path / "shared", 0o755)
+    with caplog.at_level(logging.WARNING, logger="specdec.server"):
+        recorder = TrafficRecorder(tmp_path / "shared", "fp")
+    assert "open to other users (mode 755)" in caplog.text and "chmod 700" in caplog.text
+    write(recorder, 1)
+    recorder.close()
+    assert stat.S_IMODE(traffic_files(tmp_path / "shared")[0].stat().st_mode) == 0o600
+    assert stat.S_IMODE((tmp_path / "shared").stat().st_mode) == 0o755  # the operator's folder, left as it is
+
+
+def test_the_size_cap_deletes_the_oldest_files_first(tmp_path):
+    """Files close at a tenth of the cap; each new one first deletes the oldest until it fits, so the folder stays
+    under the cap and holds the newest records, in order; a new recorder on a folder over the cap trims it at
+    start; other files are never touched."""
+    folder = tmp_path / "traffic"
+    recording = Recording(folder, max_mb=20_000 / 2**20)  # 20,000 bytes: files of 2,000 (about 18 records)
+    recorder = TrafficRecorder(recording, "fp")
+    (folder / "notes.txt").write_text("mine")
+    write(recorder, 500)
+    recorder.close()
+    files = traffic_files(folder)
+    sizes = [f.stat().st_size for f in files]
+    assert 5 <= len(files) <= 10 and sum(sizes) <= 20_000 and max(sizes) <= 2_000
+    kept = [r["prompt_ids"][1] for r in read_traffic(folder)]
+    assert kept == list(range(500 - len(kept), 500)) and len(kept) < 200  # the newest, every one of them
+    assert (folder / "notes.txt").read_text() == "mine"
+
+    TrafficRecorder(Recording(folder, max_mb=5_000 / 2**20), "fp")  # a smaller cap: trimmed at start
+    left = traffic_files(folder)
+    assert left == files[len(files) - len(left):] and sum(f.stat().st_size for f in left) <= 5_000 - 500
+    assert (folder / "notes.txt").read_text() == "mine"
+
+
+def test_files_older_than_the_retention_are_deleted_at_start_and_at_rotation(tmp_path):
+    folder = tmp_path / "traffic"
+    recorder = TrafficRecorder(folder, "fp", max_records=1)
+    write(recorder, 4)
+    recorder.close()
+    files = traffic_files(folder)
+    now = time.time()
+    for path, days_ago in zip(files, (10, 6, 1, 0)):
+        os.utime(path, (now - days_ago * 86_400, now - days_ago * 86_400))
+    recorder = TrafficRecorder(Recording(folder, max_days=5), "fp", max_records=1)
+    assert traffic_files(folder) == files[2:]  # at start: the 10 and 6 days old ones
+    write(recorder, 1, start=4)  # the first file of this recorder
+    os.utime(files[2], (now - 8 * 86_400, now - 8 * 86_400))
+    write(recorder, 1, start=5)  # a new file: the retention runs again
+    recorder.close()
+    assert [r["prompt_ids"][1] for r in read_traffic(folder)] == [3, 4, 5]
+
+
+def test_a_request_sent_with_record_false_is_not_recorded(target_dir, tmp_path):
+    """The opt-out on every generating endpoint: chat, completions, responses and messages, streamed or not."""
+    body = {"model": MODEL, "temperature": 0, "record": False}
+    requests = [("/v1/chat/completions", body | {"messages": CHAT, "max_tokens": 3}),
+                ("/v1/completions", body | {"prompt": PROMPTS[0], "max_tokens": 3}),
+                ("/v1/responses", body | {"input": "Hello", "max_output_tokens": 3}),
+                ("/v1/messages", body | {"messages": CHAT, "max_tokens": 3})]
+    with serving(LLM(str(target_dir)), served_model_name=MODEL, record_traffic=tmp_path / "traffic") as s:
+        for path, request in requests:
+            assert s.post(path, request).status_code == 200, path
+            with httpx.stream("POST", s.url + path, json=request | {"stream": True}, timeout=30) as r:
+                assert r.status_code == 200 and r.read()
+        s.wait_idle()
+        assert read_traffic(tmp_path / "traffic") == []
+        for path, request in requests:
+            assert s.post(path, request | {"record": True}).status_code == 200, path
+    assert len(read_traffic(tmp_path / "traffic")) == 4
 
 
 # -- hot reload of the draft head -------------------------------------------------------------------------------
+def heads_root(heads: dict) -> Path:
+    return Path(os.path.commonpath([str(h) for h in heads.values()]))
+
+
 def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads):
-    """Behind the API key: the head swaps while a request runs (its output stays plain decoding's), the new one
+    """Behind the admin key: the head swaps while a request runs (its output stays plain decoding's), the new one
     drafts, and heads that do not fit are a 400 naming why while the one drafting stays."""
     reference = [o.text for o in plain.generate(PROMPTS, greedy(16))]
     long_reference = plain.generate(PROMPTS[0], greedy(256))[0].text
     llm = LLM(str(target_dir), speculative_config=eagle3(heads["a"]))
-    auth = {"Authorization": "Bearer k"}
+    auth, admin = {"Authorization": "Bearer k"}, {"Authorization": "Bearer adm"}
 
     def complete(s, prompt, max_tokens=16) -> str:
         body = {"model": MODEL, "prompt": prompt, "max_tokens": max_tokens, "temperature": 0, "ignore_eos": True}
@@ -166,12 +278,13 @@ def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads)
         return resp.json()["choices"][0]["text"]
 
     def reload(s, path) -> httpx.Response:
-        return s.post("/admin/draft", {"model": str(path)}, headers=auth)
+        return s.post("/admin/draft", {"model": str(path)}, headers=admin)
 
-    with serving(llm, served_model_name=MODEL, api_key="k") as s:
+    with serving(llm, served_model_name=MODEL, api_key="k", admin=Admin("adm", [heads_root(heads)])) as s:
         assert httpx.get(s.url + "/admin/draft").status_code == 401
         assert s.post("/admin/draft", {"model": str(heads["b"])}).status_code == 401
-        card = httpx.get(s.url + "/admin/draft", headers=auth).json()
+        assert s.post("/admin/draft", {"model": str(heads["b"])}, headers=auth).status_code == 403
+        card = httpx.get(s.url + "/admin/draft", headers=admin).json()
         assert card == {"object": "draft_head", "method": "eagle3", "model": str(heads["a"])}
         old = llm.engine.speculator.drafter.head
         assert [complete(s, p) for p in PROMPTS] == reference
@@ -190,7 +303,7 @@ def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads)
         assert in_flight == [long_reference] and swapped_while_running == [True]
         new = llm.engine.speculator.drafter.head
         assert new is not old and llm.draft_head == str(heads["b"])
-        assert httpx.get(s.url + "/admin/draft", headers=auth).json()["model"] == str(heads["b"])
+        assert httpx.get(s.url + "/admin/draft", headers=admin).json()["model"] == str(heads["b"])
         before = s.app.state.server.engine.stats["spec_num_draft_tokens"]
         assert [complete(s, p) for p in PROMPTS] == reference
         assert s.app.state.server.engine.stats["spec_num_draft_tokens"] > before  # the new head drafts
@@ -202,8 +315,9 @@ def test_post_admin_draft_swaps_the_head_between_steps(target_dir, plain, heads)
             err = resp.json()["error"]
             assert words in err["message"] and err["param"] == "model" and err["code"] == "invalid_draft_head"
             assert llm.engine.speculator.drafter.head is new
-        assert s.post("/admin/draft", {"model": 3}, headers=auth).status_code == 400
-        assert httpx.get(s.url + "/admin/draft", headers=auth).json()["model"] == str(heads["b"])
+        assert s.post("/admin/draft", {"model": 3}, headers=admin).status_code == 400
+        assert reload(s, "/etc").status_code == 403  # a folder not allowed
+        assert httpx.get(s.url + "/admin/draft", headers=admin).json()["model"] == str(heads["b"])
         assert [complete(s, p) for p in PROMPTS] == reference
 
 
@@ -246,9 +360,12 @@ def test_reload_draft_prepares_the_head_as_a_fresh_load(target_dir, heads):
 
 
 def test_a_server_without_a_head_refuses_a_reload(target_dir, heads):
-    with serving(LLM(str(target_dir), speculative_config="off"), served_model_name=MODEL) as s:
-        assert httpx.get(s.url + "/admin/draft").json() == {"object": "draft_head", "method": None, "model": None}
-        resp = s.post("/admin/draft", {"model": str(heads["b"])})
+    admin = {"Authorization": "Bearer adm"}
+    with serving(LLM(str(target_dir), speculative_config="off"), served_model_name=MODEL,
+                 admin=Admin("adm", [heads_root(heads)])) as s:
+        assert httpx.get(s.url + "/admin/draft", headers=admin).json() == \
+            {"object": "draft_head", "method": None, "model": None}
+        resp = s.post("/admin/draft", {"model": str(heads["b"])}, headers=admin)
         assert resp.status_code == 400 and "does not speculate" in resp.json()["error"]["message"]
         body = {"model": MODEL, "prompt": "Hello", "max_tokens": 3}
         assert s.post("/v1/completions", body).status_code == 200

@@ -5,11 +5,12 @@ request is given to `api_app`; nothing here touches an engine.
 """
 from __future__ import annotations
 
+import ipaddress
 import logging
 import secrets
 from collections.abc import Awaitable, Callable
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import TYPE_CHECKING, Any, ClassVar, Literal
 
 from fastapi import APIRouter, Depends, FastAPI, Request
 from fastapi.exceptions import RequestValidationError
@@ -51,6 +52,7 @@ class APIError(Exception):
 
 
 ANTHROPIC_PATH = "/v1/messages"
+ADMIN_PATH = "/admin/"  # routes behind the admin key instead of the API key (specdec.serving.admin)
 ANTHROPIC_ERRORS = {400: "invalid_request_error", 401: "authentication_error", 403: "permission_error",
                     404: "not_found_error", 413: "request_too_large", 429: "rate_limit_error", 500: "api_error",
                     503: "overloaded_error"}
@@ -75,6 +77,7 @@ class Limits:
     stuck_after_s: float = 60.0  # /health says 503 while one engine step has run longer than this
     max_stored_responses: int = 1000  # Responses API: responses kept for previous_response_id (0: none are stored)
     max_stored_bytes: int = 256 * 2**20  # and the bytes they may take together (least recently used dropped first)
+    allow_unknown_fields: bool = False  # accept and ignore fields no endpoint knows, instead of a 400 naming them
 
     def __post_init__(self) -> None:
         zero_ok = ("max_queue", "max_stored_responses")
@@ -96,14 +99,25 @@ def check_text(text: str, field: str) -> None:
         raise APIError(400, str(e), param=field.split("[")[0].split(".")[0]) from None
 
 
-# -- request bodies (extra fields are ignored: OpenAI clients send many we do not use) ----------------
+# -- request bodies -------------------------------------------------------------------------------------------
+class Body(BaseModel):
+    """A request body. Its known fields are those it declares (every field an endpoint reads, refuses or passes on)
+    and `IGNORED`: documented fields of the API it mirrors that change nothing here, accepted and ignored. Any other
+    field is unknown: a 400 naming it (`plans.Planner.check_fields`) unless the operator allows unknown fields, so a
+    client never takes an answer made without a field it believed was understood."""
+    model_config = ConfigDict(extra="allow")  # kept, so that --allow-unknown-fields can accept them
+    IGNORED: ClassVar[frozenset[str]] = frozenset()
+
+    def unknown_fields(self) -> list[str]:
+        return [name for name in self.model_extra or {} if name not in self.IGNORED]
+
+
 class _StreamOptions(BaseModel):
     model_config = ConfigDict(extra="ignore")
     include_usage: StrictBool = False
 
 
-class _GenerationBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # other fields (user, metadata, ...) are accepted and ignored
+class _GenerationBody(Body):
     model: str
     max_tokens: StrictInt | None = None
     max_completion_tokens: StrictInt | None = None
@@ -113,14 +127,25 @@ class _GenerationBody(BaseModel):
     min_p: StrictFloat | None = None
     seed: StrictInt | None = None
     stop: str | list[str] | None = None
+    stop_token_ids: list[StrictInt] | None = None  # vLLM's: token ids that end a choice (kept in its output ids)
     n: StrictInt | None = None
     presence_penalty: StrictFloat | None = None
     frequency_penalty: StrictFloat | None = None
     repetition_penalty: StrictFloat | None = None  # vLLM's extension
     logit_bias: dict[str, StrictFloat] | None = None  # token id (as a string, OpenAI's form) -> bias in [-100, 100]
     ignore_eos: StrictBool = False
+    skip_special_tokens: StrictBool | None = None  # vLLM's; answers always leave them out, so false is refused
     stream: StrictBool | None = False
     stream_options: _StreamOptions | None = None
+    record: StrictBool = True  # false: this request is not written by --record-traffic (specdec.serving.traffic)
+    # structured output, checked in specdec.serving.plans (each a 400 naming it): OpenAI's response_format, vLLM's
+    # guided_* fields and its newer structured_outputs dict
+    response_format: Any = None
+    guided_json: Any = None
+    guided_regex: Any = None
+    guided_grammar: Any = None
+    guided_choice: Any = None
+    structured_outputs: Any = None
 
 
 class _ChatMessage(BaseModel):
@@ -133,25 +158,26 @@ class _ChatMessage(BaseModel):
 
 
 class ChatBody(_GenerationBody):
+    IGNORED = frozenset({"audio", "metadata", "modalities", "moderation", "prediction", "prompt_cache_key",
+                         "prompt_cache_options", "prompt_cache_retention", "reasoning_effort", "safety_identifier",
+                         "service_tier", "store", "user", "verbosity", "web_search_options"})
     messages: list[_ChatMessage]
     logprobs: StrictBool | None = None  # each generated token's log-probability
     top_logprobs: StrictInt | None = None  # and this many alternatives (0-20), with logprobs=true
     tools: list[dict[str, Any]] | None = None  # functions the model may call ({"type": "function", "function": ...})
     tool_choice: str | dict[str, Any] | None = None  # "none" | "auto" | "required" | {"type": "function", ...}
     parallel_tool_calls: StrictBool | None = None
-
-
-class DraftBody(BaseModel):
-    """`POST /admin/draft`: the head to draft with from the next engine step on."""
-    model_config = ConfigDict(extra="forbid")
-    model: str  # the head's directory on the server's machine (config.json + *.safetensors)
+    functions: Any = None  # OpenAI's legacy function calling: refused when set (use tools)
+    function_call: Any = None
 
 
 class CompletionBody(_GenerationBody):
+    IGNORED = frozenset({"user"})
     prompt: str | list[str] | list[int] | list[list[int]]  # several prompts: a choice (n of them) for each
     logprobs: StrictInt | None = None  # log-probabilities of the generated tokens and this many alternatives
     echo: StrictBool | None = None  # the prompt before the completion (with logprobs: the prompt's too)
     best_of: StrictInt | None = None  # only best_of = n (every choice is returned)
+    suffix: Any = None  # refused when set
 
 
 # -- what the API answers, for its OpenAPI schema (clients and schemathesis read it) -------------------------
@@ -257,12 +283,6 @@ class TextCompletion(BaseModel):
     usage: _Usage
 
 
-class DraftHead(BaseModel):
-    object: Literal["draft_head"]
-    method: str | None  # the speculative method (None: the server does not speculate)
-    model: str | None  # the directory of the head it drafts with (None: a method without a head)
-
-
 class _ModelCard(BaseModel):
     id: str
     object: Literal["model"]
@@ -316,23 +336,40 @@ def _validation_error(exc: RequestValidationError) -> APIError:
     return APIError(400, f"invalid value for '{where}': {err['msg']}", param=loc[0])
 
 
+def presented_key(request: Request) -> str:
+    """The key a request presents: `Authorization: Bearer <key>`, or `x-api-key` (Anthropic's clients); "" if none."""
+    scheme, _, given = request.headers.get("authorization", "").partition(" ")
+    if scheme.lower() != "bearer":
+        given = request.headers.get("x-api-key", "")
+    return given.strip()
+
+
+def same_key(given: str, key: str) -> bool:
+    return secrets.compare_digest(given.encode(), key.encode())
+
+
+def warn_if_exposed(host: str, api_key: str | None) -> None:
+    """Serving beyond this machine without an API key is allowed, with a warning at start."""
+    try:
+        loopback = host == "localhost" or ipaddress.ip_address(host.strip("[]")).is_loopback
+    except ValueError:  # a host name: it may be reached from elsewhere
+        loopback = False
+    if api_key is None and not loopback:
+        log.warning("serving on %s without --api-key: anyone who reaches this address can use the server; give "
+                    "--api-key KEY, or bind 127.0.0.1", host)
+
+
 def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[Response]],
             models: Callable[[], Awaitable[dict]], healthy: Callable[[], Awaitable[bool]],
             metrics: Callable[[], Awaitable[Response]], api_key: str | None = None, lifespan: Any = None,
-            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None,
-            draft_head: Callable[[], Awaitable[dict]] | None = None,
-            reload_draft: Callable[[str], Awaitable[dict]] | None = None) -> FastAPI:
+            max_request_bytes: int = Limits.max_request_bytes, served_model: str | None = None) -> FastAPI:
     """The HTTP surface that `specdec serve` and the replicas' ingress (specdec.serving.replicas) share: the routes,
-    the API key check and OpenAI-shaped errors; what answers a request is given. With `draft_head` and
-    `reload_draft`: `GET /admin/draft` (the head drafting) and `POST /admin/draft` (swap it; 400 when refused),
-    behind the API key like every route."""
+    the API key check and OpenAI-shaped errors; what answers a request is given. With `api_key`, every route needs
+    it but those under /admin/, which check the admin key instead (specdec.serving.admin)."""
     def check_api_key(request: Request) -> None:
-        if api_key is None:
+        if api_key is None or request.url.path.startswith(ADMIN_PATH):
             return
-        scheme, _, given = request.headers.get("authorization", "").partition(" ")
-        if scheme.lower() != "bearer":  # Anthropic's clients send the key as x-api-key
-            given = request.headers.get("x-api-key", "")
-        if not secrets.compare_digest(given.strip().encode(), api_key.encode()):
+        if not same_key(presented_key(request), api_key):
             raise APIError(401, "invalid or missing API key: send 'Authorization: Bearer <key>' (or 'x-api-key: "
                            "<key>')", code="invalid_api_key")
 
@@ -382,18 +419,6 @@ def api_app(generate: Callable[[ChatBody | CompletionBody, Request], Awaitable[R
         401: _responses(None)[401]})
     async def get_metrics() -> Response:
         return await metrics()
-
-    if draft_head is not None and reload_draft is not None:
-        @app.get("/admin/draft", response_model=DraftHead, responses={401: _responses(None)[401]})
-        async def get_draft_head() -> dict:
-            return await draft_head()
-
-        @app.post("/admin/draft", response_model=DraftHead, responses={
-            code: _responses(None)[code] for code in (401, 413, 500, 503)} | {400: {
-                "model": ErrorBody, "description": "the head is refused (not found, another method or shape, no head "
-                "method served): the old one keeps drafting"}})
-        async def post_draft_head(body: DraftBody) -> dict:
-            return await reload_draft(body.model)
 
     def openapi() -> dict:
         """FastAPI's schema, less its 422 (we answer 400 in OpenAI's shape), with `model` limited to the name

@@ -50,7 +50,7 @@ class EngineRequest:
     def __init__(self, plan: Plan) -> None:
         self.loop = asyncio.get_running_loop()
         self.prepares, self.shares, self.prompt_field = plan.prepares, plan.shares, plan.prompt_field
-        self.stream, self.echo = plan.stream, plan.echo
+        self.stream, self.echo, self.record = plan.stream, plan.echo, plan.record
         self.events: asyncio.Queue[_Event] = asyncio.Queue()
         self.admitted: asyncio.Future[None] = self.loop.create_future()
         self.request_ids: list[int] = []  # the engine's ids of its choices, set on the engine thread
@@ -409,7 +409,7 @@ class AsyncEngine:
             return req.post(_Event(index, error=error))
         self.metrics.requests.labels(out.finish_reason or "abort").inc()
         self.metrics.generation_tokens.inc(len(out.token_ids))
-        if self.recorder is not None and out.finish_reason in ("stop", "length"):
+        if self.recorder is not None and req.record and out.finish_reason in ("stop", "length"):
             self.recorder.record(req.prompt_ids[index], out.token_ids, out.finish_reason, req.temperatures[index])
         req.post(self._first(req, index, _Event(index, output=out)))
 

@@ -20,9 +20,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import StrictBool, StrictFloat, StrictInt
 
-from specdec.serving.api import APIError, ChatBody, error_responses
+from specdec.serving.api import APIError, Body, ChatBody, error_responses
 from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import Plan, checked_chat, renamed_fields
 from specdec.serving.responses_api import new_id, sse_events
@@ -40,29 +40,43 @@ PASSED = ("seed", "ignore_eos", "min_p", "presence_penalty", "frequency_penalty"
 FIELDS = {"stop": "stop_sequences"}  # chat's names of our fields, where they differ
 
 
-class CountTokensBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # metadata, service_tier, ... are accepted and ignored
+class CountTokensBody(Body):
+    IGNORED = frozenset({"cache_control", "speed", "user_profile_id", "workspace_id"})
     model: str
     messages: list[dict[str, Any]]
     system: str | list[dict[str, Any]] | None = None
     tools: list[dict[str, Any]] | None = None
     tool_choice: dict[str, Any] | None = None
+    # refused when set (REFUSED)
+    thinking: Any = None
+    mcp_servers: Any = None
+    container: Any = None
+    output_format: Any = None
+    output_config: Any = None
 
 
 class MessagesBody(CountTokensBody):
+    IGNORED = CountTokensBody.IGNORED | {"diagnostics", "inference_geo", "metadata", "service_tier"}
     max_tokens: StrictInt
     stop_sequences: list[str] | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
     top_k: StrictInt | None = None
     stream: StrictBool | None = None
+    record: StrictBool = True  # false: not written by --record-traffic
+    # vLLM's sampling fields, passed on as sent (PASSED): the chat pipeline checks them
+    seed: Any = None
+    ignore_eos: Any = None
+    min_p: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
 
 
 # -- body -> chat body ------------------------------------------------------------------------------------------
 def to_chat(body: CountTokensBody) -> ChatBody:
-    extra = body.model_extra or {}
     for name, refused in REFUSED.items():
-        if name in extra and refused(extra[name]):
+        if refused(getattr(body, name)):
             raise APIError(400, f"{name} is not supported by this server; leave it out", param=name)
     messages = ([{"role": "system", "content": system_text(body.system)}] if body.system else [])
     for i, message in enumerate(body.messages):
@@ -79,8 +93,8 @@ def to_chat(body: CountTokensBody) -> ChatBody:
             raise APIError(400, f"temperature: must be in [0, 1], got {body.temperature}", param="temperature")
         chat |= {"max_tokens": body.max_tokens, "stop": body.stop_sequences, "temperature": body.temperature,
                  "top_p": body.top_p, "top_k": body.top_k, "stream": bool(body.stream),
-                 "stream_options": {"include_usage": True} if body.stream else None}
-        chat |= {name: extra[name] for name in PASSED if name in extra}
+                 "stream_options": {"include_usage": True} if body.stream else None, "record": body.record}
+        chat |= {name: getattr(body, name) for name in PASSED if name in body.model_fields_set}
     return checked_chat(chat, "messages")
 
 
@@ -263,6 +277,7 @@ class MessagesEndpoint:
         return v1
 
     async def create(self, body: MessagesBody, request: Request) -> Response:
+        self.server.planner.check_fields(body)
         self.server.planner.check_model(body.model)
         with renamed_fields(FIELDS):
             plan = self.server.planner.plan(to_chat(body))
@@ -284,6 +299,7 @@ class MessagesEndpoint:
 
     async def count_tokens(self, body: CountTokensBody) -> dict:
         """The input tokens a Messages request with this body is given (its whole prompt, tools included)."""
+        self.server.planner.check_fields(body)
         self.server.planner.check_model(body.model)
         chat = to_chat(body)
         tokenize = self.server.planner.prompts(chat, self.server.planner.tools(chat))[0][0]

@@ -22,7 +22,7 @@ from typing import Any
 from pydantic import ValidationError
 
 from specdec.config import MAX_LOGPROBS, SamplingParams, SpecdecError, StructuredOutput, from_kwargs
-from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, check_text
+from specdec.serving.api import APIError, Body, ChatBody, CompletionBody, Limits, check_text
 from specdec.serving.served_model import ServedModel
 from specdec.serving.tool_calls import ToolError, Tools, constraint, default_conversation, parse_tools
 
@@ -35,11 +35,13 @@ def _is_set(value: Any) -> bool:
 # never takes an answer without the effect it asked for.
 UNSUPPORTED_FIELDS: dict[str, Callable[[Any], bool]] = {
     "suffix": _is_set, "functions": _is_set, "function_call": _is_set,
+    "skip_special_tokens": lambda v: v is False,  # answers always leave special tokens out
 }
 
 # Structured output: OpenAI's response_format, vLLM's guided_* fields and its newer structured_outputs dict.
 GUIDED_FIELDS = {"guided_json": "json", "guided_regex": "regex", "guided_grammar": "grammar",
                  "guided_choice": "choice"}
+STRUCTURED_FIELDS = ("response_format", *GUIDED_FIELDS, "structured_outputs")
 
 MAX_CONSTRAINT_DEPTH = 64  # nesting of a structured output constraint (schemas are compiled recursively)
 
@@ -52,11 +54,12 @@ def _depth(value: Any, limit: int = MAX_CONSTRAINT_DEPTH + 1) -> int:
     return 1 + max((_depth(c, limit - 1) for c in children), default=0)
 
 
-def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, str | None]:
+def structured_output(body: ChatBody | CompletionBody) -> tuple[StructuredOutput | None, str | None]:
     """The request's constraint and the field it came from, or (None, None); APIError 400 naming the field
     when it is malformed or more than one is given."""
+    given = {name: getattr(body, name) for name in STRUCTURED_FIELDS}
     found: list[tuple[str, dict]] = []
-    fmt = extra.get("response_format")
+    fmt = given["response_format"]
     if fmt is not None:
         if not isinstance(fmt, dict) or fmt.get("type") not in ("text", "json_object", "json_schema"):
             raise APIError(400, "response_format must be {\"type\": \"text\" | \"json_object\" | \"json_schema\"}",
@@ -70,10 +73,10 @@ def structured_output(extra: dict[str, Any]) -> tuple[StructuredOutput | None, s
                                param="response_format.json_schema.schema")
             found.append(("response_format", {"json": spec["schema"]}))
     for name, key in GUIDED_FIELDS.items():
-        if extra.get(name) is not None:
-            found.append((name, {key: extra[name]}))
-    if extra.get("structured_outputs") is not None:
-        so = extra["structured_outputs"]
+        if given[name] is not None:
+            found.append((name, {key: given[name]}))
+    if given["structured_outputs"] is not None:
+        so = given["structured_outputs"]
         if not isinstance(so, dict):
             raise APIError(400, "structured_outputs must be an object such as {\"json\": {...}}",
                            param="structured_outputs")
@@ -113,6 +116,7 @@ class Plan:
     tools: Tools | None = None
     stops: list[str] = field(default_factory=list)
     stop_reasons: bool = False  # each choice also says what ended it (`stop_reason`: Messages' stop_sequence)
+    record: bool = True  # written by --record-traffic when it finishes (the request's `record` field)
 
     @property
     def n(self) -> int:
@@ -127,6 +131,7 @@ class Planner:
 
     def plan(self, body: ChatBody | CompletionBody) -> Plan:
         """The request checked and planned; APIError (4xx naming the field) when it cannot be served."""
+        self.check_fields(body)
         self.check_model(body.model)
         chat = isinstance(body, ChatBody)
         tools = self.tools(body) if chat else None
@@ -158,7 +163,14 @@ class Planner:
                 shares.append(None if j == 0 else first)
         return Plan(chat, f"{'chatcmpl' if chat else 'cmpl'}-{uuid.uuid4().hex}", prepares, shares, prompt_field,
                     bool(body.stream), bool(body.stream_options and body.stream_options.include_usage),
-                    params.logprobs is not None, echo, zero, tools, params.stop)
+                    params.logprobs is not None, echo, zero, tools, params.stop, record=body.record)
+
+    def check_fields(self, body: Body) -> None:
+        """A field no endpoint knows is a 400 naming it (OpenAI's words; the Messages API's shape under
+        /v1/messages), unless the operator allows unknown fields (`Limits.allow_unknown_fields`)."""
+        unknown = [] if self.limits.allow_unknown_fields else body.unknown_fields()
+        if unknown:
+            raise APIError(400, f"Unrecognized request argument supplied: {unknown[0]}", param=unknown[0])
 
     def check_model(self, model: str) -> None:
         if model != self.model.name:
@@ -173,7 +185,7 @@ class Planner:
         if tools is not None:
             if _depth(body.tools) > MAX_CONSTRAINT_DEPTH:
                 raise APIError(400, f"tools nest deeper than {MAX_CONSTRAINT_DEPTH} levels", param="tools")
-            if tools.choice != "none" and structured_output(body.model_extra or {})[0] is not None:
+            if tools.choice != "none" and structured_output(body)[0] is not None:
                 raise APIError(400, "tools with tool_choice other than \"none\" cannot be combined with a structured "
                                "output constraint (response_format, guided_*); give one of them", param="tool_choice")
         return tools
@@ -183,8 +195,9 @@ class Planner:
         """Validate sampling fields here, where we still know their names; max_tokens is settled on the engine
         thread once the prompt length is known. Also returns the field a structured output constraint came from
         (its grammar is compiled on the engine thread, which names it in an error)."""
-        for name, value in (body.model_extra or {}).items():
-            if name in UNSUPPORTED_FIELDS and UNSUPPORTED_FIELDS[name](value):
+        for name, refused in UNSUPPORTED_FIELDS.items():
+            value = getattr(body, name, None)
+            if refused(value):
                 hint = "; use tools and tool_choice" if name.startswith("function") else "; leave it out"
                 raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server{hint}",
                                param=name, code="unsupported_parameter")
@@ -206,7 +219,7 @@ class Planner:
                 raise APIError(400, f"stop[{i}] has {len(stop)} characters; this server takes at most "
                                f"{self.limits.max_stop_chars}", param="stop")
             check_text(stop, f"stop[{i}]")
-        constraint_, constraint_field = structured_output(body.model_extra or {})
+        constraint_, constraint_field = structured_output(body)
         if tools is not None and tools.choice != "none":
             constraint_, constraint_field = constraint(tools), "tools"
         if isinstance(body, ChatBody):
@@ -226,11 +239,26 @@ class Planner:
             params = SamplingParams(temperature=temperature, top_p=1.0 if body.top_p is None else body.top_p,
                                     top_k=body.top_k or 0, min_p=body.min_p or 0.0, seed=body.seed,
                                     max_tokens=max_tokens or 1, stop=body.stop, ignore_eos=body.ignore_eos,
+                                    stop_token_ids=self.stop_token_ids(body.stop_token_ids),
                                     structured_output=constraint_, **penalties)
         except SpecdecError as e:  # "invalid top_p=1.5: must be in (0, 1]"
             match = re.match(r"invalid (\w+)=", str(e))
             raise APIError(400, str(e), param=match[1] if match else None) from None
         return params, max_tokens, max_field, constraint_field
+
+    def stop_token_ids(self, ids: list[int] | None) -> list[int] | None:
+        """vLLM's stop_token_ids, checked against this vocabulary and the stop limit."""
+        if ids is None:
+            return None
+        if len(ids) > self.limits.max_stop:
+            raise APIError(400, f"stop_token_ids holds {len(ids)} ids; this server takes at most "
+                           f"{self.limits.max_stop}", param="stop_token_ids")
+        vocab = self.model.vocab_size
+        for i, token in enumerate(ids):
+            if not 0 <= token < vocab:
+                raise APIError(400, f"stop_token_ids[{i}]={token} is not a token id of this model's vocabulary "
+                               f"(integers 0 to {vocab - 1})", param="stop_token_ids")
+        return ids
 
     def logit_bias(self, bias: dict[str, float] | None) -> dict[int, float] | None:
         """OpenAI's logit_bias (token ids as strings) as token ids of this vocabulary; SamplingParams checks the

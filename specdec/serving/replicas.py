@@ -48,7 +48,7 @@ from ray.serve.request_router import PendingRequest, ReplicaID, RequestRouter, R
 from specdec.config import EngineConfig, SpecdecError, from_kwargs
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import DEFAULT_MODEL, resolve
-from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, api_app
+from specdec.serving.api import APIError, ChatBody, CompletionBody, Limits, api_app, warn_if_exposed
 
 log = logging.getLogger("specdec.replicas")
 
@@ -466,6 +466,7 @@ def serve_replicas(spec: ReplicaSpec, host: str = "127.0.0.1", port: int = 8000)
         raise KeyboardInterrupt
 
     signal.signal(signal.SIGTERM, interrupt)
+    warn_if_exposed(host, spec.api_key)
     try:
         start(spec, host, port)
         print(f"specdec: serving {spec.served_model_name or spec.model!r} on {spec.replicas} replicas at "

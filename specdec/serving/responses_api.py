@@ -26,9 +26,9 @@ from typing import TYPE_CHECKING, Any
 
 from fastapi import APIRouter, Request
 from fastapi.responses import JSONResponse, Response
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictFloat, StrictInt
+from pydantic import StrictBool, StrictFloat, StrictInt
 
-from specdec.serving.api import APIError, ChatBody, error_responses
+from specdec.serving.api import APIError, Body, ChatBody, error_responses
 from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import Plan, checked_chat, renamed_fields
 from specdec.serving.response_store import ResponseStore
@@ -49,8 +49,10 @@ ROLES = ("user", "system", "developer", "assistant")
 FIELDS = {"max_completion_tokens": "max_output_tokens", "messages": "input", "response_format": "text"}
 
 
-class ResponsesBody(BaseModel):
-    model_config = ConfigDict(extra="allow")  # user, metadata, service_tier, ... are accepted and ignored
+class ResponsesBody(Body):
+    IGNORED = frozenset({"access_programs", "background_options", "context_management", "image", "moderation",
+                         "prompt_cache_key", "prompt_cache_options", "prompt_cache_retention", "safety_identifier",
+                         "service_tier", "stream_options", "user"})
     model: str
     input: str | list[dict[str, Any]]
     instructions: str | None = None
@@ -64,6 +66,26 @@ class ResponsesBody(BaseModel):
     max_output_tokens: StrictInt | None = None
     temperature: StrictFloat | None = None
     top_p: StrictFloat | None = None
+    metadata: dict[str, Any] | None = None  # echoed in the Response
+    record: StrictBool = True  # false: not written by --record-traffic
+    # vLLM's sampling fields, passed on as sent (PASSED): the chat pipeline checks them
+    seed: Any = None
+    top_k: Any = None
+    min_p: Any = None
+    stop: Any = None
+    ignore_eos: Any = None
+    presence_penalty: Any = None
+    frequency_penalty: Any = None
+    repetition_penalty: Any = None
+    # refused when set (REFUSED)
+    background: Any = None
+    conversation: Any = None
+    prompt: Any = None
+    truncation: Any = None
+    reasoning: Any = None
+    top_logprobs: Any = None
+    max_tool_calls: Any = None
+    include: Any = None
 
 
 def new_id(prefix: str) -> str:
@@ -74,18 +96,19 @@ def new_id(prefix: str) -> str:
 def to_chat(body: ResponsesBody, history: list[dict]) -> tuple[ChatBody, list[dict]]:
     """The chat body that runs this request, and the conversation it continues with (the stored conversation,
     then this input: what a later request's previous_response_id picks up; instructions are not carried over)."""
-    extra = body.model_extra or {}
     for name, refused in REFUSED.items():
-        if name in extra and refused(extra[name]):
-            raise APIError(400, f"{name}={json.dumps(extra[name])[:80]} is not supported by this server; leave it "
+        value = getattr(body, name)
+        if refused(value):
+            raise APIError(400, f"{name}={json.dumps(value)[:80]} is not supported by this server; leave it "
                            "out", param=name, code="unsupported_parameter")
     conversation = history + input_messages(body.input)
     messages = ([{"role": "system", "content": body.instructions}] if body.instructions else []) + conversation
     chat: dict[str, Any] = {"model": body.model, "messages": messages, "stream": bool(body.stream),
                             "stream_options": {"include_usage": True} if body.stream else None,
                             "max_completion_tokens": body.max_output_tokens, "temperature": body.temperature,
-                            "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls}
-    chat |= {name: extra[name] for name in PASSED if name in extra}
+                            "top_p": body.top_p, "parallel_tool_calls": body.parallel_tool_calls,
+                            "record": body.record}
+    chat |= {name: getattr(body, name) for name in PASSED if name in body.model_fields_set}
     if body.tools:
         chat["tools"] = [chat_tool(t, i) for i, t in enumerate(body.tools)]
     if body.tool_choice is not None:
@@ -231,7 +254,7 @@ class ResponseShell:
                 "store": self.store, "temperature": 1.0 if body.temperature is None else body.temperature,
                 "text": text, "tool_choice": body.tool_choice or "auto", "tools": body.tools or [],
                 "top_p": 1.0 if body.top_p is None else body.top_p, "truncation": "disabled",
-                "usage": usage_json(usage), "user": None, "metadata": (body.model_extra or {}).get("metadata") or {}}
+                "usage": usage_json(usage), "user": None, "metadata": body.metadata or {}}
 
     def from_chat(self, answer: dict) -> dict:
         """A non-streaming chat answer as a Response."""
@@ -340,6 +363,7 @@ class ResponsesEndpoint:
         self.server, self.store = server, store
 
     async def create(self, body: ResponsesBody, request: Request) -> Response:
+        self.server.planner.check_fields(body)
         self.server.planner.check_model(body.model)
         history = []
         if body.previous_response_id is not None:

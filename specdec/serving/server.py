@@ -27,7 +27,8 @@ from prometheus_client.core import CounterMetricFamily, GaugeMetricFamily
 from specdec.config import SpecdecError
 from specdec.engine.outputs import RequestOutput
 from specdec.llm import LLM
-from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app
+from specdec.serving.admin import Admin, AdminEndpoint
+from specdec.serving.api import ChatBody, CompletionBody, Limits, api_app, warn_if_exposed
 from specdec.serving.engine_thread import AsyncEngine, EngineRequest, _Event
 from specdec.serving.messages_api import MessagesEndpoint
 from specdec.serving.openai_format import ChoiceStream, OpenAIFormat, usage
@@ -36,7 +37,7 @@ from specdec.serving.response_store import ResponseStore
 from specdec.serving.responses_api import ResponsesEndpoint
 from specdec.serving.served_model import ServedModel
 from specdec.serving.tokenize_api import TokenizeEndpoint
-from specdec.serving.traffic import TrafficRecorder
+from specdec.serving.traffic import Recording, TrafficRecorder
 
 if TYPE_CHECKING:
     from starlette.types import Receive, Scope, Send
@@ -124,10 +125,11 @@ class _AbortOnClose(StreamingResponse):
 
 class OpenAIServer:
     """The engine thread and the OpenAI protocol together: plans go to the engine, events come back as
-    JSON or SSE. record_traffic: a directory where every finished request is recorded (specdec.serving.traffic)."""
+    JSON or SSE. record_traffic: where every finished request is recorded, a Recording or its directory with the
+    default caps (specdec.serving.traffic)."""
 
     def __init__(self, llm: LLM, served_model_name: str | None = None, limits: Limits | None = None,
-                 record_traffic: str | Path | None = None) -> None:
+                 record_traffic: Recording | str | Path | None = None) -> None:
         self.llm = llm
         self.model = served_model_name or llm.model_name
         self.limits = limits or Limits()
@@ -268,14 +270,16 @@ def _coalesce(events: list[_Event]) -> list[_Event]:
 
 def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | None = None,
                engine_thread: bool = True, limits: Limits | None = None,
-               record_traffic: str | Path | None = None) -> FastAPI:
+               record_traffic: Recording | str | Path | None = None, admin: Admin | None = None) -> FastAPI:
     """An app over `llm`; its engine loop runs while the app is up, on a thread of its own unless
     `engine_thread` is False and the caller runs `app.state.server.engine.run()` itself (one app per LLM:
-    the engine is not thread-safe). With `api_key`, every route (/health, /metrics and /admin/draft too: they
+    the engine is not thread-safe). With `api_key`, every route but /admin/* (/health and /metrics too: they
     tell what the server is doing) needs `Authorization: Bearer <key>`; probes and scrapers send it as well.
-    record_traffic: a directory where every finished request is recorded (off by default; see
+    admin: the /admin routes' own key and the folders heads may come from (off by default; see
+    specdec.serving.admin). record_traffic: where every finished request is recorded (off by default; see
     specdec.serving.traffic)."""
     server = OpenAIServer(llm, served_model_name, limits, record_traffic)
+    admin_routes = AdminEndpoint(admin or Admin(), api_key, server.draft_card, server.reload_draft)
 
     @contextlib.asynccontextmanager
     async def lifespan(_: FastAPI):
@@ -297,14 +301,12 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
     async def metrics() -> Response:
         return Response(generate_latest(server.metrics.registry), media_type=CONTENT_TYPE_LATEST)
 
-    async def draft_head() -> dict:
-        return server.draft_card()
-
     app = api_app(server.generate, models, healthy, metrics, api_key, lifespan, server.limits.max_request_bytes,
-                  server.model, draft_head, server.reload_draft)
+                  server.model)
     limits = server.limits
     store = ResponseStore(limits.max_stored_responses, limits.max_stored_bytes)
-    for endpoint in (ResponsesEndpoint(server, store), MessagesEndpoint(server), TokenizeEndpoint(server)):
+    for endpoint in (ResponsesEndpoint(server, store), MessagesEndpoint(server), TokenizeEndpoint(server),
+                     admin_routes):
         app.include_router(endpoint.router())
     app.state.server = server
     return app
@@ -312,10 +314,11 @@ def create_app(llm: LLM, served_model_name: str | None = None, api_key: str | No
 
 def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | None = None,
           served_model_name: str | None = None, limits: Limits | None = None, shutdown_timeout: float = 30.0,
-          record_traffic: str | Path | None = None) -> None:
+          record_traffic: Recording | str | Path | None = None, admin: Admin | None = None) -> None:
     """Run the server in the foreground until SIGTERM or Ctrl-C: then it refuses new requests (503), lets those
     in flight finish for up to `shutdown_timeout` seconds, fails the rest (503) and returns; a second signal
-    stops it at once. record_traffic: a directory where every finished request is recorded (see `create_app`).
+    stops it at once. record_traffic, admin: see `create_app`. A host other than this machine's without
+    `api_key` is served, with a warning.
 
     The engine loop runs on the main thread and HTTP on a second one. The main thread loaded the model, so
     it already owns an OpenMP thread team (torch's and the C++ kernels'); when another thread computes,
@@ -325,7 +328,9 @@ def serve(llm: LLM, host: str = "127.0.0.1", port: int = 8000, api_key: str | No
 
     import uvicorn
 
-    app = create_app(llm, served_model_name, api_key, engine_thread=False, limits=limits, record_traffic=record_traffic)
+    warn_if_exposed(host, api_key)
+    app = create_app(llm, served_model_name, api_key, engine_thread=False, limits=limits, record_traffic=record_traffic,
+                     admin=admin)
     engine = app.state.server.engine
     http = uvicorn.Server(uvicorn.Config(app, host=host, port=port, log_level="info"))
     thread = threading.Thread(target=http.run, name="specdec-http", daemon=True)

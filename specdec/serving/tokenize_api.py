@@ -14,9 +14,9 @@ from collections.abc import Callable
 from typing import Any
 
 from fastapi import APIRouter
-from pydantic import BaseModel, ConfigDict, StrictBool, StrictInt
+from pydantic import StrictBool, StrictInt
 
-from specdec.serving.api import APIError, check_text, error_responses
+from specdec.serving.api import APIError, Body, check_text, error_responses
 from specdec.serving.chat_path import ChatPath
 from specdec.serving.plans import checked_chat
 
@@ -24,8 +24,7 @@ from specdec.serving.plans import checked_chat
 REFUSED = ("chat_template", "chat_template_kwargs", "continue_final_message", "mm_processor_kwargs")
 
 
-class TokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class TokenizeBody(Body):
     model: str | None = None
     prompt: str | None = None
     messages: list[dict[str, Any]] | None = None
@@ -33,10 +32,14 @@ class TokenizeBody(BaseModel):
     add_special_tokens: StrictBool | None = None  # default: true for a prompt, false for messages (the template's)
     add_generation_prompt: StrictBool = True
     return_token_strs: StrictBool = False
+    # refused when set (REFUSED)
+    chat_template: Any = None
+    chat_template_kwargs: Any = None
+    continue_final_message: Any = None
+    mm_processor_kwargs: Any = None
 
 
-class DetokenizeBody(BaseModel):
-    model_config = ConfigDict(extra="allow")
+class DetokenizeBody(Body):
     model: str | None = None
     tokens: list[StrictInt]
 
@@ -53,10 +56,11 @@ class TokenizeEndpoint:
 
     async def tokenize(self, body: TokenizeBody) -> dict:
         model = self.server.served
+        self.server.planner.check_fields(body)
         if body.model is not None:
             self.server.planner.check_model(body.model)
         for name in REFUSED:
-            if (body.model_extra or {}).get(name) not in (None, False, {}):
+            if getattr(body, name) not in (None, False, {}):
                 raise APIError(400, f"{name} is not supported by this server; leave it out", param=name,
                                code="unsupported_parameter")
         ids = await self.server.on_engine_thread(self.tokenizer(body))
@@ -88,6 +92,7 @@ class TokenizeEndpoint:
 
     async def detokenize(self, body: DetokenizeBody) -> dict:
         model = self.server.served
+        self.server.planner.check_fields(body)
         if body.model is not None:
             self.server.planner.check_model(body.model)
         for i, token in enumerate(body.tokens):
