@@ -103,7 +103,8 @@ class LLM:
     model: an alias (default `smollm2-135m`), a Hugging Face directory, or a .gguf file.
     speculative_config: vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     output is the same as without it (greedy: token for token; sampling: in distribution). None: the
-    built-in model drafts with the head we ship for it, other models do not speculate; "off": no speculation.
+    built-in model's tuned default, any other model's n-gram drafting (`loader.MODEL_FREE_DEFAULT`), verified only
+    where the cost model (`engine.cost`) expects drafts to pay; "off": no speculation.
     dtype: 'auto' computes a GGUF on its own quantized blocks (native int8 kernels on CPU) and a Hugging Face
     model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
     device: 'cpu' or 'cuda'; None takes $SPECDEC_DEVICE, else 'cpu'.
@@ -145,7 +146,7 @@ class LLM:
     def with_speculative_config(self, speculative_config: dict | str | None, **engine_kwargs: Any) -> LLM:
         """Another LLM over the same weights and tokenizer, with its own engine and speculation settings
         (how `bench` compares speculative and plain decoding of one model side by side). None means what it
-        means for `LLM(...)`: the built-in model's tuned default; "off": no speculation."""
+        means for `LLM(...)`: the model's default speculation; "off": no speculation."""
         if speculative_config is None:
             speculative_config = default_speculative_config(self.model_name)
         other = object.__new__(LLM)

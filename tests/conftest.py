@@ -98,12 +98,11 @@ def default_model_available() -> bool:
 
 
 def every_step(config):
-    """`config` drafting at every decode step whatever it costs (a dispatch table of its own shape from batch 1 on):
-    for tests that count what a drafter drafted or was shown in batches, which a config with no table stops doing
-    where its plain steps measure faster (`specdec/engine/dispatch.py`)."""
-    if not isinstance(config, dict) or "dispatch" in config:  # "off", a config object, or a table of its own
+    """`config` drafting its whole shape at every decode step whatever it costs (not adaptive): for tests that count
+    what a drafter drafted or was shown, which the cost model (`specdec/engine/cost.py`) cuts where it does not pay."""
+    if not isinstance(config, dict) or "adaptive" in config:  # "off", a config object, or one that says
         return config
-    return {**config, "dispatch": {"1": config.get("tree", "chain")}}
+    return {**config, "adaptive": False}
 
 
 def native_available() -> bool:

@@ -29,7 +29,8 @@ def test_bench_writes_runs(tiny_model: Path, tmp_path: Path, capsys) -> None:
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     out = tmp_path / "b.json"
     code = main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "3",
-                 "--max-tokens", "8", "--batch-sizes", "1,2", "--compare-hf", "--out", str(out)])
+                 "--max-tokens", "8", "--batch-sizes", "1,2", "--compare-hf", "--speculative-config", "off",
+                 "--out", str(out)])
     assert code == 0
     result = json.loads(out.read_text())
     runs = {(r["config"]["engine"], r["config"]["batch_size"]): r for r in result["runs"]}

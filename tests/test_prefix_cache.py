@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 import pytest
-from conftest import assert_greedy_equal
+from conftest import assert_greedy_equal, every_step
 
 from specdec import LLM, SamplingParams
 from specdec.drafting import Draft, Drafter
@@ -118,7 +118,7 @@ def test_prefix_hits_give_identical_outputs_and_skip_prefill(tiny_llama_dir, spe
 
 def test_draft_model_reuses_its_own_cached_kv(tiny_llama_dir, monkeypatch):
     """Target and draft caches hit together: after a hit the draft model does not prefill the prefix again."""
-    spec = {"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2}
+    spec = every_step({"method": "draft_model", "model": str(tiny_llama_dir), "num_speculative_tokens": 2})
     llm = LLM(str(tiny_llama_dir), block_size=4, speculative_config=spec)
     params = SamplingParams(temperature=0, max_tokens=6, ignore_eos=True)
     llm.generate({"prompt_token_ids": SYSTEM + [7]}, params)
@@ -164,7 +164,8 @@ def test_feature_heads_reuse_cached_prefixes_with_identical_drafts(tiny_llama_di
     recomputes it), and the drafts are the ones a cold engine drafts. A hit prefills only the prompt's few new
     tokens where the cold engine prefills all of them through torch's GEMM (float32 summed in another order),
     so after the first request the outputs are compared up to near ties and the drafts to 90%."""
-    spec = {"method": "eagle3", "model": str(eagle3_head_dir(tiny_llama_dir, tmp_path)), "num_speculative_tokens": 3}
+    spec = every_step({"method": "eagle3", "model": str(eagle3_head_dir(tiny_llama_dir, tmp_path)),
+                       "num_speculative_tokens": 3})
     params = SamplingParams(temperature=0, max_tokens=12, ignore_eos=True)
     prompts = [{"prompt_token_ids": SYSTEM + [100 + i, 101 + i, 102]} for i in range(3)]
     plain = [o.token_ids for o in LLM(str(tiny_llama_dir), block_size=4).generate(prompts, params)]

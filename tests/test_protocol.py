@@ -36,7 +36,7 @@ def model_dir(tmp_path_factory) -> Path:
 
 @pytest.fixture(scope="module")
 def plain(model_dir) -> Iterator[Served]:
-    with serving(LLM(str(model_dir), block_size=4), served_model_name=MODEL) as s:
+    with serving(LLM(str(model_dir), block_size=4, speculative_config="off"), served_model_name=MODEL) as s:
         yield s
 
 

@@ -77,7 +77,8 @@ def test_a_methods_own_keys_and_errors_come_from_its_options():
     with pytest.raises(SpecdecError, match="invalid lag=0"):
         SpeculativeConfig.parse({"method": "echo_test", "lag": 0})
     with pytest.raises(SpecdecError, match=r"unknown key\(s\) \['prompt_lookup_max'\] for speculative method "
-                                           r"'echo_test'; valid keys: \['dispatch', 'jump_forward', 'lag', 'method'"):
+                                           r"'echo_test'; valid keys: \['adaptive', 'dispatch', 'jump_forward', 'lag', "
+                                           r"'method'"):
         SpeculativeConfig.parse({"method": "echo_test", "prompt_lookup_max": 3})
     with pytest.raises(SpecdecError, match="drafts chains only"):  # it registered no trees
         SpeculativeConfig.parse({"method": "echo_test", "tree": "D2-BF2"})

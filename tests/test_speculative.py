@@ -10,8 +10,8 @@ from conftest import accelerator_checks, assert_logprobs_equal, every_step
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig
+from specdec.engine.cost import PROBE_EVERY, StepCost
 from specdec.engine.scheduler import ScheduledBatch
-from specdec.engine.speculator import Speculator
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "1 2 3 4 5 6 7 8 9 10 1 2 3 4", "def add(a, b):\n    return a + b\n\ndef add(",
@@ -21,7 +21,7 @@ GREEDY = SamplingParams(temperature=0, max_tokens=24, ignore_eos=True)
 
 @pytest.fixture(scope="module")
 def plain(tiny_llama_dir) -> LLM:
-    return LLM(str(tiny_llama_dir))
+    return LLM(str(tiny_llama_dir), speculative_config="off")
 
 
 @pytest.fixture(scope="module")
@@ -84,36 +84,49 @@ def test_wrong_drafts_never_change_the_output(tiny_llama_dir, plain, reference):
     assert any(o.metrics["acceptance_rate"] < 1 for o in outs)  # rejections happened, sequences ragged
 
 
+def made_up_costs(llm: LLM, row_cost: float = 0.2) -> None:
+    """Verifying each row beyond a plain step's costs `row_cost` plain steps, whatever this machine measures."""
+    llm.engine.speculator.cost = StepCost([1, 2], [32], [[1.0, 1.0 + row_cost]], online=False)
+
+
 def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_dir, plain, reference):
-    """Back-off: after a run of rejected drafts a request pauses drafting (longer after each failed probe),
-    and one accepted draft brings drafting back."""
-    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
-    bad = ScriptedDrafter(truth, 4, corrupt_every=1)  # every draft wrong from its middle token on ...
-    bad.propose = lambda requests, orig=bad.propose: wrong_first(orig(requests))  # ... and at its first
-    llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
-                                                                  "drafter": bad}))
-    params = SamplingParams(temperature=0, max_tokens=40, ignore_eos=True)
-    out = llm.generate(PROMPTS[0], params)[0]
-    assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
+    """The cost model: a request whose drafts are wrong at every position is soon expected to keep less than a row
+    costs (0.2 plain steps), so it stops drafting; once idle PROBE_EVERY steps it drafts one token on the engine's
+    next PROBE_EVERY-th step (a probe). A drafter right every time drafts every step."""
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].token_ids
+    bad = ScriptedDrafter({tuple(plain.encode(PROMPTS[0])[1]): want}, 4, corrupt_every=1)  # wrong from the middle
+    bad.propose = lambda requests, orig=bad.propose: wrong_first(orig(requests))  # ... and at the first token
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": bad})
+    made_up_costs(llm)
+    with llm.engine.trace_speculation() as trace:
+        out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids == want
     m = out.metrics
-    assert m["num_accepted_tokens"] == 0 and m["num_drafts"] <= 12  # 40 steps, most of them without drafts
-    assert m["num_draft_tokens"] < 4 * m["num_drafts"]  # low acceptance: one-token probes
+    drafted = [n for _, n in trace if n]
+    assert m["num_accepted_tokens"] == 0 and sum(drafted) == m["num_draft_tokens"]
+    learning = next(i for i, n in enumerate(drafted) if n == 1)  # full drafts until their estimate falls
+    assert 1 <= learning <= 4 and set(drafted[learning:]) == {1}
+    probes = len(drafted) - learning
+    assert 80 // PROBE_EVERY - 2 <= probes <= 80 // PROBE_EVERY  # (the first one once PROBE_EVERY steps idle)
 
-    good = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
-                                                                   "drafter": ScriptedDrafter(truth, 4)}))
+    truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
+    good = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                        "drafter": ScriptedDrafter(truth, 4)})
+    made_up_costs(good)
     m = good.generate(PROMPTS[0], GREEDY)[0].metrics
-    assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never paused
+    assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never stopped
 
 
-def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_under_it(tiny_llama_dir, plain,
-                                                                                       reference):
-    """A drafter right at positions 1-2 and always wrong from 3 on: with min_acceptance 0.3 a request soon
-    drafts 2 tokens (position 3's estimate (0 + 1) / (n + 2) is under 0.3 after two tries), except on every
-    PROBE_EVERY-th draft, which takes the full chain; without it every draft has 4 tokens. Output unchanged."""
+def test_a_chain_is_cut_where_the_requests_own_acceptance_stops_paying(tiny_llama_dir, plain, reference):
+    """A drafter right at positions 1-2 and always wrong from 3 on, where a row costs 0.2 plain steps: the cost
+    model verifies 2 tokens a step (3 on every PROBE_EVERY-th draft: a deeper probe), which keep all the drafter
+    gets right; with `adaptive` off every draft has 4. Output unchanged."""
     truth = {tuple(plain.encode(p)[1]): ref for p, ref in zip(PROMPTS, reference)}
     params = SamplingParams(temperature=0, max_tokens=60, ignore_eos=True)
 
-    def run(min_acceptance: float) -> dict:
+    def run(adaptive: bool) -> dict:
         drafter = ScriptedDrafter(truth, 4)
         propose = drafter.propose
 
@@ -123,18 +136,20 @@ def test_min_acceptance_cuts_a_chain_where_the_requests_own_acceptance_falls_und
                                  for i, n in enumerate(d.num_nodes())])
 
         drafter.propose = right_then_wrong
-        llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "custom", "num_speculative_tokens": 4,
-                                                                      "min_acceptance": min_acceptance,
-                                                                      "drafter": drafter}))
+        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                           "adaptive": adaptive, "drafter": drafter})
+        made_up_costs(llm)
         out = llm.generate(PROMPTS[0], params)[0]
         assert out.token_ids == plain.generate(PROMPTS[0], params)[0].token_ids
         return out.metrics
 
-    full, cut = run(0.0), run(0.3)
+    full, cut = run(False), run(True)
     assert full["num_draft_tokens"] >= 4 * full["num_drafts"] - 4  # (shorter only near max_tokens)
-    assert full["accepted_per_pos"][2:] == [0, 0] and cut["accepted_per_pos"][2:] in ([0, 0], [])
-    probes = cut["num_drafts"] // Speculator.PROBE_EVERY + 2
-    assert cut["num_draft_tokens"] <= 2 * cut["num_drafts"] + 2 * probes
+    assert full["accepted_per_pos"][2:] == [0, 0] and cut["accepted_per_pos"][2:] in ([0, 0], [0], [])
+    probes = cut["num_drafts"] // PROBE_EVERY + 1
+    assert cut["num_draft_tokens"] <= 2 * cut["num_drafts"] + probes
+    assert cut["num_draft_tokens"] < full["num_draft_tokens"]
+    assert cut["num_accepted_tokens"] == full["num_accepted_tokens"]
     assert cut["num_steps"] <= full["num_steps"] + 1  # the cut positions were never accepted anyway
 
 
@@ -542,7 +557,7 @@ def test_a_tree_step_runs_on_the_engine_device(tiny_llama_dir, temperature):
             for i in range(2)]
     for seq in seqs:  # as if prefilled (a meta cache holds nothing anyway)
         engine.allocator.allocate(seq.block_table, len(seq.token_ids) + 6)
-        seq.num_cached, seq.spec.recent_acceptance = len(seq.token_ids) - 1, 1.0
+        seq.num_cached = len(seq.token_ids) - 1
     with accelerator_checks(), pytest.raises((NotImplementedError, RuntimeError)) as reached:
         engine._compute(ScheduledBatch(seqs, [1] * len(seqs), False))  # one decode step: draft, verify
     where = [Path(str(entry.path)).name for entry in reached.traceback]

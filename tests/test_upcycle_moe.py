@@ -66,8 +66,7 @@ def test_it_writes_the_dense_models_text_and_routes_tokens_over_every_expert(pla
 def test_speculation_on_the_mixture_equals_plain(upcycled, plain):
     prompts = [PROMPT, [{"role": "user", "content": "Count from 1 to 20, separated by commas."}]]
     want = [o.token_ids for o in plain.chat(prompts, GREEDY)]
-    llm = LLM(str(upcycled), speculative_config={"method": "ngram", "num_speculative_tokens": 4,
-                                                 "dispatch": {"1": "chain"}})
+    llm = LLM(str(upcycled), speculative_config={"method": "ngram", "num_speculative_tokens": 4, "adaptive": False})
     outs = llm.chat(prompts, GREEDY)
     assert [o.token_ids for o in outs] == want
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0

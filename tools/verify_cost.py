@@ -1,6 +1,6 @@
 """What verification costs on this machine: one target forward (all layers, LM head, argmax) feeding n
 tokens of one sequence, against a plain decode step (n = 1), at several context lengths
-(`LLMEngine.time_verification`, which `specdec tune` uses to size hybrid trees).
+(`engine.cost.time_verification`, which `specdec tune` uses to size hybrid trees).
 
     python tools/verify_cost.py --contexts 300,768 --tokens 1,2,3,4,5,9,16 [--dtype float32] [--compare-llamacpp]
 
@@ -16,6 +16,7 @@ import torch
 from specdec import LLM
 from specdec.bench.engines import load_llamacpp
 from specdec.bench.verify_cost import llamacpp_step_times
+from specdec.engine.cost import time_verification
 from specdec.models.loader import resolve
 
 
@@ -40,7 +41,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| engine | context | " + " | ".join(f"{n} tokens" for n in rows) + " |")
     print("|---" * (len(rows) + 2) + "|")
     for ctx in contexts:
-        measured = [("specdec", llm.engine.time_verification(ctx, rows))]
+        measured = [("specdec", time_verification(llm.engine, ctx, rows))]
         if peer is not None:
             measured.append(("llama.cpp", llamacpp_step_times(peer, ctx, rows)))
         for name, times in measured:

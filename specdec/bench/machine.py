@@ -7,10 +7,11 @@ import os
 import platform
 import time
 from collections.abc import Callable
-from pathlib import Path
 from typing import Any
 
 import torch
+
+from specdec.engine.cost import cpu_model
 
 BANDWIDTH_BUFFER_BYTES = 512 * 2**20  # far beyond any CPU cache, so the bandwidth is DRAM's
 BANDWIDTH_REPEATS = 5
@@ -26,13 +27,6 @@ def machine_info(device: torch.device) -> dict:
         info["gpu"] = torch.cuda.get_device_name(device)
     return info
 
-
-def cpu_model() -> str | None:
-    try:
-        lines = Path("/proc/cpuinfo").read_text().splitlines()
-    except OSError:
-        return platform.processor() or None
-    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
 
 
 def _sync(device: torch.device) -> None:

@@ -195,11 +195,13 @@ def roofline(weight_bytes: int, bandwidth: dict, achieved: float | None, records
 
 def add_step_times(runs: list[dict], engines: dict[tuple[str, str], object], roofline_step_ms: float) -> None:
     """Each specdec run's step accounting: its engine's `step_times` since the pass began (prefill and decode
-    steps apart), and the roofline step."""
+    steps apart), and the roofline step; a speculative run's cost model predictions (`engine.cost.Prediction`)."""
     for run in runs:
         llm = engines.get((run["config"]["engine"], run["config"]["method"]))
         if llm is not None:
             run["step_times"] = {**llm.engine.step_times.summary(), "roofline_step_ms": roofline_step_ms}
+            if llm.engine.speculator is not None and llm.engine.speculator.cost is not None:
+                run["cost_model"] = llm.engine.speculator.prediction.summary()  # its prediction, to check
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],

@@ -142,6 +142,26 @@ def acceptance_line(run: dict) -> str:
             f"accepted per position [{per_pos}]; acceptance length by category: {per_cat}")
 
 
+def cost_model_lines(runs: list[dict]) -> list[str]:
+    """Each speculative run's predicted speedup (the cost model's, over its decode steps) beside the measured one
+    (decode tokens per second over plain decoding's, same batch size and dtype)."""
+    lines = []
+    for run in runs:
+        predicted = (run.get("cost_model") or {}).get("predicted_speedup")
+        c = run["config"]
+        plain = next((r for r in runs if r["config"] == {**c, "method": "plain"}), None)
+        if predicted is None or plain is None:
+            continue
+        measured = ratio(run["summary"]["decode_tokens_per_s"], plain["summary"]["decode_tokens_per_s"])
+        error = predicted / measured - 1 if measured else None
+        lines.append(f"Cost model ({c['engine']}/{c['method']}, {c['dtype']}, batch {c['batch_size']}): predicted "
+                     f"{predicted:.2f}x plain decoding, measured {_num(measured, '.2f')}x "
+                     f"(prediction off by {_num(error, '+.1%')}); tokens "
+                     f"{_num(run['cost_model']['tokens_ratio'], '.2f')}x and step time "
+                     f"{_num(run['cost_model']['seconds_ratio'], '.2f')}x what it expected")
+    return lines
+
+
 def roofline_line(run: dict) -> str:
     r = run["roofline"]
     return (f"Roofline ({run['config']['dtype']}, batch 1): {r['weight_bytes_per_token'] / 1e6:.1f} MB of weights "
@@ -176,5 +196,6 @@ def format_report(result: dict) -> str:
     parts += [comparison_line(c) for c in result["comparisons"]]
     parts += batched_comparison_lines(result["runs"])
     parts += [acceptance_line(r) for r in result["runs"] if r.get("acceptance")]
+    parts += cost_model_lines(result["runs"])
     parts += [roofline_line(r) for r in result["runs"] if "roofline" in r]
     return "\n".join(parts)

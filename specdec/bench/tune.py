@@ -10,7 +10,8 @@
 3. The winners form a dispatch table, written as JSON that `speculative_config` loads with
    {"dispatch": "tune.json"}.
 4. Given several methods (a JSON list), each is tuned so, and the default is the one fastest against plain
-   decoding over the batch sizes; `--write-default` ships it as the built-in model's default config.
+   decoding over the batch sizes; `--write-default` makes it the model's default config (shipped for a built-in
+   model, this machine's under $SPECDEC_CACHE/defaults for any other).
 A method's keys registered as `verify_cost_keys` (a hybrid tree's `min_score`), when the user leaves them out, get
 the measured cost of verifying one more token, in plain steps (`specdec.bench.verify_cost`): a node is worth
 verifying only while it is likelier to be accepted than that.
@@ -96,8 +97,6 @@ def run_tune(args: argparse.Namespace) -> dict:
     if not args.speculative_config:
         raise SpecdecError("specdec tune needs --speculative-config: the drafting method(s) to tune")
     configs = parse_candidates(args.speculative_config)
-    if args.write_default and default_config_path(args.model) is None:
-        raise SpecdecError(f"--write-default: {args.model!r} is not a built-in model")
     from specdec.llm import LLM
 
     out = output_path(args.out)
@@ -118,6 +117,7 @@ def run_tune(args: argparse.Namespace) -> dict:
           f"--speculative-config '{{\"method\": \"...\", ..., \"dispatch\": \"{out}\"}}'")
     if args.write_default:
         path = default_config_path(args.model)
+        path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(shippable(result["default"]), indent=1) + "\n")
         print(f"default speculative config of {args.model} written to {path}")
     return result

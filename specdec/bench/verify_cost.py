@@ -1,7 +1,7 @@
 """What verification costs on this machine: one target forward (all layers, LM head, argmax) feeding n tokens of
 one sequence, against a plain decode step (n = 1). A hybrid tree is worth growing by one node only while that
 node's chance of being accepted exceeds the extra time it takes to verify, in plain steps; `specdec tune`
-measures that here, through the engine's own measuring method (`LLMEngine.time_verification`), and sets the
+measures that here, through the engine's own measuring method (`engine.cost.time_verification`), and sets the
 hybrid's `min_score` from it.
 """
 from __future__ import annotations
@@ -10,6 +10,8 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
+from specdec.engine.cost import time_verification
+
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
@@ -17,7 +19,7 @@ if TYPE_CHECKING:
 
 
 def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
-    """`LLMEngine.time_verification` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed row's
+    """`engine.cost.time_verification` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed row's
     logits, as verification needs): the same committed ids, each step evaluated after them and dropped again."""
     vocab = model.n_vocab()
     model.reset()
@@ -35,5 +37,5 @@ def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: 
 def token_cost(engine: LLMEngine, context: int, nodes: int, repeats: int = 9) -> float:
     """The extra time of verifying one more token, in plain steps, averaged over a tree of `nodes` drafts:
     (t(1 + nodes) - t(1)) / (nodes * t(1))."""
-    t = engine.time_verification(context, [1, 1 + nodes], repeats)
+    t = time_verification(engine, context, [1, 1 + nodes], repeats)
     return max(0.0, (t[1 + nodes] - t[1]) / (nodes * t[1]))

@@ -127,6 +127,9 @@ class DraftRequest:
     tree: tuple[tuple[int, ...], ...] | None = None  # the static tree asked for (choice list); None: a chain
     dynamic: tuple[int, int, int] | None = None  # or an EAGLE-2 dynamic tree: (topk, num_steps, num_draft_tokens)
     max_depth: int | None = None  # the deepest draft worth verifying (tokens the request may still emit - 1)
+    # What verifying one more row costs this step, in plain steps of this request (the engine's measured costs,
+    # `specdec.engine.cost`): a drafter sizing its own drafts weighs a node against it. None: nothing measured.
+    row_cost: float | None = None
     # For drafters with `feature_layers`: the target's features (those layers' outputs, concatenated) of the
     # tokens committed since the last call, one row per token from token index `features_start` on. The
     # last committed token has none yet (the target computes it when it feeds that token next step). After a

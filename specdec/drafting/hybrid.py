@@ -12,7 +12,8 @@ source and depth, (accepted nodes + 1) / (sum of b over its verified nodes + 2),
 kept at the next step. A merged node scores the best of its sources, capped by its parent's score (a node is
 never likelier than its parent). The tree grows best first from the root while its next node's score is at
 least `min_score` (the cost of verifying one more token, in plain steps: `tools/verify_cost.py` measures it)
-and it has fewer than `num_speculative_tokens` nodes. Its best node is always taken, and on every
+and it has fewer than `num_speculative_tokens` nodes (`min_score` is the engine's measured cost of one more row this
+step where it has one, `DraftRequest.row_cost`). Its best node is always taken, and on every
 `PROBE_EVERY`-th step so is the path of best children below it, down to the depth cap (probes: g(d) only
 learns from verified nodes, so without them a depth whose estimate fell under `min_score` after a few unlucky
 steps would never be verified again to raise it).
@@ -128,9 +129,10 @@ class HybridDrafter(NestedDrafter):
         periodic = self.steps % self.PROBE_EVERY == 0
         probe = periodic or any(r.seq_id not in self.known for r in requests)
         self.known.update(r.seq_id for r in requests)
+        least = min(self.threshold(r) for r in requests) if requests else self.min_score
         drafts = []
         for n, src in enumerate(self.sources):
-            if not (probe or src is self.featured or src.calibration(1) >= self.min_score):
+            if not (probe or src is self.featured or src.calibration(1) >= least):
                 drafts.append(Draft.from_rows([([], [])] * len(requests)))
                 continue
             self.asked[n] += 1
@@ -141,8 +143,13 @@ class HybridDrafter(NestedDrafter):
             drafts.append(src.drafter.propose(subs))
         return Draft.from_rows([self.merge(i, r, drafts, periodic) for i, r in enumerate(requests)])
 
+    def threshold(self, r: DraftRequest) -> float:
+        """The least score a node is verified at: what one more row costs this step (`DraftRequest.row_cost`, the
+        engine's measured costs), else `min_score`."""
+        return r.row_cost if r.row_cost is not None else self.min_score
+
     def merge(self, i: int, r: DraftRequest, drafts: list[Draft], probe: bool = False) -> tuple[list[int], list[int]]:
-        budget = min(self.k, r.max_tokens)
+        budget, threshold = min(self.k, r.max_tokens), self.threshold(r)
         depth_cap = budget if r.max_depth is None else min(budget, r.max_depth)
         nodes: dict[tuple[int, ...], dict[int, float]] = {}  # path -> source -> b
         for s, draft in enumerate(drafts):
@@ -181,7 +188,7 @@ class HybridDrafter(NestedDrafter):
         tie = len(heap)
         while heap and len(tokens) < budget:
             neg, _, path = heapq.heappop(heap)
-            if -neg < self.min_score and path not in forced:
+            if -neg < threshold and path not in forced:
                 continue
             index[path] = len(tokens)
             tokens.append(path[-1])

@@ -105,9 +105,9 @@ class SpeculativeConfig:
     # Structured output: up to this many tokens of text a request's grammar forces are drafted per step
     # (jump-forward drafting; they extend or replace the drafter's chain); 0 or false: off, true: 8
     jump_forward: int | bool = 8
-    # A chain is cut where the request's own acceptance at a position (so far, per position) falls under this:
-    # the cost of verifying one more token in plain steps (`specdec.bench.verify_cost`); 0: always the full shape
-    min_acceptance: float = 0.0
+    # Whether the cost model (`specdec.engine.cost`) decides, per step and request, how much of the shape is worth
+    # verifying (none where drafts do not pay); false: every step drafts the whole shape (a drafter measured alone)
+    adaptive: bool = True
     # Whether sampled requests draft too (false: only greedy ones do; a step of sampled requests alone is plain)
     sampled: bool = True
     # How sampled requests' drafts are verified. "keyed": against the target's own sample at each position, keyed by
@@ -134,8 +134,8 @@ class SpeculativeConfig:
         if self.sampled_verification not in ("keyed", "rejection"):
             raise SpecdecError(f"invalid sampled_verification={self.sampled_verification!r}: \"keyed\" (the output "
                                "equals plain decoding's for the same seed) or \"rejection\"")
-        if not isinstance(self.min_acceptance, (int, float)) or not 0 <= self.min_acceptance < 1:
-            raise SpecdecError(f"invalid min_acceptance={self.min_acceptance!r}: a number in [0, 1)")
+        if not isinstance(self.adaptive, bool):
+            raise SpecdecError(f"invalid adaptive={self.adaptive!r}: must be true or false")
         k = self.num_speculative_tokens
         if not isinstance(k, int) or isinstance(k, bool) or not 1 <= k <= 15:
             raise SpecdecError(f"invalid num_speculative_tokens={k!r}: must be an integer in [1, 15]")

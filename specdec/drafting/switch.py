@@ -62,9 +62,10 @@ REQUEST_PRIOR = 4.0  # a request's own drafts of a source weigh in against the s
 @dataclass
 class SwitchOptions:
     sources: list = field(default_factory=list)  # speculative configs (dicts), in the order they are asked
-    # What a draft costs, in plain steps at the request's context: verifying each node costs token_cost + context_cost
-    # per 1,000 tokens of context (each verified row attends over all of it), and a source that reads the target's
-    # features (a head) costs head_cost more for its forward. `specdec tune` measures token_cost when left out.
+    # What a draft costs, in plain steps at the request's context: verifying each node costs what the engine's cost
+    # model measured (`DraftRequest.row_cost`), or without one token_cost + context_cost per 1,000 tokens of context
+    # (each verified row attends over all of it); a source that reads the target's features (a head) costs head_cost
+    # more for its forward.
     token_cost: float = 0.1
     context_cost: float = 0.07
     head_cost: float = 0.15
@@ -285,7 +286,10 @@ class SwitchDrafter(NestedDrafter):
         return held.end() - held.start if held is not None else 0
 
     def node_cost(self, r: DraftRequest) -> float:
-        """Plain steps that verifying one node costs at the request's context."""
+        """Plain steps that verifying one node costs at the request's context: what the engine measured this step
+        (`DraftRequest.row_cost`), else token_cost + context_cost per 1,000 tokens."""
+        if r.row_cost is not None:
+            return r.row_cost
         return self.token_cost + self.context_cost * len(r.token_ids) / 1000
 
     def request_for(self, src: _Source, r: DraftRequest, shape: object) -> DraftRequest:

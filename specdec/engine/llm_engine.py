@@ -8,7 +8,6 @@ from __future__ import annotations
 import itertools
 import logging
 import random
-import statistics
 import time
 from collections.abc import Callable, Iterator
 from contextlib import contextmanager
@@ -18,6 +17,7 @@ import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError
 from specdec.drafting import DraftEnv, ForwardClock, SpeculativeConfig, build_drafter
+from specdec.engine.cost import engine_costs
 from specdec.engine.graphs import GraphRunner
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
@@ -69,7 +69,7 @@ class LLMEngine:
         self.runner = ModelRunner(model, self.kv, bs, graphs) if workers is None else \
             TPRunner(model, self.kv, bs, workers)
         self.speculator = None
-        self._speculated = False  # whether the last step drafted (the measured dispatcher's record)
+        self._speculated = False  # whether the last step drafted (the cost model's record)
         clock = ForwardClock()  # the drafter's model forwards
         if speculative is not None:
             env = DraftEnv(model, self.kv, tokenizer, num_blocks, bs, self.runner.inputs, self.allocator.pools,
@@ -89,6 +89,8 @@ class LLMEngine:
         # Tests and `bench --soak` only: called with each step's sequences before it computes; raising from it
         # is a fault in that step (how fault isolation is exercised without breaking a kernel).
         self.inject_fault: Callable[[list[Sequence]], None] | None = None
+        if self.speculator is not None:  # what verifying n rows costs here (cached, else measured now)
+            self.speculator.cost = engine_costs(self)
 
     def grammar_state(self, params: SamplingParams) -> GrammarState | None:
         """A fresh grammar state for a request's structured output (None without one); compiling a bad
@@ -343,35 +345,7 @@ class LLMEngine:
         logits = self.runner.logits(hidden, rows)
         seq.prompt_logprobs += token_logprobs(logits, seq.prompt_token_ids[done:last + 1], seq.params.prompt_logprobs)
 
-    # -- control for measuring tools (`specdec tune`, `bench.verify_cost`) ------------------------------
-    def time_verification(self, context_len: int, num_rows: list[int], repeats: int = 9) -> dict[int, float]:
-        """Median seconds of a verification forward (every layer, the LM head on every row, the argmax and its copy
-        to the host) feeding n rows of one sequence after `context_len` committed tokens, for each n in
-        `num_rows`. The shapes are interleaved repetition by repetition, so drift of the machine hits them alike.
-        A request of its own is prefilled by ordinary steps; the rows are written past its committed tokens and
-        never committed; it is aborted after. The engine must be idle."""
-        if self.has_unfinished():
-            raise SpecdecError("time_verification() while requests run: it measures an idle engine")
-        vocab = self.model.config.vocab_size
-        request_id = self.add_request([(1000 + i) % vocab for i in range(context_len)],
-                                      SamplingParams(temperature=0, max_tokens=max(num_rows) + 1))
-        seq = self.sequence(request_id)
-        try:
-            while seq.num_cached < context_len:  # the prompt's prefill
-                self.step()
-            self.scheduler.reserve(seq, seq.num_cached + max(num_rows))
-            times: dict[int, list[float]] = {n: [] for n in num_rows}
-            for _ in range(repeats):
-                for n in num_rows:
-                    start = time.perf_counter()
-                    hidden, _ = self.runner.run([seq.block_table.blocks], [seq.num_cached],
-                                                [seq.token_ids[seq.num_cached:] + [100 % vocab] * (n - 1)])
-                    self.runner.logits(hidden).argmax(-1).tolist()  # the step's one copy back (a GPU waits)
-                    times[n].append(time.perf_counter() - start)
-        finally:
-            self.abort(request_id)
-        return {n: statistics.median(t) for n, t in times.items()}
-
+    # -- control for measuring tools (`specdec tune`, `engine.cost.time_verification`) ------------------------
     def pin_draft_shape(self, shape: SpecShape | None) -> None:
         """Draft this shape at every step, whatever the batch size (None: back to the dispatcher)."""
         if self.speculator is None:

@@ -21,19 +21,14 @@ class SpecStats:
     num_accepted_tokens: int = 0
     accepted_per_pos: list[int] = field(default_factory=list)
     drafted_per_pos: list[int] = field(default_factory=list)  # drafts that reached each depth
-    recent_acceptance: float = 1.0  # moving average of accepted / draft depth, optimistic at the start
-    paused: int = 0  # steps left without drafting (the speculator's back-off)
-    backoff: int = 0  # length of the latest pause
     draft_error: str | None = None  # the drafter raised on this request: it decodes without drafts from then on
     num_draft_failures: int = 0  # (the engine's totals) requests whose drafter raised
 
     def record(self, num_draft: int, num_accepted: int, depth: int | None = None) -> None:
         """One verified draft of `num_draft` nodes, `depth` levels deep (a chain: its length), of which
-        `num_accepted` were kept. The recent acceptance is over the depth: a tree can keep one node per level,
-        so counting its siblings would call a well-predicted tree a failing one."""
+        `num_accepted` were kept. Positions count levels: a tree keeps at most one node per level."""
         if num_draft == 0:
             return
-        self.recent_acceptance = 0.7 * self.recent_acceptance + 0.3 * num_accepted / (depth or num_draft)
         self.num_drafts += 1
         self.num_draft_tokens += num_draft
         self.num_accepted_tokens += num_accepted
@@ -46,18 +41,6 @@ class SpecStats:
             self.drafted_per_pos += [0] * (levels - len(self.drafted_per_pos))
         for j in range(levels):
             self.drafted_per_pos[j] += 1
-
-    def positions_worth_drafting(self, cost: float, limit: int) -> int:
-        """How many leading draft positions this request's own history says are accepted at least `cost` of
-        the time (per position: (accepted + 1) / (drafted + 2), so an unseen position is tried), up to limit."""
-        k = 0
-        while k < limit:
-            drafted = self.drafted_per_pos[k] if k < len(self.drafted_per_pos) else 0
-            accepted = self.accepted_per_pos[k] if k < len(self.accepted_per_pos) else 0
-            if (accepted + 1) / (drafted + 2) < cost:
-                break
-            k += 1
-        return k
 
 
 class Status(Enum):

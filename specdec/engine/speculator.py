@@ -19,7 +19,20 @@ import torch
 
 from specdec.config import SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
-from specdec.engine.dispatch import MeasuredDispatch
+from specdec.engine.cost import (
+    DECAY,
+    PRIOR_WEIGHT,
+    PROBE_EVERY,
+    REQUEST_WEIGHT,
+    Acceptance,
+    Calibration,
+    Item,
+    Plan,
+    Prediction,
+    StepCost,
+    plan,
+    prior_rates,
+)
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence, SpecStats
@@ -33,15 +46,10 @@ if TYPE_CHECKING:
 log = logging.getLogger("specdec.engine")
 
 
-OFF = SpecShape(0)  # no drafting
-
-# Per-request back-off, from the moving acceptance rate of the request's drafts (SpecStats.recent_acceptance):
-LOW_ACCEPTANCE = 0.3  # below: one draft token per step
-PAUSE_ACCEPTANCE = 0.1  # below: no drafting for 2, 4, ... MAX_PAUSE steps, then a one-token probe
-MAX_PAUSE = 32
 # A feature drafter takes the target features of steps it drafted nothing in once this many rows wait, and the rest
 # when its sequence finishes (`Speculator.catch_up`): a forward of its every 64 tokens costs little at any batch size.
 CATCH_UP_ROWS = 64
+DRAFT_TIME_WEIGHT = 0.2  # of a step in the moving drafting time
 
 
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None, keyed: bool = True
@@ -63,83 +71,139 @@ class Speculator:
         self.drafter, self.runner, self.cfg, self.tokenizer = drafter, runner, cfg, tokenizer
         self.feature_layers = tuple(drafter.feature_layers)
         self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
-        # a config with no dispatch table speculates at the batch sizes where its own steps measure faster
-        self.measured = MeasuredDispatch() if cfg.dispatch is None else None
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
+        # The cost model (`engine.cost`): the verification costs the engine measured (None: every draft takes its
+        # whole budget), what drafts kept per position (every request's, and each request's own, recent first), the
+        # drafter's moving seconds by the step's largest budget, and its predictions against the steps' times.
+        self.cost: StepCost | None = None
+        self.source = Acceptance()
+        self.acceptance: dict[int, Acceptance] = {}
+        self.idle: dict[int, int] = {}  # seq_id -> its steps since it last drafted
+        self.draft_s: dict[int, float] = {}
+        self.prediction = Prediction()
+        self.calibration = Calibration()
+        self.steps = 0  # decode steps planned (probes fall on every PROBE_EVERY-th)
+        self._factor = 1.0  # the calibration this step's plan took its gains at
+        self._rows: list[int] = []  # this step's draft budget per sequence (`drafts`)
+        self._plan: Plan | None = None
+        self._step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
 
-    PROBE_EVERY = 8  # with min_acceptance: every 8th draft of a request takes the full shape, to keep learning
-
-    def draft_budget(self, seq: Sequence, shape: SpecShape) -> int:
-        """Draft tokens worth verifying: none past the context, none past max_tokens, a single one while this
-        request's recent acceptance is low unless the drafter sizes its own drafts (verifying one draft costs
-        about a plain step on our CPU kernels, verifying k costs more, so a poorly predicted request should not
-        pay for k), none while it is paused after its drafts kept failing (see `back_off`), and with
-        `min_acceptance` a chain only as deep as this request's own acceptance per position stays above that
-        cost (every PROBE_EVERY-th draft takes the full shape, so a position that starts to pay is seen)."""
+    def budget(self, seq: Sequence, shape: SpecShape) -> int:
+        """The most draft tokens the request may verify this step: none past the context or max_tokens, none for a
+        sampled request when the config drafts for greedy ones only, none once its drafter failed on it."""
         if not (self.cfg.sampled or seq.params.greedy) or seq.spec.draft_error is not None:
-            return 0
-        if seq.spec.paused:
-            seq.spec.paused -= 1
             return 0
         room_in_context = seq.max_len - len(seq.token_ids)  # one slot per draft node
         room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
         if shape.dynamic and room_in_context < shape.num_slots:
             return 0  # the candidates it would feed do not fit before the end of the context
-        low = seq.spec.recent_acceptance < LOW_ACCEPTANCE and not self.drafter.sizes_own_drafts
-        k = min(1, shape.num_tokens) if low else shape.num_tokens
-        cost = self.cfg.min_acceptance
-        if cost and shape.tree is None and not shape.dynamic and seq.spec.num_drafts % self.PROBE_EVERY:
-            k = max(1, seq.spec.positions_worth_drafting(cost, k)) if k else 0
-        return max(0, min(k, room_in_context, shape.nodes_within(room_in_output)))
+        return max(0, min(shape.num_tokens, room_in_context, shape.nodes_within(room_in_output)))
 
-    @staticmethod
-    def back_off(spec: SpecStats, drafted: int, accepted: int) -> None:
-        """Pause a request's drafting when its drafts keep failing, for twice as long after each failed
-        one-token probe; one accepted token brings full drafting back."""
-        if not drafted:
-            return
-        if accepted:
-            spec.backoff = 0
-        if spec.recent_acceptance < PAUSE_ACCEPTANCE:
-            spec.backoff = min(2 * spec.backoff, MAX_PAUSE) if spec.backoff else 2
-            spec.paused = spec.backoff
-            spec.recent_acceptance = 1.2 * PAUSE_ACCEPTANCE  # a failed probe pauses again, a hit resumes
+    def rates(self, seq_id: int, levels: int) -> list[float]:
+        """g(0..levels-1): the chance this request's next draft keeps its first j + 1 tokens (or tree levels)."""
+        every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)
+        own = self.acceptance.get(seq_id)
+        return own.rates(levels, every, REQUEST_WEIGHT) if own is not None else every
+
+    def plan_rows(self, seqs: list[Sequence]) -> list[int]:
+        """Each sequence's draft budget this step: the rows the cost model expects to pay (`cost.plan`), one for a
+        request idle for PROBE_EVERY steps and one more on every PROBE_EVERY-th draft (probes: a position's estimate
+        learns only from drafts that reach it), the whole budget where a shape is pinned or no costs are
+        measured or the config is not adaptive. A tree (or a drafter that sizes its own drafts) is all its nodes
+        or none."""
+        shape = self.shape_for(len(seqs))
+        budgets = [self.budget(s, shape) for s in seqs] if shape.k else [0] * len(seqs)
+        self._plan = None
+        if self.pinned is not None or self.cost is None or not self.cfg.adaptive or not any(budgets):
+            return budgets
+        whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
+        items, factor = [], self.calibration.factor
+        self._factor = factor
+        for i, (s, b) in enumerate(zip(seqs, budgets)):
+            if not b:
+                continue
+            g = [x * factor for x in self.rates(s.seq_id, min(b, shape.depth) if whole else b)]
+            items += [Item(i, b, sum(g))] if whole else [Item(i, 1, x) for x in g]
+        context = sum(len(s.token_ids) for s in seqs) / len(seqs)
+        self._plan = plan(items, len(seqs), context, self.cost, self.draft_seconds(max(budgets)))
+        rows = self._plan.rows
+        self.steps += 1
+        for i, (s, b) in enumerate(zip(seqs, budgets)):
+            idle = 0 if rows[i] or not b else self.idle.get(s.seq_id, 0) + 1
+            if idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0:  # a probe: one row (or the tree)
+                rows[i], idle = (b if whole else 1), 0
+            elif not whole and 0 < rows[i] < b and s.spec.num_drafts % PROBE_EVERY == PROBE_EVERY - 1:
+                rows[i] += 1  # a deeper probe: the position after the ones that pay
+            self.idle[s.seq_id] = idle
+        return rows
+
+    def row_cost(self, batch: int, rows: int, context: float) -> float:
+        """What one more verified row costs a step of `batch` sequences verifying `rows` draft rows, in plain steps
+        of one sequence (a plain step of the batch emits `batch` tokens)."""
+        c = self.cost
+        one_more = c(batch + rows + 1, context, batch) - c(batch + rows, context, batch)
+        return max(0.0, one_more) * batch / c(batch, context, batch)
+
+    def draft_seconds(self, budget: int) -> float:
+        """What drafting is expected to take at this largest budget (the nearest one measured; 0 before any)."""
+        if not self.draft_s:
+            return 0.0
+        return self.draft_s[min(self.draft_s, key=lambda k: (abs(k - budget), k))]
 
     def shape_for(self, batch_size: int) -> SpecShape:
-        """This step's draft shape: the pinned one (tune), else the dispatch table's for the batch size, or with none,
-        the config's shape where the measured dispatcher says speculation pays at this batch size."""
+        """This step's draft shape: the pinned one (tune), else the config's for the batch size (its dispatch table's
+        entry where it has one)."""
         if self.pinned is not None:
             return self.pinned
-        if self.measured is not None and not self.measured.speculates(batch_size):
-            return OFF
         return self.cfg.shape_for(batch_size)
 
     def record_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode step ran (for the measured dispatcher): speculating or not, `tokens` emitted in `seconds`."""
-        if self.measured is not None and self.pinned is None:
-            self.measured.record(batch_size, speculated, tokens, seconds)
+        """A decode step of `batch_size` sequences ran, emitting `tokens` in `seconds`: its time corrects the cost
+        model's (less the drafting), and a drafting step's plan is checked against it."""
+        if self.cost is None or self.pinned is not None:
+            return
+        rows, context, draft_s = self._step if speculated else (0, self._step[1], 0.0)
+        planned = self._plan if speculated and rows and self._plan is not None else None
+        if planned is not None and any(planned.rows):  # what the drafts added against what the plan expected
+            self.calibration.record(tokens - batch_size, (planned.tokens - batch_size) / self._factor)
+        if planned is None:  # a plain step: predicted as one
+            plain = self.cost(batch_size, context, batch_size)
+            planned = Plan([0] * batch_size, batch_size, plain, plain)
+        self.prediction.add(planned, tokens, seconds)
+        self.cost.observe(batch_size, batch_size + rows, context, seconds - draft_s)
+        self._step, self._plan = (0, 0.0, 0.0), None
 
     def drafts(self, seqs: list[Sequence]) -> bool:
-        """Whether a decode step of these sequences drafts anything: the dispatcher's shape for the batch size
-        (unless every one samples and the config drafts for greedy requests only), or, where it says off, the
-        text a structured request's grammar forces (jump-forward)."""
+        """Whether a decode step of these sequences takes the speculative path: rows the cost model plans for (unless
+        every one samples and the config drafts for greedy requests only), a drafter that watches the target at
+        every step (recycling, Jacobi) whatever it drafts, or the text a structured request's grammar forces
+        (jump-forward)."""
         drafting = self.cfg.sampled or any(s.params.greedy for s in seqs)
-        return (drafting and bool(self.shape_for(len(seqs)).k)) or (self.cfg.jump_forward > 0 and
-                                                                    any(s.grammar is not None for s in seqs))
+        self._rows = self.plan_rows(seqs) if drafting else [0] * len(seqs)
+        self._step = (0, sum(len(s.token_ids) for s in seqs) / len(seqs), 0.0)
+        watching = (self.drafter.observe_topk or self.drafter.observe_drafts) and self.shape_for(len(seqs)).k
+        return any(self._rows) or bool(watching) or (self.cfg.jump_forward > 0 and
+                                                      any(s.grammar is not None for s in seqs))
 
     def draft(self, seqs: list[Sequence]) -> StepDrafts:
-        """This step's drafts: the drafter's proposals within each request's budget (the draft shape, chain, tree
-        or none, follows the batch size through the tree dispatcher), filtered and extended by the grammars of
+        """This step's drafts: the drafter's proposals within each request's planned rows (`drafts` plans them;
+        the draft shape, chain, tree or none, follows the batch size), filtered and extended by the grammars of
         structured requests."""
+        start = time.perf_counter()
         shape = self.shape_for(len(seqs))
         keyed = self.cfg.sampled_verification == "keyed"
-        requests = [draft_request(s, self.draft_budget(s, shape), shape, keyed) for s in seqs]
-        if shape.k and self.feature_layers:  # hand over the target features gathered since the last draft
+        rows = self._rows if len(self._rows) == len(seqs) else [0] * len(seqs)
+        requests = [draft_request(s, k, shape, keyed) for s, k in zip(seqs, rows)]
+        if any(rows) and self._plan is not None:  # for a drafter that sizes its own drafts (switch, hybrid)
+            row_cost = self.row_cost(len(seqs), sum(rows), self._step[1])
+            for r in requests:
+                r.row_cost = row_cost
+        if any(rows) and self.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
                 if r.max_tokens:  # a request that does not draft keeps gathering them
                     r.features_start, r.features = s.take_features()
-        draft = self.propose(seqs, requests) if shape.k else Draft.chains([[] for _ in seqs])
+        draft = self.propose(seqs, requests) if any(rows) else Draft.chains([[] for _ in seqs])
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:  # within each request's budget after this, maybe extended
             draft = self.constrain(seqs, requests, draft)
@@ -148,6 +212,14 @@ class Speculator:
             drafted = [row[:r.max_tokens] for row, r in zip(drafted, requests)]
             parents = [row[:r.max_tokens] for row, r in zip(parents, requests)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
+        seconds = time.perf_counter() - start
+        if any(rows):
+            key = max(rows)
+            old = self.draft_s.get(key)
+            self.draft_s[key] = seconds if old is None else (1 - DRAFT_TIME_WEIGHT) * old + DRAFT_TIME_WEIGHT * seconds
+        if self._plan is not None:
+            self._plan.seconds += seconds
+        self._step = (sum(len(d) for d in drafted), self._step[1], seconds)
         return StepDrafts(drafted, parents, trees, draft)
 
     @property
@@ -172,8 +244,11 @@ class Speculator:
             tree = drafts.trees[i]
             if tree is not None:
                 self.runner.compact(seq.block_table.blocks, seq.num_cached, nodes)
-            seq.spec.record(n, len(nodes), n if tree is None else max(tree.rope))
-            self.back_off(seq.spec, n, len(nodes))
+            depth = n if tree is None else max(tree.rope)
+            seq.spec.record(n, len(nodes), depth)
+            if n:
+                self.source.record(depth, len(nodes))
+                self.acceptance.setdefault(seq.seq_id, Acceptance(decay=DECAY)).record(depth, len(nodes))
             self.totals.record(n, len(nodes))
             if self.trace is not None:
                 self.trace.append((nodes, n))
@@ -293,10 +368,14 @@ class Speculator:
 
     def release(self, seq_id: int) -> None:
         """The sequence finished or was aborted: the drafter drops what it kept for it."""
+        self.acceptance.pop(seq_id, None)
+        self.idle.pop(seq_id, None)
         self.drafter.release(seq_id)
 
     def forget(self) -> None:
-        """The drafter drops what it learnt from finished requests (none may be running)."""
+        """The drafter drops what it learnt from finished requests (none may be running), and so does the cost model
+        (what drafts kept; not the costs, which describe the machine)."""
+        self.source, self.prediction = Acceptance(), Prediction()
         self.drafter.forget()
 
     @property

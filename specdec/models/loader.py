@@ -45,20 +45,34 @@ def shipped_head(model: str | os.PathLike) -> Path | None:
     return HEADS_DIR / name if name else None
 
 
-def default_config_path(model: str | os.PathLike) -> Path | None:
-    """Where a built-in model's default speculative config lives (`specdec tune --write-default` writes it)."""
-    name = str(model).lower()
-    return HEADS_DIR / f"{name}.json" if name in _ALIASES else None
+def default_config_path(model: str | os.PathLike) -> Path:
+    """Where a model's default speculative config lives (`specdec tune --write-default` writes it): a built-in
+    model's ships in specdec/heads; any other model's is this machine's, under $SPECDEC_CACHE/defaults, named by
+    the model's resolved path (or Hub id)."""
+    name = str(model)
+    if name.lower() in _ALIASES:
+        return HEADS_DIR / f"{name.lower()}.json"
+    where = name if is_hub_id(name) and not Path(name).expanduser().exists() else str(Path(name).expanduser().resolve())
+    digest = hashlib.sha256(where.encode()).hexdigest()[:16]
+    return cache_root() / "defaults" / f"{Path(where).name}-{digest}.json"
 
 
-def default_speculative_config(model: str | os.PathLike) -> dict | None:
-    """The speculation a built-in model gets when none is asked for: the fastest configuration `specdec tune`
-    measured for it, with its dispatch table by batch size (a head's `model` is named relative to the shipped
-    heads); None for any other model."""
+# What a model speculates with when no config is asked for and none was tuned for it: drafts that need no model,
+# which the cost model (`specdec.engine.cost`) verifies only where they are expected to pay.
+MODEL_FREE_DEFAULT = {"method": "ngram", "num_speculative_tokens": 4}
+
+
+def default_speculative_config(model: str | os.PathLike) -> dict:
+    """The speculation a model gets when none is asked for: the configuration `specdec tune --write-default` chose
+    for it (shipped for a built-in model, a head's `model` named relative to the shipped heads), else
+    MODEL_FREE_DEFAULT. An unreadable file is named in a warning and passed over."""
     path = default_config_path(model)
-    if path is None or not path.is_file():
-        return None
-    return _shipped_paths(json.loads(path.read_text()))
+    try:
+        return _shipped_paths(json.loads(path.read_text())) if path.is_file() else dict(MODEL_FREE_DEFAULT)
+    except (OSError, ValueError) as e:
+        warnings.warn(f"cannot read the default speculative config {path} ({e}); drafting with "
+                      f"{MODEL_FREE_DEFAULT}", stacklevel=2)
+        return dict(MODEL_FREE_DEFAULT)
 
 
 def _shipped_paths(config: dict) -> dict:

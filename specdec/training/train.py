@@ -453,8 +453,8 @@ def validate(target: str, method: str, head_dir: Path, conversations: list[list[
     prompts."""
     from specdec.llm import LLM
 
-    llm = LLM(target, speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k},
-              tensor_parallel_size=1)
+    llm = LLM(target, speculative_config={"method": method, "model": str(head_dir), "num_speculative_tokens": k,
+                                          "adaptive": False}, tensor_parallel_size=1)  # the head's every draft
     prompts = [c[:next(i for i, m in enumerate(c) if m["role"] == "assistant")] for c in conversations]
     outs = llm.chat(prompts, SamplingParams(temperature=0, max_tokens=max_tokens))
     steps = sum(o.metrics["num_steps"] for o in outs)

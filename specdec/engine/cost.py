@@ -1,0 +1,347 @@
+"""The cost model: per step and per request, how many draft tokens are worth verifying, from what they are expected
+to add and what they cost on this model, on this machine, at this context length.
+
+A decode step of B sequences that verifies n draft rows beside their B last tokens emits
+
+    B + sum of g(i, j) over the rows taken      g(i, j): the chance request i keeps its draft's first j + 1 tokens
+
+tokens in t(B + n, context) + drafting seconds. Plain decoding emits B in t(B, context). The step takes the rows
+that maximize tokens per second, best rows first (a request's g is non-increasing in j, so its rows are taken in
+order): none where no draft is expected to pay, which is how a model whose drafts keep little decodes at plain
+speed. A tree is one item of all its nodes, worth the tokens its request's trees have kept.
+
+    t(rows, context)   measured once per model and machine (`measure`: verification forwards of 1, 2, 3, ... rows
+                       at a short and a long context, `time_verification`), cached
+                       under $SPECDEC_CACHE/costs, plus what each batch size's decode steps measured beyond their
+                       forward, drafting steps and plain ones apart (`observe`: scheduling, token choice and commit
+                       cost what the forward alone does not)
+    g(i, j)            per position: what this request's recent drafts kept there, shrunk toward what every
+                       request's drafts of this source kept there (which starts from a prior), `Acceptance`; times
+                       the moving ratio of the tokens drafts added to those the plans expected (`Calibration`: an
+                       estimate taken where it is high overrates what it picks)
+
+A request whose drafts stopped paying is still given one row once it has drafted nothing for PROBE_EVERY steps,
+on every PROBE_EVERY-th step of the engine (the probes of a batch fall on one step, which alone runs the drafter),
+so a text that starts to repeat is seen.
+
+Outputs never depend on the choice: greedy and keyed-sampled tokens are plain decoding's whatever is drafted.
+"""
+from __future__ import annotations
+
+import bisect
+import hashlib
+import json
+import logging
+import os
+import platform
+from collections.abc import Callable
+from dataclasses import asdict, dataclass, field
+from pathlib import Path
+from typing import TYPE_CHECKING
+
+from specdec.config import SpecdecError, cache_root
+from specdec.kv_cache import BlockTable
+
+if TYPE_CHECKING:
+    from specdec.engine.llm_engine import LLMEngine
+
+log = logging.getLogger("specdec.engine")
+
+ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # verification widths measured (up to what a step needs)
+SHORT_CONTEXT, LONG_CONTEXT = 32, 512  # the contexts measured (others: linear between and beyond)
+MEASURE_BUDGET_S = 4.0  # widths beyond the smallest eight are measured while the measurement took less than this
+REPEATS = 3
+FORMAT = 1  # of the cached tables: a change to what is measured makes old ones stale
+
+PRIOR = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1)  # g(j) before any draft is measured (then 0.7 times the last)
+PRIOR_WEIGHT = 4.0  # the prior counts as this many drafts per position
+REQUEST_WEIGHT = 4.0  # a request's own drafts weigh against every request's as if these were this many
+DECAY = 0.9  # a request's older drafts weigh this much less per draft (its text changes character)
+PROBE_EVERY = 16  # a request that drafts nothing is given one row once in so many of its steps
+MARGIN = 1.01  # a plan must beat plain decoding's tokens per second by this much
+ONLINE = 0.1  # the weight of a step in the moving overhead of a batch size's steps
+CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
+CALIBRATION_PRIOR = 2.0  # expected tokens the ratio starts from (at 1)
+
+
+def cpu_model() -> str | None:
+    """The CPU's model name (costs are cached per CPU)."""
+    try:
+        lines = Path("/proc/cpuinfo").read_text().splitlines()
+    except OSError:
+        return platform.processor() or None
+    return next((ln.split(":", 1)[1].strip() for ln in lines if ln.startswith("model name")), None)
+
+
+@dataclass
+class StepCost:
+    """Seconds of a decode step verifying `rows` rows at `context` tokens of context: the measured forwards, linear
+    between the table's widths and contexts (and beyond them, from the last two), plus what the engine's own steps
+    of that many sequences measured beyond their forward (scheduling, token choice, commit: moving, per batch
+    size). `online`: whether steps correct it (a test's made-up table does not)."""
+
+    rows: list[int]
+    contexts: list[int]
+    seconds: list[list[float]]  # [context][width]
+    online: bool = True
+    # (batch size, whether the step verifies drafts) -> seconds such a step adds to its forward (moving): a drafting
+    # step's token choice, settling and bookkeeping cover more rows
+    overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
+
+    def __call__(self, rows: int, context: float, batch: int = 1) -> float:
+        forward = self.forward(rows, context)
+        drafting = rows > batch  # a kind of step not measured yet at this batch size: as the other kind
+        extra = self.overhead.get((batch, drafting), self.overhead.get((batch, not drafting), 0.0))
+        return max(forward + extra, 0.25 * forward)
+
+    def forward(self, rows: int, context: float) -> float:
+        """The table's seconds (no overhead)."""
+        by_context = [_linear(self.rows, s, rows) for s in self.seconds]
+        if len(self.contexts) == 1:
+            return by_context[0]
+        return max(_linear(self.contexts, by_context, context), by_context[0] * 0.5)
+
+    def observe(self, batch: int, rows: int, context: float, seconds: float) -> None:
+        """A decode step of `batch` sequences and `rows` rows took `seconds` (its drafting not counted): the
+        overhead of such steps moves toward what it measured beyond the forward."""
+        if not self.online or seconds <= 0:
+            return
+        extra, key = seconds - self.forward(rows, context), (batch, rows > batch)
+        old = self.overhead.get(key)
+        self.overhead[key] = extra if old is None else (1 - ONLINE) * old + ONLINE * extra
+
+    def to_json(self) -> dict:
+        return {"format": FORMAT, "rows": self.rows, "contexts": self.contexts, "seconds": self.seconds}
+
+
+def _linear(xs: list[int], ys: list[float], x: float) -> float:
+    """Piecewise-linear through (xs, ys), extended linearly past both ends (never below 0)."""
+    if len(xs) == 1:
+        return ys[0]
+    i = min(max(bisect.bisect_left(xs, x), 1), len(xs) - 1)
+    x0, x1, y0, y1 = xs[i - 1], xs[i], ys[i - 1], ys[i]
+    return max(0.0, y0 + (y1 - y0) * (x - x0) / (x1 - x0))
+
+
+def measure(time_rows: Callable[[int, list[int], int], dict[int, float]], max_rows: int, max_context: int
+            ) -> StepCost:
+    """The table: `time_rows(context, widths, repeats)` (`time_verification`) at a short and a long
+    context, for the widths up to `max_rows`; the wider ones only while the whole measurement stays within
+    MEASURE_BUDGET_S (past them the table extends linearly: wide forwards are compute-bound)."""
+    import time
+
+    start = time.perf_counter()
+    widths = [w for w in ROWS if w <= max(2, max_rows)]
+    contexts = sorted({min(SHORT_CONTEXT, max_context), min(LONG_CONTEXT, max_context)})
+    table = {c: time_rows(c, widths[:8], REPEATS) for c in contexts}
+    for w in widths[8:]:
+        if time.perf_counter() - start > MEASURE_BUDGET_S:
+            break
+        for c in contexts:
+            table[c].update(time_rows(c, [w], REPEATS))
+    measured = sorted(table[contexts[0]])
+    return StepCost(measured, contexts, [[table[c][w] for w in measured] for c in contexts])
+
+
+def time_verification(engine: LLMEngine, context_len: int, num_rows: list[int], repeats: int = 9
+                      ) -> dict[int, float]:
+    """Median seconds of a verification forward (every layer, the LM head on every row, the argmax and its copy to
+    the host) feeding n rows of one sequence after `context_len` tokens of context, for each n in `num_rows`. The
+    shapes are interleaved repetition by repetition, so drift of the machine hits them alike. The rows go to
+    scratch blocks taken from the engine's pool and given back in their order (what the K/V there holds does not
+    change the time), so no request, prefix cache entry or counter is left behind. The engine must be idle."""
+    import statistics
+    import time
+
+    if engine.has_unfinished():
+        raise SpecdecError("time_verification() while requests run: it measures an idle engine")
+    vocab = engine.model.config.vocab_size
+    table = BlockTable()
+    engine.allocator.allocate(table, context_len + max(num_rows))
+    try:
+        times: dict[int, list[float]] = {n: [] for n in num_rows}
+        for _ in range(repeats):
+            for n in num_rows:
+                start = time.perf_counter()
+                hidden, _ = engine.runner.run([table.blocks], [context_len], [[(100 + i) % vocab for i in range(n)]])
+                engine.runner.logits(hidden).argmax(-1).tolist()  # the step's one copy back (a GPU waits)
+                times[n].append(time.perf_counter() - start)
+    finally:
+        engine.allocator.free(table)
+    return {n: statistics.median(t) for n, t in times.items()}
+
+
+def engine_costs(engine: LLMEngine) -> StepCost | None:
+    """The engine's table: cached per model shape and formats, device, threads and CPU, else measured now (a few
+    seconds at most, once) at the widths its steps may verify. None on the meta device (nothing runs there)."""
+    model = engine.model
+    if model.device.type == "meta":
+        return None
+    max_rows = min(engine.cfg.max_num_seqs * (1 + engine.scheduler.lookahead), ROWS[-1], engine.max_model_len // 2)
+    max_context = max(1, engine.max_model_len - max_rows - 2)
+    formats = [getattr(linear.weight, "formats", str(linear.weight.dtype)) for linear in model.layers[0].linears]
+    key = cache_key(repr(model.config), str(model.dtype), str(model.kv_dtype), str(model.device), formats,
+                    type(engine.runner).__name__, engine.cfg.block_size, max_rows, max_context)
+    return load_or_measure(key, lambda: measure(lambda c, w, r: time_verification(engine, c, w, r), max_rows,
+                                                max_context))
+
+
+def cache_key(*parts: object) -> str:
+    """A table's file name: the model's shape and formats, the device, the threads and the CPU."""
+    import torch
+
+    import specdec
+
+    text = repr((FORMAT, specdec.__version__, cpu_model(), os.cpu_count(), torch.get_num_threads(), *parts))
+    return hashlib.sha256(text.encode()).hexdigest()[:24]
+
+
+def load_or_measure(key: str, measure_now: Callable[[], StepCost]) -> StepCost:
+    """The cached table for `key`, or one measured now and cached (an unwritable cache only costs measuring again)."""
+    path = cache_root() / "costs" / f"{key}.json"
+    try:
+        data = json.loads(path.read_text())
+        if data.get("format") == FORMAT:
+            return StepCost(data["rows"], data["contexts"], data["seconds"])
+    except (OSError, ValueError, KeyError, TypeError):
+        pass
+    cost = measure_now()
+    try:
+        path.parent.mkdir(parents=True, exist_ok=True)
+        tmp = path.with_suffix(f".{os.getpid()}.tmp")
+        tmp.write_text(json.dumps(cost.to_json()))
+        tmp.replace(path)
+    except OSError as e:
+        log.warning("cannot cache the verification costs in %s (%s); they are measured again next time", path, e)
+    return cost
+
+
+@dataclass
+class Acceptance:
+    """Per draft position j: drafts that reached it and drafts that kept their first j + 1 tokens (decayed for a
+    request, plain counts for a source's every request)."""
+
+    drafted: list[float] = field(default_factory=list)
+    kept: list[float] = field(default_factory=list)
+    decay: float = 1.0
+
+    def record(self, depth: int, accepted: int) -> None:
+        """A chain of `depth` tokens (a tree: its levels) kept its first `accepted`."""
+        if self.decay != 1.0:
+            self.drafted = [d * self.decay for d in self.drafted]
+            self.kept = [k * self.decay for k in self.kept]
+        if len(self.drafted) < depth:
+            self.drafted += [0.0] * (depth - len(self.drafted))
+            self.kept += [0.0] * (depth - len(self.kept))
+        for j in range(depth):
+            self.drafted[j] += 1
+        for j in range(min(accepted, depth)):
+            self.kept[j] += 1
+
+    def rates(self, n: int, prior: list[float], weight: float) -> list[float]:
+        """g(0..n-1): what was kept per position shrunk toward `prior` by `weight` drafts, non-increasing."""
+        out, last = [], 1.0
+        for j in range(n):
+            d = self.drafted[j] if j < len(self.drafted) else 0.0
+            k = self.kept[j] if j < len(self.kept) else 0.0
+            last = min(last, (k + weight * prior[j]) / (d + weight))
+            out.append(last)
+        return out
+
+
+def prior_rates(n: int) -> list[float]:
+    out = list(PRIOR[:n])
+    while len(out) < n:
+        out.append(out[-1] * 0.7)
+    return out
+
+
+@dataclass
+class Calibration:
+    """The tokens drafts added over those the plans expected, over recent drafting steps (decayed sums, starting
+    from CALIBRATION_PRIOR tokens at 1): the factor expected gains are taken at."""
+
+    added: float = CALIBRATION_PRIOR
+    expected: float = CALIBRATION_PRIOR
+
+    def record(self, added: float, expected: float) -> None:
+        self.added = CALIBRATION_DECAY * self.added + added
+        self.expected = CALIBRATION_DECAY * self.expected + expected
+
+    @property
+    def factor(self) -> float:
+        return self.added / self.expected
+
+
+@dataclass
+class Item:
+    """Rows one request may verify: a chain's next token (rows 1) or a whole tree (rows = its nodes)."""
+
+    seq: int
+    rows: int
+    gain: float  # tokens it is expected to add
+
+
+@dataclass
+class Plan:
+    """A step's choice: draft rows per sequence (0: it drafts nothing), and the predicted tokens and seconds."""
+
+    rows: list[int]
+    tokens: float
+    seconds: float
+    plain_seconds: float  # what plain decoding would take for the same number of sequences
+
+    @property
+    def drafts(self) -> bool:
+        return any(self.rows)
+
+
+def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_seconds: float = 0.0) -> Plan:
+    """The items to verify: the prefix of them, best tokens per row first, that maximizes tokens per second
+    (drafting costs `draft_seconds` when anything is drafted), and only where it beats plain decoding by MARGIN.
+    Items of one request must come in the order they are taken (a chain's positions)."""
+    plain = cost(batch, context, batch)
+    # stable: a request's later position, never worth more than its earlier one, is never taken before it
+    order = sorted(items, key=lambda it: -it.gain / it.rows)
+    best_rate, best, tokens, rows = batch / plain * MARGIN, 0, float(batch), 0
+    best_tokens, best_seconds = float(batch), plain
+    for n, it in enumerate(order, 1):
+        tokens += it.gain
+        rows += it.rows
+        seconds = cost(batch + rows, context, batch) + draft_seconds
+        if tokens / seconds > best_rate:
+            best_rate, best, best_tokens, best_seconds = tokens / seconds, n, tokens, seconds
+    per_seq = [0] * batch
+    for it in order[:best]:
+        per_seq[it.seq] += it.rows
+    return Plan(per_seq, best_tokens, best_seconds, plain)
+
+
+@dataclass
+class Prediction:
+    """What the plans predicted against what the decode steps measured, drafting or not (bench reports it: the
+    model's check). The predicted speedup is plain decoding's predicted time for the expected tokens over the
+    predicted time of the steps; bench sets it beside the speedup it measures against plain decoding."""
+
+    steps: int = 0
+    tokens: float = 0.0  # expected tokens
+    seconds: float = 0.0  # predicted seconds (drafting included)
+    plain_seconds: float = 0.0  # plain decoding's predicted seconds for as many tokens
+    measured_tokens: int = 0
+    measured_seconds: float = 0.0
+
+    def add(self, p: Plan, tokens: int, seconds: float) -> None:
+        self.steps += 1
+        self.tokens += p.tokens
+        self.seconds += p.seconds
+        self.plain_seconds += p.tokens * p.plain_seconds / len(p.rows)
+        self.measured_tokens += tokens
+        self.measured_seconds += seconds
+
+    def summary(self) -> dict:
+        """The predicted speedup over plain decoding, and measured tokens and seconds per predicted ones."""
+        d = asdict(self)
+        d["predicted_speedup"] = self.plain_seconds / self.seconds if self.seconds else None
+        d["tokens_ratio"] = self.measured_tokens / self.tokens if self.tokens else None
+        d["seconds_ratio"] = self.measured_seconds / self.seconds if self.seconds else None
+        return d

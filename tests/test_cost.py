@@ -1,0 +1,138 @@
+"""engine/cost.py: the measured step costs, the acceptance estimates and the plan that decides how much each request
+drafts, as exact tables; and every model speculating by default under it."""
+from __future__ import annotations
+
+import dataclasses
+
+import pytest
+
+from specdec import LLM, SamplingParams
+from specdec.engine import cost
+from specdec.engine.cost import Acceptance, Item, StepCost, plan, prior_rates, time_verification
+
+LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
+
+
+def test_step_costs_are_linear_between_and_beyond_the_measured_widths_and_contexts():
+    c = StepCost([1, 2, 4], [32, 512], [[1.0, 1.0, 2.0], [2.0, 3.0, 5.0]])
+    assert c(1, 32) == 1.0 and c(3, 32) == 1.5 and c(8, 32) == 4.0  # beyond 4: the slope of the last two
+    assert c(2, 272) == 2.0 and c(2, 992) == 5.0  # halfway between the contexts; beyond, the same slope
+    assert c(1, 0) == 1 - 32 / 480  # below the short context too (never under half of it)
+    c.observe(2, 4, 32, 2.2)  # a drafting step of two sequences, 0.2 s beyond its forward: plain ones too, until
+    assert c(2, 32, batch=2) == pytest.approx(1.2) and c(4, 32, batch=2) == pytest.approx(2.2)  # one is measured
+    c.observe(1, 1, 32, 1.5)  # a plain step of one sequence measured 0.5 s beyond its forward
+    assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == 2.5 and c(4, 32, batch=3) == 2.0  # drafting: as plain
+    c.observe(1, 4, 32, 2.2)  # until a drafting step is measured: 0.2 s beyond its forward
+    assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == 2.2
+    c.observe(1, 1, 32, 2.5)
+    assert c.overhead[1, False] == pytest.approx(0.9 * 0.5 + 0.1 * 1.5)  # a moving average
+    frozen = StepCost([1], [32], [[1.0]], online=False)
+    frozen.observe(1, 1, 32, 9.0)
+    assert frozen.overhead == {}
+
+
+def test_acceptance_is_shrunk_toward_the_prior_and_never_rises_with_depth():
+    a = Acceptance()
+    assert a.rates(3, [0.5, 0.4, 0.3], 4) == [0.5, 0.4, 0.3]  # nothing measured: the prior
+    for kept in (2, 2, 0, 3):
+        a.record(3, kept)
+    assert a.drafted == [4, 4, 4] and a.kept == [3, 3, 1]
+    assert a.rates(3, [0.5, 0.4, 0.3], 4) == pytest.approx([5 / 8, 4.6 / 8, 2.2 / 8])  # (kept + 4 prior) / (n + 4)
+    a.record(1, 1)  # position 2 (0.4 prior) would estimate higher than position 1: capped
+    assert a.rates(2, [0.5, 0.9], 4) == pytest.approx([6 / 9, 6 / 9])
+    recent = Acceptance(decay=0.5)
+    recent.record(1, 1)
+    recent.record(1, 0)
+    assert recent.drafted == [1.5] and recent.kept == [0.5]  # the older draft weighs half
+    assert prior_rates(8)[:6] == list(cost.PRIOR) and prior_rates(8)[7] == pytest.approx(cost.PRIOR[-1] * 0.49)
+
+
+def test_the_plan_takes_the_rows_that_maximize_tokens_per_second():
+    # one request: (1 + 0.9 + 0.7) / 1.4 = 1.857 beats (1 + 0.9) / 1.2 = 1.583 and (1 + 0.9 + 0.7 + 0.3) / 1.6 = 1.8125
+    p = plan([Item(0, 1, g) for g in (0.9, 0.7, 0.3, 0.1)], 1, 32, LINEAR)
+    assert p.rows == [2] and p.tokens == pytest.approx(2.6) and p.seconds == pytest.approx(1.4) and p.plain_seconds == 1
+    # rows that keep less than they cost are not verified: plain decoding's 1 token per second wins
+    assert plan([Item(0, 1, 0.15), Item(0, 1, 0.1)], 1, 32, LINEAR).rows == [0]
+    # drafting that costs 0.5 s must pay for itself: 2.6 / 1.9 = 1.37 still beats 1, 1.2 / 1.7 does not
+    assert plan([Item(0, 1, g) for g in (0.9, 0.7)], 1, 32, LINEAR, draft_seconds=0.5).rows == [2]
+    assert plan([Item(0, 1, 0.2)], 1, 32, LINEAR, draft_seconds=0.5).rows == [0]
+    # a batch: the best rows per row of any request first; a tree is one item of all its nodes. Plain: 3 / 1.4 = 2.14;
+    # then 3.9 / 1.6 = 2.44, with the tree 5.9 / 2.4 = 2.46, with the second row 6.1 / 2.6 = 2.35: the first two
+    batch = [Item(0, 1, 0.9), Item(0, 1, 0.2), Item(1, 4, 2.0), Item(2, 1, 0.1)]
+    assert plan(batch, 3, 32, LINEAR).rows == [1, 4, 0]
+    # where every row is nearly free, everything expected to keep anything pays
+    flat = StepCost([1, 64], [32], [[1.0, 1.0 + 63 * 0.001]], online=False)
+    assert plan(batch, 3, 32, flat).rows == [2, 4, 1]
+
+
+def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
+    monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
+    measured = []
+    real = cost.measure
+
+    def counting(*args):
+        measured.append(args[1:])
+        return real(*args)
+
+    monkeypatch.setattr(cost, "measure", counting)
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
+    table = llm.engine.speculator.cost
+    assert len(measured) == 1 and table.rows[:8] == [1, 2, 3, 4, 5, 6, 8, 10] and len(table.contexts) == 2
+    assert all(s > 0 for row in table.seconds for s in row)
+    assert len(list((tmp_path / "costs").glob("*.json"))) == 1
+    e = llm.engine  # scratch blocks, given back in their order: no request, no prefix entry, no counter
+    assert e.allocator.num_used == 0 and e.allocator.free_blocks == list(range(e.allocator.num_blocks - 1, 0, -1))
+    assert e.stats()["prefix_cache_queried_tokens"] == 0 and not e.has_unfinished()
+    again = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
+    assert len(measured) == 1 and again.engine.speculator.cost.seconds == table.seconds  # read from the cache
+    assert time_verification(e, 8, [1, 3], repeats=1).keys() == {1, 3}
+
+
+def test_every_model_speculates_by_default_and_decodes_what_plain_decoding_does(tiny_llama_dir):
+    """A model with no tuned default gets model-free drafting under the cost model; its text is plain decoding's,
+    and the plans' predictions are kept beside the steps' measured times."""
+    llm = LLM(str(tiny_llama_dir))
+    assert llm.engine.speculative.method == "ngram" and llm.engine.speculative.adaptive
+    off = LLM(str(tiny_llama_dir), speculative_config="off")
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [{"prompt_token_ids": [5, 6, 7, 8, 5, 6, 7, 8, 5, 6]}, {"prompt_token_ids": [40, 41, 42]}]
+    outs = llm.generate(prompts, params)
+    assert [o.token_ids for o in outs] == [o.token_ids for o in off.generate(prompts, params)]
+    assert sum(o.metrics["num_drafts"] for o in outs) > 0  # repeating text: drafts paid
+    seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
+    assert llm.generate(prompts, seeded)[0].token_ids == off.generate(prompts, seeded)[0].token_ids
+    predicted = llm.engine.speculator.prediction.summary()
+    assert predicted["steps"] > 0 and predicted["predicted_speedup"] > 1 and predicted["seconds_ratio"] > 0
+
+
+def test_drafters_that_size_their_own_drafts_are_given_the_measured_row_cost(tiny_llama_dir):
+    """The switch and the hybrid weigh a node against `DraftRequest.row_cost`: what one more verified row costs this
+    step in plain steps, from the engine's costs (0.2 in a made-up linear table); nothing without the cost model."""
+    from specdec.drafting import Draft, Drafter, DraftRequest
+    from specdec.drafting.hybrid import HybridDrafter
+    from specdec.drafting.switch import SwitchDrafter
+
+    class Recorder(Drafter):
+        def __init__(self):
+            self.costs = []
+
+        def propose(self, requests):
+            self.costs += [r.row_cost for r in requests]
+            return Draft.chains([[7] * r.max_tokens for r in requests])
+
+    for adaptive, want in ((True, 0.2), (False, None)):
+        recorder = Recorder()
+        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 2,
+                                                           "adaptive": adaptive, "drafter": recorder})
+        llm.engine.speculator.cost = LINEAR
+        llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
+        assert recorder.costs and all(c == (pytest.approx(want) if want else None) for c in recorder.costs)
+    r = DraftRequest(0, [1] * 500, 1, 4)
+    switch = SwitchDrafter.__new__(SwitchDrafter)
+    switch.token_cost, switch.context_cost = 0.1, 0.07
+    assert switch.node_cost(r) == pytest.approx(0.1 + 0.07 * 0.5)  # its own constants, without a measured cost
+    r.row_cost = 0.3
+    assert switch.node_cost(r) == 0.3
+    hybrid = HybridDrafter.__new__(HybridDrafter)
+    hybrid.min_score = 0.15
+    assert hybrid.threshold(r) == 0.3 and hybrid.threshold(dataclasses.replace(r, row_cost=None)) == 0.15
