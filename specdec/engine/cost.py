@@ -87,6 +87,7 @@ class StepCost:
     # (batch size, whether the step verifies drafts) -> seconds such a step adds to its forward (moving): a drafting
     # step's token choice, settling and bookkeeping cover more rows
     overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
+    _dense: list[list[float]] = field(default_factory=lambda: [[]], repr=False)  # per context: seconds by width
 
     def __call__(self, rows: int, context: float, batch: int = 1) -> float:
         forward = self.forward(rows, context)
@@ -95,8 +96,11 @@ class StepCost:
         return max(forward + extra, 0.25 * forward)
 
     def forward(self, rows: int, context: float) -> float:
-        """The table's seconds (no overhead)."""
-        by_context = [_linear(self.rows, s, rows) for s in self.seconds]
+        """The table's seconds (no overhead): each context's row read off a dense copy (a plan asks for many widths a
+        step), then linear in the context."""
+        if rows >= len(self._dense[0]):
+            self._dense = [[_linear(self.rows, s, n) for n in range(2 * rows + 1)] for s in self.seconds]
+        by_context = [dense[rows] for dense in self._dense]
         if len(self.contexts) == 1:
             return by_context[0]
         return max(_linear(self.contexts, by_context, context), by_context[0] * 0.5)
