@@ -399,3 +399,78 @@ def test_trees_of_20_nodes_are_lossless_at_1_4_and_16_sequences(target_dir, othe
     outs = [o for i in range(0, 16, batch) for o in llm.generate(prompts[i:i + batch], params)]
     assert [o.token_ids for o in outs] == reference
     assert sum(o.metrics["num_drafts"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
+
+
+# ---- the n-gram drafter against a brute-force search (its drafts, not only the output) -------------------------
+def brute_force_ngram(tokens: list[int], k: int, n_min: int, n_max: int, match: str, adaptive: bool) -> list[int]:
+    """What the n-gram drafter's documentation says it drafts, by scanning the whole text: the longest suffix of
+    n_max..n_min tokens seen earlier; the tokens after its latest (or oldest) occurrence, or, "frequent", at each
+    position the token most of its (latest 64) occurrences still agreeing continue with, ties to the latest;
+    adaptive: min(k, 2^(n-1)) tokens after an n-token match shorter than n_max."""
+    L = len(tokens)
+    for n in range(min(n_max, L - 1), n_min - 1, -1):
+        ends = [e for e in range(n, L) if tokens[e - n:e] == tokens[L - n:]]  # where a continuation starts
+        if not ends:
+            continue
+        length = k if not adaptive or n >= n_max else min(k, 2 ** (n - 1))
+        if match != "frequent":
+            start = ends[-1] if match == "latest" else ends[0]
+            return tokens[start:start + k][:length]
+        voters, draft = list(reversed(ends))[:64], []
+        while len(draft) < k:
+            nexts = [tokens[s + len(draft)] for s in voters if s + len(draft) < L]
+            if not nexts:
+                break
+            best = max(dict.fromkeys(nexts), key=nexts.count)  # the first (latest) of the most common
+            draft.append(best)
+            voters = [s for s in voters if s + len(draft) - 1 < L and tokens[s + len(draft) - 1] == best]
+        return draft[:length]
+    return []
+
+
+def ngram_mismatches(seed: int, match: str, adaptive: bool, steps: int = 120) -> list[tuple[int, list, list]]:
+    """The drafter fed a random text over a small alphabet (so it repeats) one token at a time, as the engine
+    feeds it; every position where its draft differs from the brute force."""
+    import random
+
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
+
+    rng = random.Random(seed)
+    tokens = [rng.randrange(6) for _ in range(8)]
+    drafter = NgramDrafter(5, 1, 3, match=match, adaptive=adaptive)
+    bad = []
+    for _ in range(steps):
+        tokens.append(rng.randrange(6) if rng.random() < 0.4 else tokens[rng.randrange(len(tokens))])
+        got = drafter.propose([DraftRequest(0, tokens, 1, 5)]).host_rows()[0][0]
+        want = brute_force_ngram(tokens, 5, 1, 3, match, adaptive)
+        if got != want:
+            bad.append((len(tokens), got, want))
+    return bad
+
+
+@pytest.mark.parametrize("match", ["frequent", "latest", "oldest"])
+@pytest.mark.parametrize("adaptive", [True, False])
+def test_ngram_drafts_equal_a_brute_force_search(match, adaptive):
+    for seed in range(4):
+        assert ngram_mismatches(seed, match, adaptive) == []
+
+
+def test_the_brute_force_reference_catches_a_planted_ngram_bug(monkeypatch):
+    """Planted: the index skips the newest position (an off-by-one in `extend`). Output equality could never show it
+    (verification corrects any draft); the reference does, at once."""
+    def extend(self, text_id, tokens):
+        self.texts[text_id] = tokens
+        start = self.indexed.get(text_id, 0)
+        for end in range(max(start, 1), len(tokens) - 1):
+            for n in range(self.n_min, min(self.n_max, end) + 1):
+                self.positions[tuple(tokens[end - n:end])].append((text_id, end))
+        self.indexed[text_id] = max(start, len(tokens) - 1)
+
+    monkeypatch.setattr(NgramIndex, "extend", extend)
+    assert len(ngram_mismatches(0, "latest", True)) >= 5
+    monkeypatch.undo()
+    from specdec.drafting.ngram import NgramDrafter  # planted: adaptive drafts one token more than the rule says
+
+    monkeypatch.setattr(NgramDrafter, "draft_length", lambda self, n: min(self.k, 2 ** n) if n else 0)
+    assert len(ngram_mismatches(0, "frequent", True)) >= 5

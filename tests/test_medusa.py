@@ -93,10 +93,17 @@ def test_save_load_round_trip_gives_identical_drafts(target_dir, target, head_di
         assert torch.equal(a.tokens, b.tokens) and torch.equal(a.parents, b.parents) and a.probs is None
 
 
-def test_reference_checkpoint_with_per_head_lm_heads(target, tmp_path):
+@pytest.mark.parametrize("planted", [False, True])
+def test_reference_checkpoint_with_per_head_lm_heads(target, tmp_path, monkeypatch, planted):
     """A checkpoint written by hand in the reference layout (each head with its own LM head, config without
-    sizes) loads, and its logits are the ones plain torch computes."""
+    sizes) loads, and its logits are the ones plain torch computes. Planted: a block without its residual; the
+    formula tells at once, where output equality never would (verification corrects any draft)."""
     from safetensors.torch import save_file
+
+    from specdec.models.heads.medusa import ResBlock
+
+    if planted:
+        monkeypatch.setattr(ResBlock, "forward", lambda self, x: F.silu(self.linear(x)))
 
     K, L, H, V = 2, 2, 64, 320
     g = torch.Generator().manual_seed(3)
@@ -118,8 +125,9 @@ def test_reference_checkpoint_with_per_head_lm_heads(target, tmp_path):
         for j in range(L):
             x = x + F.silu(x @ sd[f"medusa_head.{i}.{j}.linear.weight"].T + sd[f"medusa_head.{i}.{j}.linear.bias"])
         expected.append(x @ sd[f"medusa_head.{i}.{L}.weight"].T)
-    assert torch.allclose(heads.logits(heads(h)), torch.stack(expected), atol=1e-4)
-
+    assert torch.allclose(heads.logits(heads(h)), torch.stack(expected), atol=1e-4) != planted
+    if planted:
+        return
     del sd[f"medusa_head.1.{L}.weight"]  # only some heads with their own LM head
     save_file(sd, tmp_path / "medusa_lm_head.safetensors")
     with pytest.raises(SpecdecError, match=r"missing tensor 'medusa_head\.1\.2\.weight'"):

@@ -184,3 +184,53 @@ def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, pri
     refused(tmp_path / "x.txt", "needs 'corpus'", corpus="")
     refused(tmp_path / "x.txt", "min_match=5 exceeds max_match=3", min_match=5, max_match=3)
     assert not private_cache.exists() or not list(private_cache.glob("*"))
+
+
+# ---- the datastore against a brute-force scan of the corpus (the drafts' source, not only the output) ----------
+def retrieval_mismatches(seed: int, queries: int = 60) -> list[tuple]:
+    """A random corpus over a small alphabet (documents separated by -1) and random contexts: where the suffix
+    array's longest match, its number of occurrences or the continuations after them differ from scanning the
+    corpus for the longest suffix of the context (2..8 tokens) and reading what follows each occurrence (up to 4
+    tokens, cut at a document's end)."""
+    from specdec.drafting.retrieval import Datastore
+
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(12):
+        corpus += [rng.randrange(5) for _ in range(rng.randrange(3, 40))] + [-1]
+    store = Datastore.build(np.array(corpus, dtype=np.int32), 8, 4)
+    bad = []
+    for _ in range(queries):
+        context = [rng.randrange(5) for _ in range(rng.randrange(2, 12))]
+        want_m, places = 0, []
+        for m in range(min(8, len(context)), 1, -1):
+            places = [s for s in range(len(corpus) - m + 1) if corpus[s:s + m] == context[-m:]]
+            if places:
+                want_m = m
+                break
+        want = sorted(until_negative(corpus[s + want_m:s + want_m + 4]) for s in places)
+        m, lo, hi = store.longest_match(context, 2, 8)
+        got = [] if m == 0 else sorted(map(until_negative, store.continuations(lo, hi, m, 4, 10**6).tolist()))
+        if (m, hi - lo if m else 0, got) != (want_m, len(places) if want_m else 0, want if want_m else []):
+            bad.append((context, (m, got), (want_m, want)))
+    return bad
+
+
+def until_negative(row: list[int]) -> tuple[int, ...]:
+    """A continuation up to a document's end (a negative id)."""
+    return tuple(row[:next((i for i, t in enumerate(row) if t < 0), len(row))])
+
+
+def test_the_datastore_finds_what_a_brute_force_scan_finds():
+    for seed in range(5):
+        assert retrieval_mismatches(seed) == []
+
+
+def test_the_brute_force_scan_catches_a_planted_datastore_bug(monkeypatch):
+    """Planted: the suffix array sorted by 2 tokens instead of max_match + 32, so a longer query's occurrences are
+    not contiguous in it: the scan tells at once, where output equality never would (verification corrects drafts)."""
+    from specdec.drafting import retrieval
+
+    real = retrieval.suffix_array
+    monkeypatch.setattr(retrieval, "suffix_array", lambda tokens, depth: real(tokens, 2))
+    assert sum(len(retrieval_mismatches(seed)) for seed in range(5)) >= 5

@@ -182,3 +182,53 @@ def test_bad_suffix_options_are_refused(target_dir, key, value, message):
     with pytest.raises(SpecdecError, match=message):
         LLM(str(target_dir), speculative_config=every_step({"method": "suffix", "num_speculative_tokens": 4,
                                                             key: value}))
+
+
+def brute_force_table(texts: list[list[int]], depth: int) -> dict[tuple[int, ...], int]:
+    """Every substring of up to `depth` tokens of the texts, counted by scanning them."""
+    out: dict[tuple[int, ...], int] = {}
+    for text in texts:
+        for i in range(len(text)):
+            for j in range(i + 1, min(i + depth, len(text)) + 1):
+                out[tuple(text[i:j])] = out.get(tuple(text[i:j]), 0) + 1
+    return out
+
+
+def trie_mismatches(seed: int, cases: int = 300) -> int:
+    """Random texts over 3 tokens, added in random pieces (continuing each text's trailing suffixes) and one of
+    them taken away: how many tries differ from the brute-force count of the texts left."""
+    rng = random.Random(seed)
+    bad = 0
+    for _ in range(cases):
+        depth = rng.randrange(1, 6)
+        texts = [[rng.randrange(3) for _ in range(rng.randrange(1, 14))] for _ in range(3)]
+        trie = SuffixTrie(depth)
+        for text in texts:
+            active, at = None, 0
+            while at < len(text):
+                step = rng.randrange(1, 5)
+                active = trie.add(text[at:at + step], active)
+                at += step
+        trie.add(texts[1], sign=-1)
+        bad += table(trie) != brute_force_table([texts[0], texts[2]], depth)
+    return bad
+
+
+def test_trie_counts_equal_a_brute_force_count():
+    assert trie_mismatches(3) == 0
+
+
+def test_the_brute_force_count_catches_a_planted_trie_bug(monkeypatch):
+    """Planted: the trie keeps one level too many (`keep = max_depth`), so it stores substrings a token longer than
+    its depth; drafts from it would still verify to the same output, but the count differs at once."""
+    real = SuffixTrie.add
+
+    def add(self, tokens, active=None, sign=1):
+        self.max_depth += 1
+        try:
+            return real(self, tokens, active, sign)
+        finally:
+            self.max_depth -= 1
+
+    monkeypatch.setattr(SuffixTrie, "add", add)
+    assert trie_mismatches(3) > 50

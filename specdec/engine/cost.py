@@ -51,6 +51,7 @@ ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # verification widths 
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512  # the contexts measured (others: linear between and beyond)
 MEASURE_BUDGET_S = 4.0  # widths beyond the smallest eight are measured while the measurement took less than this
 REPEATS = 3
+SLOW_FORWARD_S = 0.1  # a forward slower than this is timed once per shape
 FORMAT = 1  # of the cached tables: a change to what is measured makes old ones stale
 
 PRIOR = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1)  # g(j) before any draft is measured (then 0.7 times the last)
@@ -131,18 +132,23 @@ def measure(time_rows: Callable[[int, list[int], int], dict[int, float]], max_ro
             ) -> StepCost:
     """The table: `time_rows(context, widths, repeats)` (`time_verification`) at a short and a long
     context, for the widths up to `max_rows`; the wider ones only while the whole measurement stays within
-    MEASURE_BUDGET_S (past them the table extends linearly: wide forwards are compute-bound)."""
+    MEASURE_BUDGET_S (past them the table extends linearly: wide forwards are compute-bound). A model whose
+    forward takes more than SLOW_FORWARD_S is timed once per shape (its times vary less than a small one's)."""
     import time
 
     start = time.perf_counter()
     widths = [w for w in ROWS if w <= max(2, max_rows)]
     contexts = sorted({min(SHORT_CONTEXT, max_context), min(LONG_CONTEXT, max_context)})
-    table = {c: time_rows(c, widths[:8], REPEATS) for c in contexts}
+    repeats = REPEATS if time_rows(contexts[0], [1], 1)[1] < SLOW_FORWARD_S else 1
+    if repeats == 1:
+        log.info("measuring what verifying 1-%d rows costs on this model (once; cached under %s)", widths[7],
+                 cache_root() / "costs")
+    table = {c: time_rows(c, widths[:8], repeats) for c in contexts}
     for w in widths[8:]:
         if time.perf_counter() - start > MEASURE_BUDGET_S:
             break
         for c in contexts:
-            table[c].update(time_rows(c, [w], REPEATS))
+            table[c].update(time_rows(c, [w], repeats))
     measured = sorted(table[contexts[0]])
     return StepCost(measured, contexts, [[table[c][w] for w in measured] for c in contexts])
 
@@ -176,8 +182,9 @@ def time_verification(engine: LLMEngine, context_len: int, num_rows: list[int], 
 
 
 def engine_costs(engine: LLMEngine) -> StepCost | None:
-    """The engine's table: cached per model shape and formats, device, threads and CPU, else measured now (a few
-    seconds at most, once) at the widths its steps may verify. None on the meta device (nothing runs there)."""
+    """The engine's table: cached per model shape and formats, device, threads and CPU, else measured now (once;
+    about a second on the default model) at the widths its steps may verify. None on the meta device (nothing
+    runs there)."""
     model = engine.model
     if model.device.type == "meta":
         return None
