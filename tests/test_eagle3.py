@@ -7,6 +7,7 @@ import shutil
 
 import pytest
 import torch
+import torch.nn.functional as F
 from conftest import NEAR_TIE, assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
@@ -317,3 +318,59 @@ def test_a_chain_gives_its_path_probabilities_to_a_hybrid(target_dir, head_dir):
     plain = LLM(str(target_dir), speculative_config="off").generate(PROMPTS[0], GREEDY)[0].token_ids
     assert llm.generate(PROMPTS[0], GREEDY)[0].token_ids == plain
     assert chains and max(chains) == 3  # the head drafted whole chains, each checked
+
+
+def eagle3_formula(sd: dict[str, torch.Tensor], cfg, embeds: torch.Tensor, features: torch.Tensor) -> torch.Tensor:
+    """The published EAGLE-3 head over one sequence, written from its checkpoint's tensors alone (the reference
+    layout, HF Llama RoPE and RMSNorm): logits over the draft vocabulary [T, draft_vocab]."""
+    def rms(x, w):
+        return x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + cfg.rms_norm_eps) * w
+
+    def rope(x, pos):  # [T, h, D], rotate_half
+        D = x.shape[-1]
+        inv = 1.0 / cfg.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+        ang = torch.cat([pos[:, None] * inv] * 2, -1)[:, None, :]
+        x1, x2 = x[..., :D // 2], x[..., D // 2:]
+        return x * ang.cos() + torch.cat([-x2, x1], -1) * ang.sin()
+
+    T, D = embeds.shape[0], cfg.head_dim
+    h = features @ sd["fc.weight"].T
+    x = torch.cat([rms(embeds, sd["midlayer.input_layernorm.weight"]), rms(h, sd["midlayer.hidden_norm.weight"])], -1)
+    pos = torch.arange(T, dtype=torch.float32)
+    q = rope((x @ sd["midlayer.self_attn.q_proj.weight"].T).view(T, -1, D), pos)
+    k = rope((x @ sd["midlayer.self_attn.k_proj.weight"].T).view(T, -1, D), pos)
+    v = (x @ sd["midlayer.self_attn.v_proj.weight"].T).view(T, -1, D)
+    group = q.shape[1] // k.shape[1]
+    k, v = k.repeat_interleave(group, 1), v.repeat_interleave(group, 1)
+    scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5
+    scores = scores.masked_fill(torch.ones(T, T, dtype=torch.bool).triu(1), float("-inf"))
+    attn = torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, -1)
+    h = h + attn @ sd["midlayer.self_attn.o_proj.weight"].T
+    n = rms(h, sd["midlayer.post_attention_layernorm.weight"])
+    mlp = (F.silu(n @ sd["midlayer.mlp.gate_proj.weight"].T) * (n @ sd["midlayer.mlp.up_proj.weight"].T))
+    out = h + mlp @ sd["midlayer.mlp.down_proj.weight"].T
+    return rms(out, sd["norm.weight"]) @ sd["lm_head.weight"].T
+
+
+@pytest.mark.parametrize("planted", [False, True])
+def test_the_head_computes_the_published_formula(target_dir, monkeypatch, planted):
+    """The head's logits (through the serving layers, `unroll`) against the formula above from its saved tensors;
+    and its greedy draft per row is the formula's argmax mapped through d2t. Planted: the two halves of the
+    attention input swapped (hidden state first); output equality could never show it (verification corrects any
+    draft), the formula does."""
+    config = LLM(str(target_dir), speculative_config="off").engine.model.config
+    head = random_head(config, seed=5)
+    sd = {name: t.float() for name, t in head.state_dict_reference().items()}
+    g = torch.Generator().manual_seed(6)
+    T, H = 7, config.hidden_size
+    embeds, features = torch.randn(T, H, generator=g), torch.randn(T, 3 * H, generator=g)
+    if planted:
+        real = head.midlayer.project_inputs
+        monkeypatch.setattr(head.midlayer, "project_inputs", lambda e, x, cos, sin: real(x, e, cos, sin))
+    with torch.no_grad():
+        got = head.compute_logits(head.unroll(embeds, features, 1)[0])
+    want = eagle3_formula(sd, dataclasses.replace(config, num_hidden_layers=1), embeds, features)
+    assert torch.allclose(got, want, atol=1e-3, rtol=1e-3) != planted
+    if not planted:
+        drafted = head.target_ids(got.argmax(-1))
+        assert torch.equal(drafted, want.argmax(-1) + sd["d2t"].long()[want.argmax(-1)])
