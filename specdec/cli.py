@@ -3,15 +3,20 @@ model."""
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import os
 import sys
 from pathlib import Path
+from typing import TYPE_CHECKING
 
 from specdec.config import SpecdecError
 from specdec.drafting.registry import registered_methods
 from specdec.models.heads.formats import FORMATS, WRITES
 from specdec.models.loader import DEFAULT_MODEL
+
+if TYPE_CHECKING:
+    from specdec.training.config import TrainConfig
 
 # prompt sets of the package kept for measuring: never answered for training nor trained on
 RESERVED_PROMPTS = ("chat_code_prompts.jsonl", "tune_prompts.jsonl", "eval/prompts.jsonl")
@@ -155,7 +160,12 @@ def build_parser() -> argparse.ArgumentParser:
     b.add_argument("--concurrency", default="1,4,16,64", help="with --serve: concurrent clients per level")
     b.add_argument("--llama-server", default=None, metavar="PATH",
                    help="with --serve: also drive llama.cpp's llama-server binary at PATH on the same GGUF file, "
-                   "and report specdec's throughput over it per level")
+                   "and report specdec's throughput over it per level; with --compare-llamacpp: also time "
+                   "llama.cpp's own speculative modes (ngram-mod, ngram-simple, ngram-map-k, the shipped EAGLE-3 "
+                   "head converted to GGUF, draft-mtp where the GGUF has MTP layers), one llama-server each")
+    b.add_argument("--llamacpp-draft", default=None, metavar="GGUF",
+                   help="with --compare-llamacpp --llama-server: also time llama.cpp's draft-model speculation "
+                   "with this draft GGUF (same vocabulary as the model)")
     b.add_argument("--replicas", default=None,
                    help="with --serve: compare serving on these numbers of Ray Serve replicas instead, e.g. 0,1,2 "
                    "(0: `specdec serve` without Ray), each with --speculative-config")
@@ -428,6 +438,14 @@ def cmd_serve(args: argparse.Namespace) -> None:
           limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=record, admin=admin)
 
 
+def train_config(args: argparse.Namespace) -> TrainConfig:
+    """`specdec train`'s flags as the trainer's config: every flag but the launcher's own (--nproc) is a field."""
+    from specdec.training.config import TrainConfig
+
+    names = {f.name for f in dataclasses.fields(TrainConfig)}
+    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+
+
 def launch_ranks(nproc: int, argv: list[str]) -> int:
     """`specdec train --nproc N`: the same command on N data-parallel ranks under torchrun (one machine)."""
     import subprocess
@@ -480,7 +498,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "train":
             from specdec.training.train import run_train
 
-            run_train(args)
+            run_train(train_config(args))
         elif args.command == "distill":
             cmd_distill(args)
         elif args.command == "convert-head":

@@ -98,6 +98,9 @@ class ModelConfig:
     # router's logits and on every expert's projections, and its clamped SwiGLU (hidden_act swigluoai)
     attn_sinks: bool = False
     o_proj_bias: bool = False
+    # MTP layers in the model's files past its main ones (DeepSeek-V3's `num_nextn_predict_layers`): not part of the
+    # target, a draft head (`{"method": "mtp"}`) the default speculation drafts with
+    num_mtp_layers: int = 0
     router_bias: bool = False
     expert_bias: bool = False
     swiglu_alpha: float = 1.702
@@ -108,8 +111,8 @@ class ModelConfig:
         where it differs from its default, so a Llama-form model keeps the name it had before the options existed."""
         fields = dataclasses.fields(self)
         first_option = next(i for i, f in enumerate(fields) if f.name == "layer_types")
-        return {f.name: getattr(self, f.name) for i, f in enumerate(fields)
-                if i < first_option or getattr(self, f.name) != f.default}
+        return {f.name: getattr(self, f.name) for i, f in enumerate(fields) if f.name != "num_mtp_layers" and
+                (i < first_option or getattr(self, f.name) != f.default)}  # MTP layers: a head's, not the shape
 
     def window(self, layer: int) -> int:
         """Layer `layer`'s sliding window, 0 for a layer that sees every key."""

@@ -84,7 +84,7 @@ _SURROGATE = re.compile("[\ud800-\udfff]")
 
 def head_in_model_files(speculative_config: dict | str | None, model: str) -> dict | str | None:
     """A method whose head may live in the model's own files (MTP layers) and that names no `model` drafts with the
-    head inside the model."""
+    head inside the model (at the top, or as a source of a method that nests others)."""
     config = speculative_config
     if isinstance(config, str) and config.strip().startswith("{"):
         try:
@@ -93,6 +93,9 @@ def head_in_model_files(speculative_config: dict | str | None, model: str) -> di
             return speculative_config  # SpeculativeConfig.parse names the error
     if not isinstance(config, dict) or config.get("model") or config.get("method") not in registered_methods():
         return speculative_config
+    if isinstance(config.get("sources"), list):  # a method that nests others (switch, hybrid): each source's own
+        sources = [head_in_model_files(c, model) if isinstance(c, dict) else c for c in config["sources"]]
+        return {**config, "sources": sources} if sources != config["sources"] else speculative_config
     return {**config, "model": model_files(model)} if method_info(config["method"]).head_in_model \
         else speculative_config
 
@@ -103,8 +106,9 @@ class LLM:
     model: an alias (default `smollm2-135m`), a Hugging Face directory, or a .gguf file.
     speculative_config: vLLM-style dict or JSON string, e.g. {"method": "ngram", "num_speculative_tokens": 4};
     output is the same as without it (greedy: token for token; sampling: in distribution). None: the
-    built-in model's tuned default, any other model's n-gram drafting (`loader.MODEL_FREE_DEFAULT`), verified only
-    where the cost model (`engine.cost`) expects drafts to pay; "off": no speculation.
+    built-in model's tuned default, any other model's n-gram drafting (`loader.MODEL_FREE_DEFAULT`), switching with
+    its own MTP layers' drafts where its files bring them (`loader.MTP_DEFAULT`), verified only where the cost
+    model (`engine.cost`) expects drafts to pay; "off": no speculation.
     dtype: 'auto' computes a GGUF on its own quantized blocks (native int8 kernels on CPU) and a Hugging Face
     model in float32; 'float32' / 'bfloat16' dequantize a GGUF as before (float32 is the exact reference).
     device: 'cpu' or 'cuda'; None takes $SPECDEC_DEVICE, else 'cpu'.
@@ -120,15 +124,17 @@ class LLM:
                  device: str | torch.device | None = None, speculative_config: dict | str | None = None,
                  quantization: str | None = None, tensor_parallel_size: int | None = None,
                  **engine_kwargs: Any) -> None:
-        if speculative_config is None:
-            speculative_config = default_speculative_config(model)
-        speculative = SpeculativeConfig.parse(head_in_model_files(speculative_config, model))
+        default = speculative_config is None  # the model's own: known once its files are read (MTP layers)
+        speculative = None if default else SpeculativeConfig.parse(head_in_model_files(speculative_config, model))
         engine_cfg = from_kwargs(EngineConfig, engine_kwargs)
         dtype, device = parse_dtype(dtype), parse_device(device)
         if tensor_parallel_size is not None and (not isinstance(tensor_parallel_size, int) or
                                                  isinstance(tensor_parallel_size, bool) or tensor_parallel_size < 1):
             raise SpecdecError(f"tensor_parallel_size must be a positive integer, got {tensor_parallel_size!r}")
         net, src = load_model(model, dtype, device, quantization)
+        if default:
+            config = default_speculative_config(model, net.config.num_mtp_layers)
+            speculative = SpeculativeConfig.parse(head_in_model_files(config, model))
         if tensor_parallel_size and tensor_parallel_size > 1:
             check_split(net, tensor_parallel_size)  # before any rank starts
         self.workers = start_ranks(tensor_parallel_size, model, dtype, device, quantization)
@@ -148,7 +154,7 @@ class LLM:
         (how `bench` compares speculative and plain decoding of one model side by side). None means what it
         means for `LLM(...)`: the model's default speculation; "off": no speculation."""
         if speculative_config is None:
-            speculative_config = default_speculative_config(self.model_name)
+            speculative_config = default_speculative_config(self.model_name, self.engine.model.config.num_mtp_layers)
         other = object.__new__(LLM)
         other.model_name, other.tokenizer, other.workers = self.model_name, self.tokenizer, self.workers
         cfg = from_kwargs(EngineConfig, engine_kwargs) if engine_kwargs else self.engine.cfg

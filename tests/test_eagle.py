@@ -1,5 +1,5 @@
-"""EAGLE-1 and MTP heads: the reference checkpoint layouts, serving forward = training forward, and drafting
-that never changes the output."""
+"""EAGLE-1 and MTP heads: the reference checkpoint layouts, serving forward = training forward, drafting that never
+changes the output, and the chains drafted in the engine against the published formulas."""
 from __future__ import annotations
 
 import dataclasses
@@ -8,7 +8,7 @@ import shutil
 
 import pytest
 import torch
-from conftest import assert_greedy_equal, every_step, save_tiny_model
+from conftest import NEAR_TIE, assert_greedy_equal, every_step, save_tiny_model
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.models.heads.eagle import EagleHead
@@ -188,3 +188,212 @@ def test_an_mtp_module_with_its_own_lm_head_uses_it(target, tmp_path):
     out = torch.randn(3, target.config.hidden_size)
     normed = out * torch.rsqrt(out.pow(2).mean(-1, keepdim=True) + target.config.rms_norm_eps) * head.norm.weight
     torch.testing.assert_close(head.compute_logits(out), normed @ own.T, rtol=1e-4, atol=1e-4)
+
+
+# ---- the drafts against the published formulas, from the saved tensors and transformers' target (issue 60) ----
+# Output equality cannot tell a wrong head (verification corrects any draft): these compare the chains the engine
+# drafted, step by step, with chains recomputed from scratch over the whole committed text.
+def rms(x: torch.Tensor, w: torch.Tensor | None, eps: float) -> torch.Tensor:
+    return x if w is None else x * torch.rsqrt(x.pow(2).mean(-1, keepdim=True) + eps) * w
+
+
+def llama_layer(sd: dict[str, torch.Tensor], p: str, x: torch.Tensor, c) -> torch.Tensor:
+    """One Llama decoder layer over rows at positions 0..T-1, causal (HF's RoPE: rotate_half)."""
+    T, D = x.shape[0], c.head_dim
+    inv = 1.0 / c.rope_theta ** (torch.arange(0, D, 2, dtype=torch.float32) / D)
+    ang = torch.cat([torch.arange(T)[:, None] * inv] * 2, -1)[:, None, :]
+
+    def rope(t):
+        return t * ang.cos() + torch.cat([-t[..., D // 2:], t[..., :D // 2]], -1) * ang.sin()
+
+    n = rms(x, sd.get(p + "input_layernorm.weight"), c.rms_norm_eps)
+    q = rope((n @ sd[p + "self_attn.q_proj.weight"].T).view(T, -1, D))
+    k = rope((n @ sd[p + "self_attn.k_proj.weight"].T).view(T, -1, D))
+    v = (n @ sd[p + "self_attn.v_proj.weight"].T).view(T, -1, D)
+    k, v = (t.repeat_interleave(q.shape[1] // t.shape[1], 1) for t in (k, v))
+    scores = torch.einsum("thd,shd->hts", q, k) / D ** 0.5 + torch.full((T, T), float("-inf")).triu(1)
+    x = x + torch.einsum("hts,shd->thd", scores.softmax(-1), v).reshape(T, -1) @ sd[p + "self_attn.o_proj.weight"].T
+    n = rms(x, sd[p + "post_attention_layernorm.weight"], c.rms_norm_eps)
+    mlp = torch.nn.functional.silu(n @ sd[p + "mlp.gate_proj.weight"].T) * (n @ sd[p + "mlp.up_proj.weight"].T)
+    return x + mlp @ sd[p + "mlp.down_proj.weight"].T
+
+
+def eagle_formula(sd: dict[str, torch.Tensor], c):
+    """The EAGLE head (Li et al. 2024) from its checkpoint's tensors: rows [T, H] of next-token embeddings and
+    feature vectors -> outputs [T, H] = layers(fc(concat(enorm(embedding), hnorm(feature)))); logits of an output:
+    the target's LM head over norm(output). Its optional norms and fc bias apply where the file has them."""
+    layers = sorted({int(k.split(".")[1]) for k in sd if k.startswith("layers.")})
+
+    def rows(embeds, h):
+        x = torch.cat([rms(embeds, sd.get("enorm.weight"), c.rms_norm_eps), rms(h, sd.get("hnorm.weight"),
+                                                                                c.rms_norm_eps)], -1)
+        x = x @ sd["fc.weight"].T + sd.get("fc.bias", 0)
+        for i in layers:
+            x = llama_layer(sd, f"layers.{i}.", x, c)
+        return x
+
+    return rows, lambda out: rms(out, sd.get("norm.weight"), c.rms_norm_eps), lambda out: out
+
+
+def formula_chain(rows, final, recycle, embed, lm_head, ids: list[int], features: torch.Tensor, k: int):
+    """A greedy chain of k drafts after `ids`, all rows recomputed each step: row t pairs the target's feature of
+    token t with the embedding of token t + 1 and sits at position t; draft j + 1 is read at the row that pairs
+    the head's own (recycled) output of the row before with draft j. Returns the tokens and each one's margin
+    over the runner-up logit."""
+    emb, h, tokens, margins = embed[ids[1:]], features, [], []
+    for _ in range(k):
+        out = rows(emb, h)[-1]
+        top = (final(out) @ lm_head.T).topk(2)
+        tokens.append(int(top.indices[0]))
+        margins.append(float(top.values[0] - top.values[1]))
+        emb, h = torch.cat([emb, embed[tokens[-1:]]]), torch.cat([h, recycle(out)[None]])
+    return tokens, margins
+
+
+def recorded_chains(llm, prompts) -> list[tuple[int, list[int], list[int]]]:
+    """Every chain the engine verified while generating: (sequence, the committed text it followed, the chain)."""
+    speculator, seen = llm.engine.speculator, []
+    draft = speculator.draft
+
+    def recording(seqs):
+        step = draft(seqs)
+        seen.extend((s.seq_id, list(s.token_ids), chain) for s, chain in zip(seqs, step.tokens) if chain)
+        return step
+
+    speculator.draft = recording
+    llm.generate(prompts, SamplingParams(temperature=0, max_tokens=12, ignore_eos=True))
+    return seen
+
+
+def chain_mismatches(seen, hf, rows, final, recycle, lm_head) -> tuple[int, int]:
+    """(drafts checked, chains that part from the formula's) over `seen`; a chain is checked up to its first
+    near-tie (where float rounding may pick either token) and given up at its first difference. The target's
+    features are transformers' final normed hidden states, of each sequence's whole text once (causal: a
+    prefix's are the first rows)."""
+    texts = {sid: ids for sid, ids, _ in sorted(seen, key=lambda s: len(s[1]))}
+    with torch.no_grad():
+        features = {sid: hf.model(torch.tensor([ids])).last_hidden_state[0] for sid, ids in texts.items()}
+    checked = mismatched = 0
+    for sid, ids, chain in seen:
+        with torch.no_grad():
+            want, margins = formula_chain(rows, final, recycle, hf.get_input_embeddings().weight, lm_head, ids,
+                                          features[sid][:len(ids) - 1], len(chain))
+        for got, token, margin in zip(chain, want, margins):
+            if margin < NEAR_TIE:
+                break
+            checked += 1
+            if got != token:
+                mismatched += 1
+                break
+    return checked, mismatched
+
+
+@pytest.fixture
+def tiny_engines(monkeypatch):
+    """Engines for tiny models that draft at every step whatever it costs (`every_step`): they skip timing
+    verification at start-up (the cost model's table, measured again at every start on a busy machine) and run on
+    one thread (over rows of 64 more threads only wait on each other, up to a hundredfold on a busy machine;
+    conftest restores the count)."""
+    monkeypatch.setattr("specdec.engine.llm_engine.engine_costs", lambda engine: None)
+    torch.set_num_threads(1)
+
+
+REFERENCE_PARTS = dict(embed_norm=False, hidden_norm=False, output_norm=False, fc_bias=True, first_layer_norm=False)
+
+
+@pytest.mark.parametrize("parts, planted", [({}, None), (REFERENCE_PARTS, None), ({}, "concat order"),
+                                            ({}, "recycled through the norm")])
+def test_eagle_drafts_are_the_published_formulas(target_dir, target, tmp_path, monkeypatch, tiny_engines, parts,
+                                                 planted):
+    """The chains an EAGLE head drafts in the engine (catch-up over the target's features, then its own outputs fed
+    back, paged K/V), ours and one in the EAGLE reference's layout, against `eagle_formula` written from its saved
+    tensors, with the target's features, embedding and LM head from transformers. Planted: the fc's input halves
+    swapped; MTP's recycling (the output through the final norm) given to an EAGLE head. Verification would have
+    corrected every draft; the formula does not."""
+    import transformers
+    from safetensors.torch import load_file
+
+    random_head(target, "eagle", layers=1, seed=4, **parts).save(tmp_path)
+    if planted == "concat order":
+        monkeypatch.setattr(EagleHead, "mix", lambda self, e, h: self.fc(torch.cat([self.hnorm(h), self.enorm(e)], -1)))
+    elif planted:
+        monkeypatch.setattr(EagleHead, "recycled", lambda self, out: self.norm(out))
+    llm = LLM(str(target_dir), speculative_config=every_step({"method": "eagle", "model": str(tmp_path),
+                                                              "num_speculative_tokens": 3}))
+    seen = recorded_chains(llm, PROMPTS)
+    hf = transformers.AutoModelForCausalLM.from_pretrained(target_dir).eval()
+    rows, final, recycle = eagle_formula(load_file(tmp_path / "model.safetensors"), target.config)
+    checked, mismatched = chain_mismatches(seen, hf, rows, final, recycle, hf.lm_head.weight)
+    if planted:
+        assert mismatched >= 3, planted
+    else:
+        assert mismatched == 0 and checked > 30
+
+
+def mtp_formula(sd: dict[str, torch.Tensor], block, rotary, eps: float):
+    """DeepSeek-V3's MTP module (its report, section 2.2, as vLLM and SGLang run it: the embedding first in eh_proj's
+    input, where the report writes the hidden state first) from the checkpoint's tensors, its decoder block
+    transformers' own: rows -> block(eh_proj(concat(enorm(embedding), hnorm(hidden)))); logits of an output: the
+    LM head over shared_head.norm(output), which is also what the next step reads (SGLang)."""
+    p = next(k for k in sd if k.endswith(".eh_proj.weight")).removesuffix("eh_proj.weight")
+
+    def rows(embeds, h):
+        x = torch.cat([rms(embeds, sd[p + "enorm.weight"], eps), rms(h, sd[p + "hnorm.weight"], eps)], -1)
+        x = (x @ sd[p + "eh_proj.weight"].T)[None]
+        T, pos = x.shape[1], torch.arange(x.shape[1])[None]
+        mask = torch.full((T, T), float("-inf")).triu(1)[None, None]
+        return block(x, attention_mask=mask, position_ids=pos, position_embeddings=rotary(x, pos))[0]
+
+    def final(out):
+        return rms(out, sd[p + "shared_head.norm.weight"], eps)
+
+    return rows, final, final
+
+
+@pytest.fixture(scope="module")
+def deepseek_with_mtp(tmp_path_factory):
+    """A tiny DeepSeek-V3 model (latent attention, routed experts) whose files carry one MTP layer after its three
+    main layers, and transformers' model of all four (its last layer is the MTP module's block)."""
+    from safetensors.torch import save_file
+    from test_families import FAMILIES, save_family
+
+    cls, extra = FAMILIES["deepseek_v3"]
+    with pytest.MonkeyPatch.context() as mp:
+        mp.setitem(FAMILIES, "deepseek_v3", (cls, {**extra, "num_hidden_layers": 4}))
+        path, hf = save_family(tmp_path_factory.mktemp("deepseek-mtp"), "deepseek_v3")
+    config = json.loads((path / "config.json").read_text())
+    (path / "config.json").write_text(json.dumps({**config, "num_hidden_layers": 3, "num_nextn_predict_layers": 1,
+                                                  "scoring_func": "sigmoid"}))  # as DeepSeek-V3's config says
+    H, g = config["hidden_size"], torch.Generator().manual_seed(7)
+    save_file({**{f"model.layers.3.{n}.weight": 1 + 0.2 * torch.randn(H, generator=g)
+                  for n in ("enorm", "hnorm", "shared_head.norm")},
+               "model.layers.3.eh_proj.weight": torch.randn(H, 2 * H, generator=g) * 3 / (2 * H) ** 0.5},
+              path / "model-mtp.safetensors")  # "model*": the name llama.cpp's converter reads too
+    hf.config.num_hidden_layers = 3  # transformers' model then runs the main layers only: the target
+    return path, hf
+
+
+@pytest.mark.parametrize("planted", [None, "concat order", "recycled without the norm"])
+def test_mtp_drafts_of_a_deepseek_v3_model_are_the_published_formula(deepseek_with_mtp, monkeypatch, tiny_engines,
+                                                                     planted):
+    """The chains the engine drafts with `{"method": "mtp"}` from the model's own MTP layer against `mtp_formula`,
+    transformers' DeepseekV3DecoderLayer as its block and transformers' model for the target's features (test_families
+    checks the module's logits row by row; this, the chains, whose later drafts read the module's own output).
+    Planted: eh_proj's input halves swapped; the output fed back without shared_head.norm (only a chain's later
+    drafts show it)."""
+    from safetensors.torch import load_file
+
+    path, hf = deepseek_with_mtp
+    if planted == "concat order":
+        monkeypatch.setattr(EagleHead, "mix", lambda self, e, h: self.fc(torch.cat([self.hnorm(h), self.enorm(e)], -1)))
+    elif planted:
+        monkeypatch.setattr(EagleHead, "recycled", lambda self, out: out)
+    llm = LLM(str(path), speculative_config=every_step({"method": "mtp", "num_speculative_tokens": 3}))
+    seen = recorded_chains(llm, PROMPTS)
+    sd = {**load_file(path / "model.safetensors"), **load_file(path / "model-mtp.safetensors")}
+    rows, final, recycle = mtp_formula(sd, hf.model.layers[3], hf.model.rotary_emb, hf.config.rms_norm_eps)
+    checked, mismatched = chain_mismatches(seen, hf, rows, final, recycle, hf.lm_head.weight)
+    if planted:
+        assert mismatched >= 3, planted
+    else:
+        assert mismatched == 0 and checked > 30

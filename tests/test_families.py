@@ -3,6 +3,7 @@ specdec from the directory, float32 log-probabilities of a prompt and its contin
 1e-3 of transformers', and speculative greedy output identical to plain greedy."""
 from __future__ import annotations
 
+import json
 import sys
 from pathlib import Path
 
@@ -385,6 +386,23 @@ def assert_mtp_lossless(model: Path) -> None:
     outs = llm.generate(prompts, params)
     assert [o.token_ids for o in outs] == plain
     assert sum(o.metrics["num_draft_tokens"] for o in outs) > 0 and llm.engine.allocator.num_used == 0
+    # without a config the model's MTP layers are a source of its default speculation, beside the n-gram
+    default = LLM(str(model))
+    spec = default.engine.speculative
+    assert default.engine.model.config.num_mtp_layers == 1 and spec.method == "switch"
+    assert [(s["method"], s.get("model")) for s in spec.options.sources] == [("ngram", None), ("mtp", str(model))]
+    assert [o.token_ids for o in default.generate(prompts, params)] == plain
+    assert LLM(str(model), speculative_config="off").engine.speculative is None  # "off" stays off
+
+
+@needs_native
+def test_a_model_declaring_mtp_layers_its_files_lack_speculates_with_the_n_gram(tmp_path):
+    """transformers writes num_nextn_predict_layers=1 into every DeepSeek-V3 config: without the layer's tensors
+    the model has no MTP head, and its default is the model-free one."""
+    path, _ = save_family(tmp_path, "deepseek_v3")
+    assert json.loads((path / "config.json").read_text()).get("num_nextn_predict_layers") == 1
+    llm = LLM(str(path))
+    assert llm.engine.model.config.num_mtp_layers == 0 and llm.engine.speculative.method == "ngram"
 
 
 @needs_native

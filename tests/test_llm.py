@@ -5,6 +5,7 @@ import pytest
 from conftest import every_step
 
 from specdec import LLM, SamplingParams, SpecdecError
+from specdec.engine.measuring import inject_fault
 
 
 @pytest.fixture(scope="module")
@@ -167,14 +168,14 @@ def test_a_step_that_raises_fails_only_the_request_at_fault(tiny_llama_dir, conf
     llm = LLM(str(tiny_llama_dir), speculative_config=every_step(config))
     prompts = [{"prompt_token_ids": llm.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2", "def add(a, b):")]
     alone = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
-    llm.engine.inject_fault = fail_on_marked
+    inject_fault(llm.engine, fail_on_marked)
     faulty = {"prompt_token_ids": [5, 6, 7, FAULTY]}
     outs = llm.generate([prompts[0], faulty, prompts[1], prompts[2]], GREEDY)  # one batch: the fault hits all
     assert [o.token_ids for o in outs[:1] + outs[2:]] == alone  # the others: as if nothing happened
     assert outs[1].finish_reason == "error" and "injected fault" in outs[1].stop_reason
     assert llm.engine.num_failed == 1 and llm.engine.stats()["requests_failed"] == 1
     assert llm.engine.allocator.num_used == 0 and not llm.engine.scheduler.suspects
-    llm.engine.inject_fault = None
+    inject_fault(llm.engine, None)
     assert llm.generate(prompts[0], GREEDY)[0].token_ids == alone[0]
 
 

@@ -2,6 +2,8 @@
 features held across the steps it was not asked, and that the engine's output never depends on it."""
 from __future__ import annotations
 
+import time
+
 import pytest
 import torch
 from conftest import every_step
@@ -102,6 +104,25 @@ def test_a_head_that_does_not_pay_to_ask_is_asked_only_on_probes():
     drafter = switch(Fixed([]), head, token_cost=0.25, head_cost=0.5)
     drafts = [step(drafter, [9, 9], seq_id=n, features=torch.zeros(1, 4)) for n in range(2 * SwitchDrafter.PROBE_EVERY)]
     assert head.asked == 2 and drafts.count([7]) == 2
+
+
+def test_a_heads_drafting_cost_is_its_measured_time_over_a_plain_steps():
+    """head_cost 0.01 is only where it starts: the head's forward (here 20 ms a request) over the request's share of
+    a plain step (`plain_seconds`) is what asking it costs once measured. Against 10 ms steps that is 2 plain steps,
+    and it is asked only on probes; against 1 s steps it costs 0.02, and it is asked every time."""
+    class Slow(Fixed):
+        def propose(self, requests):
+            time.sleep(0.02 * len(requests))
+            return super().propose(requests)
+
+    for plain_seconds, asked in ((0.01, 1 + 1), (1.0, 2 * SwitchDrafter.PROBE_EVERY)):
+        head = Slow([7], features=True)
+        drafter = switch(Fixed([]), head, token_cost=0.25, head_cost=0.01)
+        for n in range(2 * SwitchDrafter.PROBE_EVERY):
+            step(drafter, [9, 9], seq_id=n, features=torch.zeros(1, 4), plain_seconds=plain_seconds)
+        assert head.asked == asked
+        assert drafter.sources[1].drafting_cost(plain_seconds) == pytest.approx(0.02 / plain_seconds, rel=0.5)
+    assert drafter.sources[1].drafting_cost(None) == 0.01  # no plain step known: the constant
 
 
 def test_a_head_not_asked_catches_up_once_catch_up_rows_wait():

@@ -437,17 +437,16 @@ def test_skip_and_max_conversations_split_the_corpus_into_passes_that_follow_one
                                                                                           capsys):
     """--max-conversations N, then --skip-conversations N (the same seed's order), take the two halves of what one
     pass over 2N takes; a skip past the corpus, or a negative count, is refused by name."""
-    import argparse
-
     from specdec.config import SpecdecError
+    from specdec.training.config import TrainConfig
     from specdec.training.train import window
 
     order = list(range(10))  # the shuffled conversations
-    take = lambda skip, most: window(order, argparse.Namespace(skip_conversations=skip, max_conversations=most))  # noqa: E731
+    take = lambda skip, most: window(order, skip, most)  # noqa: E731
     assert take(0, 3) == [0, 1, 2] and take(3, 3) == [3, 4, 5] and take(0, 6) == take(0, 3) + take(3, 3)
     assert take(3, 0) == list(range(3, 10)) and take(0, 0) == order
     with pytest.raises(SpecdecError, match="must be >= 0"):
-        take(-1, 0)
+        TrainConfig(out="o", data=["d.jsonl"], skip_conversations=-1)
     bad = tmp_path / "one.jsonl"  # through the command line, before any training
     bad.write_text(json.dumps({"messages": [{"role": "user", "content": "hi"},
                                             {"role": "assistant", "content": "hello there"}]}) + "\n")
@@ -459,10 +458,8 @@ def test_skip_and_max_conversations_split_the_corpus_into_passes_that_follow_one
 def test_the_curves_first_position_is_the_heads_greedy_agreement_with_the_target(target_dir, tmp_path):
     """With a draft vocabulary of the whole target vocabulary, the curve's step-1 top-1 equals the loss's own
     count of rows where the head's argmax is the target's argmax (two computations of one figure)."""
-    import argparse
-
     from specdec.training.curve import curve_point, held_out_outputs
-    from specdec.training.losses import sequence_loss
+    from specdec.training.losses import LossOptions, sequence_loss
 
     model = LLM(str(target_dir)).engine.model
     V = model.config.vocab_size
@@ -475,10 +472,10 @@ def test_the_curves_first_position_is_the_heads_greedy_agreement_with_the_target
     outputs = held_out_outputs(model, head, held)
     point = curve_point(head, model, held, outputs, 1, torch.autocast("cpu", enabled=False))
     hits = rows = 0
-    args = argparse.Namespace(ttt_steps=1, ce_weight=1.0, regression_weight=0.1)
+    options = LossOptions(ttt_steps=1, ce_weight=1.0, regression_weight=0.1)
     for ids, mask in held:
         with torch.no_grad():
-            _, stats = sequence_loss(head, model, ids, mask, args)
+            _, stats = sequence_loss(head, model, ids, mask, options)
         hits, rows = hits + stats["top1"] * stats["n"], rows + stats["n"]
     assert point["step1"]["rows"] == rows and point["step1"]["top1"] == pytest.approx(hits / rows, abs=1e-4)
 
@@ -517,3 +514,60 @@ def test_a_head_fine_tunes_on_recorded_traffic(target_dir, tmp_path):
     TrafficRecorder(empty, "another-target").record([1, 2, 3], [4, 5, 6], "stop", 0.0)
     assert main(["train", "--target", str(target_dir), "--from-traffic", str(empty), "--out", str(out),
                  "--init", str(init)]) == 2
+
+
+def test_a_library_caller_trains_from_a_config_without_the_command_line(target_dir, tmp_path):
+    """`run_train(TrainConfig(...))` is the whole trainer, no argparse: it fills in what the method decides
+    (ttt_steps) and the data decides (steps, from epochs) in a config of its own, logged, and leaves the caller's
+    as given."""
+    from specdec.training.config import TrainConfig
+    from specdec.training.train import run_train
+
+    data = tmp_path / "data.jsonl"
+    data.write_text("\n".join(json.dumps({"messages": [{"role": "user", "content": f"question {i}"},
+                                                       {"role": "assistant", "content": f"the answer is {i}"}]})
+                              for i in range(3)))
+    cfg = TrainConfig(target=str(target_dir), data=[str(data)], out=str(tmp_path / "head"), epochs=1,
+                      draft_vocab=64, val_prompts=0)
+    result = run_train(cfg)
+    assert result["steps"] == 3 and result["config"]["steps"] == 3 and result["config"]["ttt_steps"] == 3
+    assert cfg.steps == 1000 and cfg.ttt_steps is None  # the caller's config, untouched
+    assert json.loads((tmp_path / "head" / "train_log.json").read_text())["config"] == result["config"]
+    assert Eagle3Head.load(tmp_path / "head", LLM(str(target_dir)).engine.model.config).draft_vocab_size == 64
+
+
+@pytest.mark.parametrize(("flags", "fields", "message"), [
+    (["--epochs", "0"], {"epochs": 0.0}, "invalid --epochs 0.0: must be > 0"),
+    (["--batch", "0"], {"batch": 0}, "invalid --batch 0: must be >= 1"),
+    (["--max-len", "-1"], {"max_len": -1}, "invalid --max-len -1: must be >= 1"),
+    (["--method", "eagle", "--ttt-steps", "2"], {"method": "eagle", "ttt_steps": 2},
+     "--ttt-steps is EAGLE-3's training-time test; eagle trains one step"),
+    (["--max-conversations", "-2"], {"max_conversations": -2},
+     "invalid --skip-conversations 0 / --max-conversations -2: must be >= 0"),
+    (["--autocast", "fp8"], {"autocast": "fp8"}, "invalid --autocast 'fp8': one of auto, bf16, off"),
+    (["--method", "lookahead"], {"method": "lookahead"}, "the trainer supports ['eagle', 'eagle3', 'medusa', 'mtp']"),
+])
+def test_a_bad_config_is_refused_with_the_command_lines_message(tmp_path, capsys, flags, fields, message):
+    """The config checks itself when made, so the command line and a library caller read the same error, before
+    any model is loaded."""
+    from specdec.config import SpecdecError
+    from specdec.training.config import TrainConfig
+
+    with pytest.raises(SpecdecError) as refused:
+        TrainConfig(out=str(tmp_path / "o"), data=["missing.jsonl"], **fields)
+    assert message in str(refused.value)
+    assert main(["train", "--data", "missing.jsonl", "--out", str(tmp_path / "o"), *flags]) == 2
+    assert f"specdec: error: {refused.value}" in capsys.readouterr().err
+    with pytest.raises(SpecdecError, match="what to train on"):
+        TrainConfig(out="o")
+
+
+def test_every_train_flag_is_a_config_field_with_the_same_default():
+    """The command line's `train` flags and `TrainConfig` agree: no flag is dropped on the way (but the launcher's
+    --nproc), and a library caller gets the command line's defaults."""
+    from specdec.cli import build_parser
+    from specdec.training.config import TrainConfig
+
+    flags = vars(build_parser().parse_args(["train", "--out", "o"]))
+    fields = {f.name: f.default for f in dataclasses.fields(TrainConfig)}
+    assert {k: v for k, v in flags.items() if k not in ("command", "nproc")} == {**fields, "out": "o"}

@@ -13,17 +13,20 @@ import json
 import math
 import sys
 from collections.abc import Callable
+from pathlib import Path
 
 import torch
 from tqdm import tqdm
 
 from specdec.bench.engines import load_hf, load_llamacpp, time_group, time_hf, time_llamacpp, time_specdec
+from specdec.bench.llamacpp_spec import ENGINE as LLAMA_SERVER
+from specdec.bench.llamacpp_spec import LlamaServerPeers, PeerConfig, start_peers, summarize_peers
 from specdec.bench.machine import machine_info, measure_bandwidth, read_bandwidth_probe
 from specdec.bench.prompts import BenchPrompt, encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_report, output_path, ratio
 from specdec.config import SamplingParams, SpecdecError
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.models.loader import default_speculative_config, resolve
+from specdec.models.loader import default_speculative_config, resolve, shipped_head
 
 
 def parse_batch_sizes(text: str) -> list[int]:
@@ -205,9 +208,10 @@ def add_step_times(runs: list[dict], engines: dict[tuple[str, str], object], roo
 
 
 def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
-                bandwidth: dict) -> tuple[list[dict], list[dict]]:
-    """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked),
-    roofline, larger batches. Speculation is compared with plain decoding of the same engine and weights."""
+                bandwidth: dict, peer_cfg: PeerConfig | None = None) -> tuple[list[dict], list[dict], dict | None]:
+    """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked; with
+    `peer_cfg`, llama.cpp's speculative modes too, summarized in the third value), roofline, larger batches.
+    Speculation is compared with plain decoding of the same engine and weights."""
     from specdec.llm import LLM, parse_dtype
 
     llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off", quantization=args.quantization)
@@ -217,7 +221,8 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     prompts = encode_prompts(llm, rows)
     params = bench_params(args)
     engines = {("specdec", "plain"): llm}
-    spec = args.speculative_config if args.speculative_config is not None else default_speculative_config(args.model)
+    spec = args.speculative_config if args.speculative_config is not None else \
+        default_speculative_config(args.model, model.config.num_mtp_layers)
     if SpeculativeConfig.parse(spec) is not None:
         spec_llm = llm.with_speculative_config(spec)
         engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
@@ -232,14 +237,25 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     if args.compare_llamacpp:
         peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
         timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
+    servers: LlamaServerPeers | None = start_peers(peer_cfg) if peer_cfg is not None else None
+    commands = servers.commands() if servers is not None else {}
+    if servers is not None:
+        timers.update(servers.timers())
 
     def forget() -> None:  # before each timed pass: no drafter remembers it, every engine counts its steps anew
         for engine in engines.values():
             engine.engine.forget_finished()
             engine.engine.step_times.switch(True)  # on a GPU too (there every phase then waits for the device)
             engine.engine.step_times.reset()
+        if servers is not None:
+            servers.forget()
 
-    runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device), forget)
+    try:
+        runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device), forget)
+    finally:
+        if servers is not None:
+            servers.stop()
+    peer_summary = summarize_peers(runs, servers.refused, commands) if servers is not None else None
     weight_bytes = llm.engine.model.weight_bytes_per_token()
     roofline_step_ms = 1e3 * weight_bytes / bandwidth["read_bytes_per_s"]
     add_step_times(runs, engines, roofline_step_ms)
@@ -252,7 +268,7 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     comparisons = [{**compare(other, plain), "sampled": differs_by_design(other["config"]["method"])}
                    for other in runs[1:] if other["config"]["engine"] == "specdec"]
     # Against peers: our plain decoding, and every speculative configuration, over each peer's plain decoding.
-    peers = [other for other in runs[1:] if other["config"]["engine"] != "specdec"]
+    peers = [other for other in runs[1:] if other["config"]["engine"] not in ("specdec", LLAMA_SERVER)]
     comparisons += [compare(ours, peer) for peer in peers for ours in runs if ours["config"]["engine"] == "specdec"]
     batch1 = {key: next(r for r in runs if (r["config"]["engine"], r["config"]["method"]) == key) for key in engines}
     for b in batch_sizes:
@@ -261,7 +277,30 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
             batched = batched_runs(engines, prompts, b, params, dtype, batch1)
             add_step_times(batched, engines, roofline_step_ms)
             runs += batched
-    return runs, comparisons
+    return runs, comparisons, peer_summary
+
+
+def peer_config(args: argparse.Namespace, out: Path) -> PeerConfig | None:
+    """--llama-server with --compare-llamacpp: llama.cpp's speculative modes on the model's GGUF, with specdec's
+    threads; the shipped EAGLE-3 head when the model has one. Checked before any model loads."""
+    if args.llamacpp_draft and not args.llama_server:
+        raise SpecdecError("--llamacpp-draft is a draft model for llama-server: pass --llama-server PATH too")
+    if not args.llama_server:
+        return None
+    if not args.compare_llamacpp:
+        raise SpecdecError("--llama-server runs llama.cpp's speculative modes beside --compare-llamacpp (or serves "
+                           "with --serve): pass one of them")
+    if not Path(args.llama_server).is_file():
+        raise SpecdecError(f"--llama-server {args.llama_server!r} is not a file: build it as docs/benchmarks.md says")
+    draft = Path(args.llamacpp_draft).expanduser() if args.llamacpp_draft else None
+    if draft is not None and not draft.is_file():
+        raise SpecdecError(f"--llamacpp-draft {draft} is not a file")
+    gguf = resolve(args.model).gguf_file
+    if gguf is None:
+        raise SpecdecError(f"--llama-server runs llama.cpp on a GGUF file, and {args.model} is a Hugging Face model")
+    head = shipped_head(args.model)
+    return PeerConfig(args.llama_server, gguf, torch.get_num_threads(), args.max_tokens, out, draft,
+                      head if head is not None and head.is_dir() else None)
 
 
 def run_bench(args: argparse.Namespace) -> dict:
@@ -280,12 +319,15 @@ def run_bench(args: argparse.Namespace) -> dict:
     rows = pick_round_robin(load_questions(path), args.num_prompts)
     device = parse_device(args.device)
     out = output_path(args.out)
+    peer_cfg = peer_config(args, out)
     result = {"machine": machine_info(device), "args": vars(args), "prompts_file": str(path),
               "bandwidth": measure_bandwidth(device), "runs": [], "comparisons": []}
     for dtype in dtypes:
-        runs, comparisons = bench_dtype(args, dtype, rows, batch_sizes, result["bandwidth"])
+        runs, comparisons, peer_summary = bench_dtype(args, dtype, rows, batch_sizes, result["bandwidth"], peer_cfg)
         result["runs"] += runs
         result["comparisons"] += comparisons
+        if peer_summary is not None:
+            result.setdefault("llamacpp_spec", []).append(peer_summary)
     out.write_text(json.dumps(result, indent=1, default=str))
     print(format_report(result))
     print(f"\nresults written to {out}")

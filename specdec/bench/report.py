@@ -182,7 +182,8 @@ def format_report(result: dict) -> str:
              "Columns: sd = specdec, hf = transformers; in/tok = prompt/generated tokens; "
              "dec tok/s excludes the first token; sd=hf: greedy ids identical (no@N: first differing token)"]
     for dtype in dict.fromkeys(r["config"]["dtype"] for r in result["runs"]):
-        batch1 = [r for r in result["runs"] if r["config"]["dtype"] == dtype and r["config"]["batch_size"] == 1]
+        batch1 = [r for r in result["runs"] if r["config"]["dtype"] == dtype and r["config"]["batch_size"] == 1
+                  and r["config"]["engine"] != "llama-server"]  # llama.cpp's speculative modes: their own table
         comps = [c for c in result["comparisons"] if c["candidate"]["dtype"] == dtype]
         parts += [f"\nPer prompt ({dtype}, batch 1)", per_prompt_table(batch1, comps)]
     parts += ["\nSummary (aggregates = total tokens / total time; for batch > 1, TTFT is the mean over requests "
@@ -198,4 +199,35 @@ def format_report(result: dict) -> str:
     parts += [acceptance_line(r) for r in result["runs"] if r.get("acceptance")]
     parts += cost_model_lines(result["runs"])
     parts += [roofline_line(r) for r in result["runs"] if "roofline" in r]
+    for summary in result.get("llamacpp_spec", []):
+        parts += llamacpp_spec_lines(summary)
     return "\n".join(parts)
+
+
+def llamacpp_spec_lines(s: dict) -> list[str]:
+    """llama.cpp's speculative modes (llama-server, batch 1): one row per mode, then specdec's default speculation
+    over the fastest of them, beside the target ratio; a mode llama-server refused, with its error."""
+    headers = ["llama-server mode", "dec tok/s", "e2e tok/s", "accepted/drafted", "accept rate", "ids=none",
+               "ids=llama.cpp plain", f"sd/{s['specdec_method']} over it"]
+
+    def same(m: dict, reference: str) -> str:
+        count = m[f"identical_to_{reference}"]
+        return "-" if count is None else f"{count}/{m['num_prompts']}"
+
+    rows = [[m["mode"], _num(m["decode_tokens_per_s"]), _num(m["e2e_tokens_per_s"]),
+             f"{m['accepted']}/{m['drafted']}", _num(m["acceptance_rate"], ".1%"), same(m, "server_plain"),
+             same(m, "llamacpp_plain"), _num(m["specdec_over_mode"], ".2f")] for m in s["modes"]]
+    lines = [f"\nllama.cpp's speculative modes ({s['dtype']}, batch 1, llama-server, one slot, same threads and "
+             "token ids; dec tok/s excludes the first token; ids=none: greedy ids equal to llama-server's plain "
+             "decoding, ids=llama.cpp plain: to llama-cpp-python's)", format_table(headers, rows)]
+    lines += [f"llama-server refused {mode}: {error}" for mode, error in s["refused"].items()]
+    if s["best_mode"] is None or s["specdec_method"] is None:
+        lines.append("no ratio to llama.cpp's best speculative mode: " + (
+            "no specdec speculative run (--speculative-config off)" if s["specdec_method"] is None
+            else "no llama.cpp speculative mode ran"))
+    else:
+        met = "meets" if s["meets_target"] else "misses"
+        lines.append(f"specdec/{s['specdec_method']} decode {_num(s['specdec_decode_tokens_per_s'])} tok/s over "
+                     f"llama.cpp's best speculative mode ({s['best_mode']}, {_num(s['best_decode_tokens_per_s'])} "
+                     f"tok/s): {_num(s['specdec_over_best'], '.2f')}x ({met} the {s['target_ratio']}x target)")
+    return lines

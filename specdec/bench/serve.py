@@ -25,6 +25,7 @@ import socket
 import subprocess
 import sys
 import time
+from collections.abc import Sequence
 from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -63,6 +64,14 @@ def free_port() -> tuple[int, str]:
     return port, f"http://127.0.0.1:{port}"
 
 
+def llama_server_command(binary: str, gguf: Path, port: int, slots: int, threads: int,
+                         flags: Sequence[str] = ()) -> list[str]:
+    """`slots` parallel sequences of 4,096 tokens each, `threads` threads for decoding and prefill (a draft model's
+    too: llama.cpp's draft threads default to these), then `flags`."""
+    return [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(port), "-np", str(slots),
+            "-c", str(4096 * slots), "-t", str(threads), "-tb", str(threads), "-a", "bench", *flags]
+
+
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port; stopped on exit."""
 
@@ -79,13 +88,13 @@ class ServerProcess:
         self.proc = subprocess.Popen(cmd, stdout=self.log, stderr=subprocess.STDOUT, env=os.environ.copy())
 
     @classmethod
-    def llama_server(cls, binary: str, gguf: Path, slots: int, threads: int, log: Path) -> ServerProcess:
-        """llama.cpp's `llama-server` on `gguf`: `slots` parallel sequences of 4,096 tokens each, `threads`
-        threads for decoding and prefill, its own defaults otherwise (continuous batching, its prompt cache)."""
+    def llama_server(cls, binary: str, gguf: Path, slots: int, threads: int, log: Path,
+                     flags: Sequence[str] = ()) -> ServerProcess:
+        """llama.cpp's `llama-server` on `gguf` (`llama_server_command`), its own defaults otherwise (continuous
+        batching, its prompt cache); `flags` come last (a speculative mode's)."""
         server = object.__new__(cls)
         server.port, server.url = free_port()
-        cmd = [binary, "-m", str(gguf), "--host", "127.0.0.1", "--port", str(server.port), "-np", str(slots),
-               "-c", str(4096 * slots), "-t", str(threads), "-tb", str(threads), "-a", "bench"]
+        cmd = llama_server_command(binary, gguf, server.port, slots, threads, flags)
         server.log = log.open("w")
         try:
             server.proc = subprocess.Popen(cmd, stdout=server.log, stderr=subprocess.STDOUT)

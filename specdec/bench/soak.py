@@ -2,7 +2,7 @@
 
 The server runs in this process as `specdec serve` runs it (engine loop on the main thread, HTTP on another,
 an API key, operator limits) so that faults can be injected through the engine's test-only hook
-(`LLMEngine.inject_fault`): a request whose prompt ends with the marker token makes any step it is in raise.
+(`engine.measuring.inject_fault`): a request whose prompt ends with the marker token makes any step it is in raise.
 Clients (`--soak-concurrency` of them, on a thread of their own) draw request kinds from a fixed, seeded mix:
 
     greedy     chat, streamed or not: 200, and the text equals every other greedy answer to the same prompt and,
@@ -37,6 +37,7 @@ from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.bench.serve import percentile
 from specdec.config import SamplingParams, SpecdecError
+from specdec.engine.measuring import inject_fault
 from specdec.llm import LLM, parse_device
 
 if TYPE_CHECKING:
@@ -247,7 +248,7 @@ def run_soak(args: argparse.Namespace) -> dict:
         if any(s.prompt_token_ids[-1] == marker for s in seqs):
             raise RuntimeError(FAULT)
 
-    llm.engine.inject_fault = fault
+    inject_fault(llm.engine, fault)
     logging.getLogger("specdec.engine").setLevel(logging.CRITICAL)  # the injected faults are expected; each
     # response is checked instead of reading their tracebacks
     api_key = secrets.token_hex(8)
@@ -285,7 +286,7 @@ def run_soak(args: argparse.Namespace) -> dict:
     http.should_exit = True
 
     # After the run: greedy answers against offline decoding of the same prompts by the same engine.
-    llm.engine.inject_fault = None
+    inject_fault(llm.engine, None)
     offline_mismatch = []
     greedy_texts = {o.key[1]: o.text for o in soak.outcomes if o.kind == "greedy" and o.problem is None}
     for i, text in sorted(greedy_texts.items()):

@@ -35,6 +35,7 @@ from specdec.bench.report import output_path
 from specdec.bench.verify_cost import token_cost
 from specdec.config import SamplingParams, SpecdecError
 from specdec.drafting.registry import SpeculativeConfig
+from specdec.engine.measuring import pin_draft_shape, trace_speculation
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 
@@ -52,11 +53,11 @@ DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6},
 def acceptance_table(llm: LLM, prompts: list[BenchPrompt], params: SamplingParams) -> list[list[float]]:
     """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
     shape = llm.engine.speculative.parse_shape(MEASURE_TREE, "tree")
-    llm.engine.pin_draft_shape(shape)
+    pin_draft_shape(llm.engine, shape)
     width, depth = 1 + max(p[-1] for p in shape.tree), max(len(p) for p in shape.tree)
     reached, accepted = [0] * depth, [[0] * width for _ in range(depth)]
     for p in tqdm(prompts, desc="acceptance statistics", file=sys.stderr):
-        with llm.engine.trace_speculation() as trace:
+        with trace_speculation(llm.engine) as trace:
             llm.generate({"prompt_token_ids": p.token_ids}, params)
         for nodes, num_drafted in trace:
             if not num_drafted:
@@ -66,7 +67,7 @@ def acceptance_table(llm: LLM, prompts: list[BenchPrompt], params: SamplingParam
                 reached[d] += 1
             for d, n in enumerate(nodes):
                 accepted[d][shape.tree[n][-1]] += 1
-    llm.engine.pin_draft_shape(None)
+    pin_draft_shape(llm.engine, None)
     return [[a / r if r else 0.0 for a in row] for row, r in zip(accepted, reached)]
 
 
@@ -173,7 +174,7 @@ def tune_method(base: LLM, prompts: list, batch_sizes: list[int], params: Sampli
         for g, group in enumerate(tqdm(groups, desc=f"{cfg.method}, batch {b}", file=sys.stderr)):
             for j in range(len(shapes)):  # rotate the order every group: drift hits every candidate alike
                 shape = shapes[(g + j) % len(shapes)]
-                llm.engine.pin_draft_shape(shape)
+                pin_draft_shape(llm.engine, shape)
                 llm.engine.forget_finished()  # no shape drafts from another shape's answers to these prompts
                 record, _ = time_group(llm, group, params)
                 totals[shape][0] += record["decode_tokens"]

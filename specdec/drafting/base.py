@@ -130,6 +130,9 @@ class DraftRequest:
     # What verifying one more row costs this step, in plain steps of this request (the engine's measured costs,
     # `specdec.engine.cost`): a drafter sizing its own drafts weighs a node against it. None: nothing measured.
     row_cost: float | None = None
+    # What this request's share of a plain step takes this step, in seconds (the cost model's plain step of the batch
+    # over its size): a drafter weighing its own drafting time converts it into plain steps with it. None: unknown.
+    plain_seconds: float | None = None
     # For drafters with `feature_layers`: the target's features (those layers' outputs, concatenated) of the
     # tokens committed since the last call, one row per token from token index `features_start` on. The
     # last committed token has none yet (the target computes it when it feeds that token next step). After a

@@ -8,7 +8,7 @@ have been keeping.
 Each source's drafts are weighed by what a step with them is worth, tokens emitted over cost in plain steps:
 
     a draft of L nodes:       (1 + kept(L)) / (1 + L c)              c = token_cost + context_cost * context / 1000
-    asking a source:          (1 + kept) / (1 + size c + head_cost)   its mean kept tokens and draft size
+    asking a source:          (1 + kept) / (1 + size c + h)          its mean kept tokens and draft size
 
 where kept(L) is the mean accepted tokens of the source's drafts of L nodes, learnt online per source and size and
 scaled by how the request's own drafts of that source have kept against that mean (shrunk toward it by REQUEST_PRIOR
@@ -16,11 +16,12 @@ drafts: a head that fails on one request's text is asked less there, not elsewhe
 node costs at the request's context (each verified row attends over all of it: on two Zen 4 cores 0.03-0.1 of a
 plain step at 64 tokens of context, 0.2-0.25 at 2,000). The sources are asked in order, each only for the requests
 the ones before it left undecided; a source's draft is taken when it is worth at least a plain step (1) and at least
-what asking any later source is worth, else the request goes on. A source whose drafting costs (a head: head_cost)
-is asked only where that is worth more than a plain step (and on one request in PROBE_EVERY where it is not, to keep
-its estimate live). So where the request's own text repeats (a long n-gram match keeps several tokens) the n-gram's
-chain is verified and the head is not asked; where it does not, the head drafts; where nothing pays (a long context,
-drafts that keep little) nothing is drafted.
+what asking any later source is worth, else the request goes on. A source whose drafting costs (a head: h, its
+measured forward time per request asked over the request's share of a plain step, `DraftRequest.plain_seconds`;
+head_cost before either is known) is asked only where that is worth more than a plain step (and on one request
+in PROBE_EVERY where it is not, to keep its estimate live). So where the request's own text repeats (a long n-gram
+match keeps several tokens) the n-gram's chain is verified and the head is not asked; where it does not, the head
+drafts; where nothing pays (a long context, drafts that keep little) nothing is drafted.
 
 What a draft keeps is read off the sequence itself, once its committed tokens decide it: its longest path that
 they follow. That is what verification kept where the draft was verified (greedy, or keyed sampling:
@@ -43,6 +44,7 @@ plain decoding's and sampled output keeps the target's distribution.
 from __future__ import annotations
 
 import dataclasses
+import time
 from dataclasses import dataclass, field
 
 import torch
@@ -56,6 +58,7 @@ from specdec.tree import ROOT
 MAX_SIZE = 16  # draft sizes are learnt separately up to this many nodes (larger ones share the last estimate)
 PRIOR_KEPT, PRIOR_DRAFTS = 4.0, 8.0  # every estimate starts at half a token per draft, as if from 8 drafts
 CATCH_UP_ROWS = 64  # a head not asked catches up anyway once this many feature rows wait for it
+SECONDS_WEIGHT = 0.1  # a head's measured drafting time: a moving mean over its recent asks, this weight each
 REQUEST_PRIOR = 4.0  # a request's own drafts of a source weigh in against the source's mean as if it had this many
 
 
@@ -64,8 +67,8 @@ class SwitchOptions:
     sources: list = field(default_factory=list)  # speculative configs (dicts), in the order they are asked
     # What a draft costs, in plain steps at the request's context: verifying each node costs what the engine's cost
     # model measured (`DraftRequest.row_cost`), or without one token_cost + context_cost per 1,000 tokens of context
-    # (each verified row attends over all of it); a source that reads the target's features (a head) costs head_cost
-    # more for its forward.
+    # (each verified row attends over all of it); a source that reads the target's features (a head) costs its
+    # measured forward time more (head_cost plain steps until it is measured).
     token_cost: float = 0.1
     context_cost: float = 0.07
     head_cost: float = 0.15
@@ -91,8 +94,15 @@ class _Source:
     cfg: SpeculativeConfig
     kept: list[float]  # per draft size (index = nodes - 1): tokens its drafts of that size kept
     drafts: list[float]  # per draft size: drafts measured
-    cost: float = 0.0  # plain steps its drafting costs beside the verification (a head's forward)
+    cost: float = 0.0  # plain steps its drafting costs beside the verification (a head's forward), until measured
     skipped: int = 0  # requests it was not asked for since its last probe
+    seconds: float | None = None  # its drafting's measured seconds per request asked (a moving mean; heads only)
+
+    def drafting_cost(self, plain_seconds: float | None) -> float:
+        """Plain steps its drafting costs a request: measured where both its time and a plain step's are known."""
+        if not self.cost or self.seconds is None or not plain_seconds:
+            return self.cost
+        return self.seconds / plain_seconds
 
     def expected(self, size: int) -> float:
         """Tokens a draft of `size` nodes keeps, as far as its measured drafts of that size say."""
@@ -116,10 +126,10 @@ class _Source:
         n = sum(self.drafts)
         return sum((s + 1) * d for s, d in enumerate(self.drafts)) / n if n else 1.0
 
-    def worth(self, node_cost: float, scale: float = 1.0) -> float:
+    def worth(self, node_cost: float, scale: float = 1.0, plain_seconds: float | None = None) -> float:
         """What asking this source is worth: tokens a step emits with its draft over the step's cost, in plain
         steps (1 + kept) / (1 + its nodes' verification + its own drafting); `scale`: the request's own (`scale`)."""
-        return (1.0 + scale * self.mean()) / (1.0 + self.mean_size() * node_cost + self.cost)
+        return (1.0 + scale * self.mean()) / (1.0 + self.mean_size() * node_cost + self.drafting_cost(plain_seconds))
 
 
 @dataclass
@@ -217,7 +227,12 @@ class SwitchDrafter(NestedDrafter):
             if not undecided:
                 continue
             subs = [self.request_for(src, requests[i], src.cfg.shape) for i in undecided]
+            start = time.perf_counter()
             tokens, parents = src.drafter.propose(subs).host_rows()
+            if src.cost:  # a head's forward: its time per request asked
+                each = (time.perf_counter() - start) / len(subs)
+                old = each if src.seconds is None else src.seconds
+                src.seconds = (1 - SECONDS_WEIGHT) * old + SECONDS_WEIGHT * each
             left = []
             for i, t, p in zip(undecided, tokens, parents):
                 if not t:
@@ -278,7 +293,8 @@ class SwitchDrafter(NestedDrafter):
     def worth_asking(self, n: int, r: DraftRequest) -> float:
         """What asking source n for this request is worth (`_Source.worth`), scaled by the request's own record."""
         record = self.records.get(r.seq_id)
-        return self.sources[n].worth(self.node_cost(r), self.sources[n].scale(record and record[n]))
+        src = self.sources[n]
+        return src.worth(self.node_cost(r), src.scale(record and record[n]), r.plain_seconds)
 
     def held_rows(self, r: DraftRequest) -> int:
         """Feature rows held for the head for this request."""

@@ -51,6 +51,7 @@ ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # verification widths 
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512  # the contexts measured (others: linear between and beyond)
 MEASURE_BUDGET_S = 4.0  # widths beyond the smallest eight are measured while the measurement took less than this
 REPEATS = 3
+MEASURE_ATTEMPTS = 3  # a table a busy machine measured (not `StepCost.plausible`) is measured again, this many in all
 SLOW_FORWARD_S = 0.1  # a forward slower than this is timed once per shape
 FORMAT = 1  # of the cached tables: a change to what is measured makes old ones stale
 
@@ -61,6 +62,8 @@ DECAY = 0.9  # a request's older drafts weigh this much less per draft (its text
 PROBE_EVERY = 16  # a request that drafts nothing is given one row once in so many of its steps
 MARGIN = 1.01  # a plan must beat plain decoding's tokens per second by this much
 ONLINE = 0.1  # the weight of a step in the moving overhead of a batch size's steps
+SLOPE_PRIOR = 0.5  # the belief that extra rows cost what the table says, in steps of mean square x (`RowFit`)
+SLOPE_RANGE = (0.5, 3.0)  # the fitted slope stays within these multiples of the table's
 CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
 CALIBRATION_PRIOR = 2.0  # expected tokens the ratio starts from (at 1)
 
@@ -85,16 +88,22 @@ class StepCost:
     contexts: list[int]
     seconds: list[list[float]]  # [context][width]
     online: bool = True
-    # (batch size, whether the step verifies drafts) -> seconds such a step adds to its forward (moving): a drafting
-    # step's token choice, settling and bookkeeping cover more rows
-    overhead: dict[tuple[int, bool], float] = field(default_factory=dict)
+    # batch size -> seconds its plain steps add to their forward (moving): scheduling, token choice, commit
+    overhead: dict[int, float] = field(default_factory=dict)
+    # batch size -> its drafting steps' seconds beyond a plain forward, fitted to the extra rows' forward time
+    # (`RowFit`): a drafting step's token choice, settling and bookkeeping, and its rows as they really cost there
+    # (B sequences of a few rows each are not the table's one sequence of as many)
+    fits: dict[int, RowFit] = field(default_factory=dict)
     _dense: list[list[float]] = field(default_factory=lambda: [[]], repr=False)  # per context: seconds by width
 
     def __call__(self, rows: int, context: float, batch: int = 1) -> float:
         forward = self.forward(rows, context)
-        drafting = rows > batch  # a kind of step not measured yet at this batch size: as the other kind
-        extra = self.overhead.get((batch, drafting), self.overhead.get((batch, not drafting), 0.0))
-        return max(forward + extra, 0.25 * forward)
+        fit = self.fits.get(batch)
+        if rows > batch and fit is not None:  # a drafting step: a plain forward, then its rows at the fitted slope
+            base = self.forward(batch, context)
+            return max(base + fit.seconds(forward - base), 0.25 * forward)
+        extra = self.overhead.get(batch, fit.intercept() if fit is not None else 0.0)  # not measured: as the other
+        return max(forward + extra, 0.25 * forward)                                    # kind of step
 
     def forward(self, rows: int, context: float) -> float:
         """The table's seconds (no overhead): each context's row read off a dense copy (a plan asks for many widths a
@@ -106,17 +115,68 @@ class StepCost:
             return by_context[0]
         return max(_linear(self.contexts, by_context, context), by_context[0] * 0.5)
 
+    def plausible(self) -> bool:
+        """Whether the table reads as a quiet machine's: a wider forward never much faster than a narrower one (nor a
+        longer context than a shorter one), and none costing more than 1.5x a row's time per row. A busy machine's
+        measurement breaks these; such a table is measured again and never cached."""
+        for times in self.seconds:
+            if min(times) <= 0 or any(b < 0.8 * a for a, b in zip(times, times[1:])):
+                return False
+            if any(t > 1.5 * w * times[0] for w, t in zip(self.rows, times)):
+                return False
+        return all(b >= 0.8 * a for short, long in zip(self.seconds, self.seconds[1:]) for a, b in zip(short, long))
+
     def observe(self, batch: int, rows: int, context: float, seconds: float) -> None:
-        """A decode step of `batch` sequences and `rows` rows took `seconds` (its drafting not counted): the
-        overhead of such steps moves toward what it measured beyond the forward."""
+        """A decode step of `batch` sequences and `rows` rows took `seconds` (its drafting not counted): a plain
+        step's overhead moves toward what it measured beyond the forward; a drafting step refits its batch size's
+        `RowFit`."""
         if not self.online or seconds <= 0:
             return
-        extra, key = seconds - self.forward(rows, context), (batch, rows > batch)
-        old = self.overhead.get(key)
-        self.overhead[key] = extra if old is None else (1 - ONLINE) * old + ONLINE * extra
+        base = self.forward(batch, context)
+        if rows > batch:
+            self.fits.setdefault(batch, RowFit()).add(self.forward(rows, context) - base, seconds - base)
+            return
+        old = self.overhead.get(batch)
+        self.overhead[batch] = seconds - base if old is None else (1 - ONLINE) * old + ONLINE * (seconds - base)
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "rows": self.rows, "contexts": self.contexts, "seconds": self.seconds}
+
+
+@dataclass
+class RowFit:
+    """A batch size's drafting steps: seconds beyond a plain forward ~ a + b x, x the table's time for their extra
+    rows, fitted by least squares over recent steps (each older one weighs 1 - ONLINE less), b shrunk toward 1 (the
+    table is right) by SLOPE_PRIOR times the mean x^2. While the steps' rows do not vary, b stays 1 and a is the moving
+    mean of what they took beyond the table."""
+
+    s0: float = 0.0  # decayed sums of 1, x, y, x^2, xy
+    sx: float = 0.0
+    sy: float = 0.0
+    sxx: float = 0.0
+    sxy: float = 0.0
+
+    def add(self, x: float, y: float) -> None:
+        keep = 1 - ONLINE if self.s0 else 0.0
+        self.s0, self.sx, self.sy = keep * self.s0 + 1, keep * self.sx + x, keep * self.sy + y
+        self.sxx, self.sxy = keep * self.sxx + x * x, keep * self.sxy + x * y
+
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): the ridge solution of [s0 sx; sx sxx + l] [a b] = [sy, sxy + l], l = SLOPE_PRIOR mean x^2."""
+        prior = SLOPE_PRIOR * self.sxx / self.s0
+        det = self.s0 * (self.sxx + prior) - self.sx * self.sx
+        if det <= 0:
+            return (self.sy - self.sx) / self.s0, 1.0
+        b = (self.s0 * (self.sxy + prior) - self.sx * self.sy) / det
+        b = min(max(b, SLOPE_RANGE[0]), SLOPE_RANGE[1])
+        return (self.sy - b * self.sx) / self.s0, b
+
+    def intercept(self) -> float:
+        return self.coefficients()[0]
+
+    def seconds(self, x: float) -> float:
+        a, b = self.coefficients()
+        return a + b * x
 
 
 def _linear(xs: list[int], ys: list[float], x: float) -> float:
@@ -133,7 +193,23 @@ def measure(time_rows: Callable[[int, list[int], int], dict[int, float]], max_ro
     """The table: `time_rows(context, widths, repeats)` (`time_verification`) at a short and a long
     context, for the widths up to `max_rows`; the wider ones only while the whole measurement stays within
     MEASURE_BUDGET_S (past them the table extends linearly: wide forwards are compute-bound). A model whose
-    forward takes more than SLOW_FORWARD_S is timed once per shape (its times vary less than a small one's)."""
+    forward takes more than SLOW_FORWARD_S is timed once per shape (its times vary less than a small one's). A table
+    that is not `plausible` (a busy machine) is measured again, up to MEASURE_ATTEMPTS times while within twice the
+    budget; the last one is returned either way."""
+    import time
+
+    start = time.perf_counter()
+    for attempt in range(1, MEASURE_ATTEMPTS + 1):
+        cost = _measure_once(time_rows, max_rows, max_context)
+        if cost.plausible() or attempt == MEASURE_ATTEMPTS or time.perf_counter() - start > 2 * MEASURE_BUDGET_S:
+            return cost
+        log.info("the verification costs measured on a busy machine (a wider forward faster than a narrower "
+                 "one); measuring again")
+    raise AssertionError("unreachable")
+
+
+def _measure_once(time_rows: Callable[[int, list[int], int], dict[int, float]], max_rows: int, max_context: int
+                  ) -> StepCost:
     import time
 
     start = time.perf_counter()
@@ -208,15 +284,22 @@ def cache_key(*parts: object) -> str:
 
 
 def load_or_measure(key: str, measure_now: Callable[[], StepCost]) -> StepCost:
-    """The cached table for `key`, or one measured now and cached (an unwritable cache only costs measuring again)."""
+    """The cached table for `key`, or one measured now and cached (an unwritable cache only costs measuring again).
+    A table that is not `plausible` (measured while the machine was busy) is used this once, never cached, and a
+    cached one is measured again."""
     path = cache_root() / "costs" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
-        if data.get("format") == FORMAT:
-            return StepCost(data["rows"], data["contexts"], data["seconds"])
+        if data.get("format") == FORMAT and (cached := StepCost(data["rows"], data["contexts"], data["seconds"])
+                                             ).plausible():
+            return cached
     except (OSError, ValueError, KeyError, TypeError):
         pass
     cost = measure_now()
+    if not cost.plausible():
+        log.warning("the verification costs vary as on a busy machine (%s); using them for this engine, not caching "
+                    "them: they are measured again when the next engine starts", path.name)
+        return cost
     try:
         path.parent.mkdir(parents=True, exist_ok=True)
         tmp = path.with_suffix(f".{os.getpid()}.tmp")

@@ -9,21 +9,20 @@ import itertools
 import logging
 import random
 import time
-from collections.abc import Callable, Iterator
-from contextlib import contextmanager
 from typing import TYPE_CHECKING
 
 import torch
 
 from specdec.config import EngineConfig, SamplingParams, SpecdecError
 from specdec.drafting import DraftEnv, ForwardClock, SpeculativeConfig, build_drafter
+from specdec.engine.commit import StepOutput, keep
 from specdec.engine.cost import engine_costs
 from specdec.engine.graphs import GraphRunner
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.outputs import OutputProcessor, RequestOutput, RequestUpdate, eos_ids
 from specdec.engine.parallel import TPRunner, Workers
-from specdec.engine.scheduler import ScheduledBatch, Scheduler, StepOutput
+from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
 from specdec.engine.step_times import StepTimes
@@ -32,7 +31,6 @@ from specdec.kv_cache import BlockAllocator, KVPool
 from specdec.models.llama import LlamaModel
 from specdec.sampling import TokenLogprob, token_logprobs
 from specdec.structured import GrammarCompiler, GrammarState, compiler_for
-from specdec.tree import SpecShape
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -62,8 +60,6 @@ class LLMEngine:
             self.max_model_len = (num_blocks - 1) * bs  # one sequence must always fit
         self.kv = KVPool(model.kv_config, num_blocks, bs, model.kv_dtype, model.device)
         self.allocator.pools.append(self.kv)
-        lookahead = speculative.num_draft_tokens if speculative else 0
-        self.scheduler = Scheduler(self.cfg, self.allocator, lookahead, speculative.num_slots if speculative else 0)
         graphs = GraphRunner(model, self.kv, bs, self.cfg.max_num_seqs, self.max_model_len, capture=True) \
             if model.device.type == "cuda" and not self.cfg.enforce_eager and workers is None else None
         self.runner = ModelRunner(model, self.kv, bs, graphs) if workers is None else \
@@ -78,6 +74,9 @@ class LLMEngine:
         self.feature_layers = self.speculator.feature_layers if self.speculator is not None else ()
         if self.speculator is not None:
             self.allocator.match_next_token = self.speculator.cache_reads_next_token
+        self.scheduler = Scheduler(self.cfg, self.allocator, speculative.num_draft_tokens if speculative else 0,
+                                   speculative.num_slots if speculative else 0,
+                                   self.speculator.cached_prefix if self.speculator is not None else None)
         self.eos_token_ids = eos_ids(model, tokenizer)
         self.outputs = OutputProcessor(tokenizer)
         cuda = model.device.type == "cuda"  # there the accounting waits for the device: off until switched on
@@ -86,9 +85,6 @@ class LLMEngine:
         self._requests: dict[int, Sequence] = {}  # request id -> its sequence, until its output is handed out
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
         self.num_failed = 0  # requests failed by a step that raised with them alone
-        # Tests and `bench --soak` only: called with each step's sequences before it computes; raising from it
-        # is a fault in that step (how fault isolation is exercised without breaking a kernel).
-        self.inject_fault: Callable[[list[Sequence]], None] | None = None
         if self.speculator is not None:  # what verifying n rows costs here (cached, else measured now)
             self.speculator.cost = engine_costs(self)
 
@@ -139,8 +135,7 @@ class LLMEngine:
         if seq is None:
             return None
         if not seq.is_finished:
-            seq.stop_reason = stop_reason
-            self._finish(seq, reason)
+            self._finish(seq, reason, stop_reason)
         return self._output(seq)
 
     def sequence(self, request_id: int) -> Sequence:
@@ -148,12 +143,11 @@ class LLMEngine:
         `RequestUpdate`s)."""
         return self._requests[request_id]
 
-    def _finish(self, seq: Sequence, reason: str | None = None) -> None:
+    def _finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
         if self.speculator is not None:  # a feature drafter's K/V follows it to the end, for the prefix cache
             self.speculator.catch_up([seq], final=True)
-        self._settle_blocks(seq)  # its full blocks outlive it in the prefix cache
         self.outputs.finished(seq)
-        self.scheduler.finish(seq, reason)
+        self.scheduler.finish(seq, reason, stop_reason)
         if self.speculator is not None:
             self.speculator.release(seq.seq_id)
 
@@ -215,8 +209,6 @@ class LLMEngine:
             return []
         self.step_times.mark("schedule")
         try:
-            if self.inject_fault is not None:
-                self.inject_fault(batch.seqs)
             outputs = self._compute(batch)
         except SpecdecError:  # the engine's own failure (a tensor-parallel rank gone): every request's
             raise
@@ -233,25 +225,20 @@ class LLMEngine:
         return updates
 
     def _commit_step(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> list[RequestUpdate]:
-        """Apply what each sequence kept: its cache, its tokens up to a stop, its update, the prefix cache."""
+        """The commit, in one direction (`commit`): decide what each sequence keeps, then account for it once: the
+        scheduler caches it, the sequences that stopped finish, the drafter takes the others' target features,
+        and their full blocks enter the prefix cache."""
         self.scheduler.cleared(batch)
-        self.scheduler.update(batch, outputs)
-        updates = []
-        for seq, out in zip(batch.seqs, outputs):
-            if out.tokens is None:
-                continue
-            seq.num_steps += 1
-            kept = self._commit(seq, out.tokens)
-            new_logprobs = out.logprobs[:len(kept)] if out.logprobs is not None else None
-            if new_logprobs is not None:
-                seq.logprobs += new_logprobs
-            updates.append(self._update(seq, kept, new_logprobs))
+        kept = [keep(seq, out, self.outputs) for seq, out in zip(batch.seqs, outputs)]
+        self.scheduler.update(kept)
+        for k in kept:
+            if k.finish_reason is not None:
+                self._finish(k.seq, k.finish_reason, k.stop_reason)
         running = [seq for seq in batch.seqs if not seq.is_finished]
         if self.speculator is not None:
             self.speculator.catch_up(running)
-        for seq in running:
-            self._settle_blocks(seq)
-        return updates
+        self.scheduler.settle(running)
+        return [self._update(k.seq, k.tokens, k.logprobs) for k in kept if k.tokens is not None]
 
     def _update(self, seq: Sequence, new_ids: list[int], new_logprobs: list[TokenLogprob] | None) -> RequestUpdate:
         update = self.outputs.update(seq, new_ids, new_logprobs)
@@ -301,7 +288,7 @@ class LLMEngine:
 
     @staticmethod
     def _step_outputs(layout: StepLayout, features: torch.Tensor | None, choice: Choice | None) -> list[StepOutput]:
-        """What each sequence keeps: a prefill chunk short of its prompt's end, its fed tokens; a ready sequence,
+        """What each sequence produced: a prefill chunk short of its prompt's end, its fed tokens; a ready sequence,
         also its accepted draft nodes (moved to the slots after the fed tokens) and the tokens it emits."""
         outputs, ready = [], {i: k for k, i in enumerate(layout.ready)}  # sequence -> its place among the ready
         for i, n in enumerate(layout.num_fed):
@@ -311,7 +298,7 @@ class LLMEngine:
                 continue
             nodes = choice.result.accepted_nodes[k]
             rows = layout.kept_index(i, nodes)
-            outputs.append(StepOutput(n + len(nodes), choice.result.emitted_tokens[k],
+            outputs.append(StepOutput(n, choice.result.emitted_tokens[k],
                                       None if features is None else features[rows], choice.logprobs[k]))
         return outputs
 
@@ -329,8 +316,7 @@ class LLMEngine:
         log.error("request %d failed: %s: %s", seq.seq_id, type(error).__name__, error,
                   exc_info=(type(error), error, error.__traceback__))
         self.num_failed += 1
-        seq.stop_reason = f"{type(error).__name__}: {error}"
-        self._finish(seq, "error")
+        self._finish(seq, "error", f"{type(error).__name__}: {error}")
 
     def _prompt_logprobs(self, seq: Sequence, hidden: torch.Tensor, row: int, n: int) -> None:
         """Log-probabilities of the prompt tokens this prefill chunk predicts (rows row .. row + n - 1 hold
@@ -344,57 +330,6 @@ class LLMEngine:
         rows = [row + p - first for p in range(done, last + 1)]
         logits = self.runner.logits(hidden, rows)
         seq.prompt_logprobs += token_logprobs(logits, seq.prompt_token_ids[done:last + 1], seq.params.prompt_logprobs)
-
-    # -- control for measuring tools (`specdec tune`, `engine.cost.time_verification`) ------------------------
-    def pin_draft_shape(self, shape: SpecShape | None) -> None:
-        """Draft this shape at every step, whatever the batch size (None: back to the dispatcher)."""
-        if self.speculator is None:
-            raise SpecdecError("this engine does not speculate: there is no draft shape to pin")
-        if shape is not None and shape.num_slots > self.scheduler.lookahead:
-            raise SpecdecError(f"draft shape {shape} needs {shape.num_slots} slots per step; this engine reserves "
-                               f"{self.scheduler.lookahead} (its speculative config's largest shape)")
-        self.speculator.pinned = shape
-
-    @contextmanager
-    def trace_speculation(self) -> Iterator[list[tuple[list[int], int]]]:
-        """Within the block, every verification appends (accepted node indices, nodes drafted) per sequence."""
-        if self.speculator is None:
-            raise SpecdecError("this engine does not speculate: there is nothing to trace")
-        self.speculator.trace = trace = []
-        try:
-            yield trace
-        finally:
-            self.speculator.trace = None
-
-    def _settle_blocks(self, seq: Sequence) -> None:
-        """Offer the sequence's full blocks to the prefix cache and free those its windows left behind, up to
-        where both the target's K/V and the drafter's (when it keeps any in the shared blocks) hold committed
-        tokens."""
-        if not (self.allocator.enable_prefix_caching or self.allocator.reach):
-            return
-        n = min(seq.num_cached, len(seq.token_ids))
-        if self.speculator is not None:
-            drafted = self.speculator.cached_prefix(seq)
-            n = n if drafted is None else min(n, drafted)
-        self.allocator.register(seq.block_table, seq.token_ids, n)
-        self.allocator.release_behind(seq.block_table, n)
-
-    def _commit(self, seq: Sequence, tokens: list[int]) -> list[int]:
-        """Append tokens until a stop condition; finish the sequence if one fired. A structured request whose
-        grammar allows no next token (it ended, e.g. past its end under ignore_eos) stops there."""
-        kept = []
-        if seq.grammar is not None and seq.grammar.dead:
-            seq.finish_reason, seq.stop_reason = "stop", "structured output complete: no token may follow"
-            self._finish(seq)
-            return kept
-        for token in tokens:
-            kept.append(token)
-            if seq.grammar is not None:
-                seq.grammar.accept(token)
-            if seq.append(token) or self.outputs.hit_stop_string(seq):
-                self._finish(seq)
-                break
-        return kept
 
     def decode(self, token_ids: list[int]) -> str:
         return self.outputs.decode(token_ids)

@@ -107,19 +107,18 @@ class OutputProcessor:
             detok = self._detok[seq.seq_id] = IncrementalText(self.decode)
         return detok.update(seq.output_token_ids)
 
-    def hit_stop_string(self, seq: Sequence) -> bool:
-        """Whether the text now holds one of the request's stop strings; if so, the reason is recorded on the
-        sequence and its text is cut before the first one."""
+    def stop_string(self, seq: Sequence) -> str | None:
+        """The first of the request's stop strings the text now holds (None: none); the request's text is then
+        cut before it."""
         if not seq.params.stop:
-            return False
+            return None
         text = self.text(seq)
         hits = [(text.find(s), s) for s in seq.params.stop if s in text]
         if not hits:
-            return False
+            return None
         cut, stop = min(hits)
-        seq.finish_reason, seq.stop_reason = "stop", stop
         self._texts[seq.seq_id] = text[:cut]
-        return True
+        return stop
 
     def finished(self, seq: Sequence) -> None:
         """The sequence stopped running: its text is no longer decoded step by step."""

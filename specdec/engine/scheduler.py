@@ -1,8 +1,9 @@
 """CPU bookkeeping: which sequences run this step, with how many tokens, and in which KV blocks.
 
 Every block-allocator call and every change to a sequence's cache state (`num_cached`, its block table,
-the target features waiting for its drafter) happens here: `schedule` reserves the slots a step may
-write, the step reports what it kept (`StepOutput`), and `update` applies it.
+the target features waiting for its drafter, its blocks in the prefix cache) happens here: `schedule` reserves
+the slots a step may write, the step decides what each sequence kept (`commit.Kept`), `update` applies it, and
+`settle` and `finish` hand the full blocks to the prefix cache.
 
 A step is either a prefill step (new or preempted sequences feed their uncached tokens, chunked by a
 token budget) or a decode step (every running sequence feeds its last token, plus up to `lookahead`
@@ -15,11 +16,11 @@ full blocks stay in the prefix cache, so the recompute is usually cheap).
 from __future__ import annotations
 
 from collections import deque
+from collections.abc import Callable
 from dataclasses import dataclass
 
-import torch
-
 from specdec.config import EngineConfig
+from specdec.engine.commit import Kept
 from specdec.engine.sequence import Sequence, Status
 from specdec.kv_cache import BlockAllocator
 
@@ -31,23 +32,15 @@ class ScheduledBatch:
     is_prefill: bool
 
 
-@dataclass
-class StepOutput:
-    """What one sequence keeps from a step."""
-
-    num_cached: int  # fed tokens whose K/V are now final, in order from the old num_cached
-    tokens: list[int] | None  # tokens it emits (None: a prefill chunk short of the prompt's end)
-    features: torch.Tensor | None = None  # the target features of those cached tokens [num_cached, F]
-    logprobs: list | None = None  # sampling.TokenLogprob per emitted token, when the request asked for them
-
-
 class Scheduler:
     def __init__(self, cfg: EngineConfig, allocator: BlockAllocator, lookahead: int = 0,
-                 structured_lookahead: int | None = None) -> None:
+                 structured_lookahead: int | None = None,
+                 drafted: Callable[[Sequence], int | None] | None = None) -> None:
         """lookahead: draft tokens a decode step may verify per sequence; their slots are reserved too.
         structured_lookahead: the same for a structured request, which may also draft its grammar's forced
-        text (default: lookahead)."""
-        self.cfg, self.allocator, self.lookahead = cfg, allocator, lookahead
+        text (default: lookahead). drafted: how many leading tokens of a sequence have final K/V in the
+        drafter's own pool over the shared blocks (None: it keeps none there; `Speculator.cached_prefix`)."""
+        self.cfg, self.allocator, self.lookahead, self.drafted = cfg, allocator, lookahead, drafted
         self.structured_lookahead = lookahead if structured_lookahead is None else structured_lookahead
         self.waiting: deque[Sequence] = deque()
         self.running: list[Sequence] = []
@@ -170,14 +163,27 @@ class Scheduler:
             raise RuntimeError(f"{num_tokens} slots do not fit in the KV cache ({self.allocator.num_free} blocks free)")
         self.allocator.allocate(seq.block_table, num_tokens)
 
-    def update(self, batch: ScheduledBatch, outputs: list[StepOutput]) -> None:
-        """Apply a step: the kept tokens are cached, slots reserved past them go back to the pool, and their
-        target features wait for the drafter."""
-        for seq, out in zip(batch.seqs, outputs):
-            seq.num_cached += out.num_cached
+    def update(self, kept: list[Kept]) -> None:
+        """Apply what each sequence kept of a step: those tokens' K/V are cached, the slots past them go back to
+        the pool (rejected drafts', and accepted ones' after a stop), and their target features wait for the
+        drafter."""
+        for k in kept:
+            seq = k.seq
+            seq.num_cached += k.num_cached
             self.allocator.truncate(seq.block_table, seq.num_cached)
-            if out.features is not None:
-                seq.pending_features.append(out.features)
+            if k.features is not None:
+                seq.pending_features.append(k.features)
+
+    def settle(self, seqs: list[Sequence]) -> None:
+        """Offer each sequence's full blocks to the prefix cache and free those its windows left behind, up to
+        where both the target's K/V (its cached tokens) and the drafter's (`drafted`) hold committed tokens."""
+        if not (self.allocator.enable_prefix_caching or self.allocator.reach):
+            return
+        for seq in seqs:
+            n, drafted = seq.num_cached, self.drafted(seq) if self.drafted is not None else None
+            n = n if drafted is None else min(n, drafted)
+            self.allocator.register(seq.block_table, seq.token_ids, n)
+            self.allocator.release_behind(seq.block_table, n)
 
     def preempt(self, seq: Sequence) -> None:
         """Free a sequence's blocks and queue it to be recomputed from its tokens."""
@@ -190,11 +196,12 @@ class Scheduler:
         seq.status = Status.WAITING
         self.waiting.appendleft(seq)
 
-    def finish(self, seq: Sequence, reason: str | None = None) -> None:
-        """Finish (or abort) a sequence and return its blocks."""
+    def finish(self, seq: Sequence, reason: str, stop_reason: int | str | None = None) -> None:
+        """Finish (or abort) a sequence and return its blocks; its full blocks outlive it in the prefix cache."""
+        self.settle([seq])
         if seq in self.running:
             self.running.remove(seq)
         elif seq in self.waiting:
             self.waiting.remove(seq)
         self.allocator.free(seq.block_table)
-        seq.finish(reason)
+        seq.finish(reason, stop_reason)

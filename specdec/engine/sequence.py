@@ -1,4 +1,4 @@
-"""A request's state as it moves through the engine: tokens, cache position, stop checks, timing."""
+"""A request's state as it moves through the engine: tokens, cache position, timing."""
 from __future__ import annotations
 
 import time
@@ -63,7 +63,7 @@ class Sequence:
     num_prefix_hit: int = 0  # of those, tokens reused from the prefix cache at the latest admission
     block_table: BlockTable = field(default_factory=BlockTable)
     status: Status = Status.WAITING
-    finish_reason: str | None = None  # "stop" | "length" | "abort"
+    finish_reason: str | None = None  # "stop" | "length" | "abort" | "error"
     stop_reason: int | str | None = None
     arrival_time: float = field(default_factory=time.perf_counter)
     first_token_time: float | None = None
@@ -86,8 +86,6 @@ class Sequence:
         that many last rows stay pending (a drafter's next draft starts from the row of the last cached token)."""
         start, pending = self.features_start, self.pending_features
         rows = pending[0] if len(pending) == 1 else torch.cat(pending) if pending else None
-        if rows is not None:  # a stop inside an accepted draft keeps fewer tokens than the step cached: rows whose
-            rows = rows[:max(len(self.token_ids) - 1 - start, 0)]  # next token was not kept pair with nothing
         if leave and rows is not None and len(rows) > leave:
             self.features_start, self.pending_features = self.num_cached - leave, [rows[-leave:]]
             return start, rows[:-leave]
@@ -114,20 +112,13 @@ class Sequence:
     def is_finished(self) -> bool:
         return self.status == Status.FINISHED
 
-    def append(self, token: int) -> bool:
-        """Add one generated token; returns True when the sequence must stop after it."""
+    def append(self, token: int) -> None:
+        """Add one generated token (whether the sequence stops after it is `commit.keep`'s to say)."""
         if self.first_token_time is None:
             self.first_token_time = time.perf_counter()
         self.token_ids.append(token)
-        p = self.params
-        if token in p.stop_token_ids or (not p.ignore_eos and token in self.eos_token_ids):
-            self.finish_reason, self.stop_reason = "stop", token
-        elif len(self.output_token_ids) >= p.max_tokens or len(self.token_ids) >= self.max_len:
-            self.finish_reason = "length"
-        return self.finish_reason is not None
 
-    def finish(self, reason: str | None = None) -> None:
-        if reason is not None:
-            self.finish_reason = reason
+    def finish(self, reason: str, stop_reason: int | str | None = None) -> None:
+        self.finish_reason, self.stop_reason = reason, stop_reason
         self.status = Status.FINISHED
         self.finish_time = time.perf_counter()

@@ -100,13 +100,15 @@ class Speculator:
             return 0  # the candidates it would feed do not fit before the end of the context
         return max(0, min(shape.num_tokens, room_in_context, shape.nodes_within(room_in_output)))
 
-    def rates(self, seq_id: int, levels: int) -> list[float]:
-        """g(0..levels-1): the chance this request's next draft keeps its first j + 1 tokens (or tree levels)."""
-        every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)
+    def rates(self, seq_id: int, levels: int, every: list[float] | None = None) -> list[float]:
+        """g(0..levels-1): the chance this request's next draft keeps its first j + 1 tokens (or tree levels).
+        `every`: every request's rates for at least `levels` positions, when the caller has them (a plan asks once)."""
+        if every is None:
+            every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)
         own = self.acceptance.get(seq_id)
-        return own.rates(levels, every, REQUEST_WEIGHT) if own is not None else every
+        return own.rates(levels, every, REQUEST_WEIGHT) if own is not None else every[:levels]
 
-    def plan_rows(self, seqs: list[Sequence]) -> list[int]:
+    def plan_rows(self, seqs: list[Sequence], context: float | None = None) -> list[int]:
         """Each sequence's draft budget this step: the rows the cost model expects to pay (`cost.plan`), one for a
         request idle for PROBE_EVERY steps and one more on every PROBE_EVERY-th draft (probes: a position's estimate
         learns only from drafts that reach it), the whole budget where a shape is pinned or no costs are
@@ -120,12 +122,15 @@ class Speculator:
         whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
         items, factor = [], self.calibration.factor
         self._factor = factor
+        levels = max(min(b, shape.depth) if whole else b for b in budgets)
+        every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)  # once a step, shared by the batch
         for i, (s, b) in enumerate(zip(seqs, budgets)):
             if not b:
                 continue
-            g = [x * factor for x in self.rates(s.seq_id, min(b, shape.depth) if whole else b)]
+            g = [x * factor for x in self.rates(s.seq_id, min(b, shape.depth) if whole else b, every)]
             items += [Item(i, b, sum(g))] if whole else [Item(i, 1, x) for x in g]
-        context = sum(len(s.token_ids) for s in seqs) / len(seqs)
+        if context is None:  # the batch's mean length
+            context = sum(len(s.token_ids) for s in seqs) / len(seqs)
         self._plan = plan(items, len(seqs), context, self.cost, self.draft_seconds(max(budgets)))
         rows = self._plan.rows
         self.steps += 1
@@ -180,8 +185,8 @@ class Speculator:
         every step (recycling, Jacobi) whatever it drafts, or the text a structured request's grammar forces
         (jump-forward)."""
         drafting = self.cfg.sampled or any(s.params.greedy for s in seqs)
-        self._rows = self.plan_rows(seqs) if drafting else [0] * len(seqs)
         self._step = (0, sum(len(s.token_ids) for s in seqs) / len(seqs), 0.0)
+        self._rows = self.plan_rows(seqs, self._step[1]) if drafting else [0] * len(seqs)
         watching = (self.drafter.observe_topk or self.drafter.observe_drafts) and self.shape_for(len(seqs)).k
         return any(self._rows) or bool(watching) or (self.cfg.jump_forward > 0 and
                                                       any(s.grammar is not None for s in seqs))
@@ -197,8 +202,9 @@ class Speculator:
         requests = [draft_request(s, k, shape, keyed) for s, k in zip(seqs, rows)]
         if any(rows) and self._plan is not None:  # for a drafter that sizes its own drafts (switch, hybrid)
             row_cost = self.row_cost(len(seqs), sum(rows), self._step[1])
+            plain_seconds = self.cost(len(seqs), self._step[1], len(seqs)) / len(seqs)
             for r in requests:
-                r.row_cost = row_cost
+                r.row_cost, r.plain_seconds = row_cost, plain_seconds
         if any(rows) and self.feature_layers:  # hand over the target features gathered since the last draft
             for r, s in zip(requests, seqs):
                 if r.max_tokens:  # a request that does not draft keeps gathering them
@@ -353,10 +359,7 @@ class Speculator:
         for s in late:
             r = draft_request(s, 1)
             r.features_start, r.features = s.take_features(leave=1)
-            if len(r.features):  # none where a stop left no token to pair them with
-                requests.append(r)
-        if not requests:
-            return
+            requests.append(r)
         try:
             self.drafter.catch_up(requests)
         except Exception as e:  # noqa: BLE001  a drafter's failure costs speed, never a request

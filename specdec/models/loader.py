@@ -6,6 +6,7 @@ directory (config.json + one or many *.safetensors), a .gguf file, a directory h
 """
 from __future__ import annotations
 
+import copy
 import hashlib
 import importlib.util
 import json
@@ -60,19 +61,26 @@ def default_config_path(model: str | os.PathLike) -> Path:
 # What a model speculates with when no config is asked for and none was tuned for it: drafts that need no model,
 # which the cost model (`specdec.engine.cost`) verifies only where they are expected to pay.
 MODEL_FREE_DEFAULT = {"method": "ngram", "num_speculative_tokens": 4}
+# ... and a model whose files bring MTP layers: each step, each request drafts with the n-gram or the MTP layer's
+# chain, the one expected to pay (`drafting.switch`, its costs measured by the cost model); the MTP source names no
+# `model`, so it reads the model's own files.
+MTP_DEFAULT = {"method": "switch", "num_speculative_tokens": 4,
+               "sources": [MODEL_FREE_DEFAULT, {"method": "mtp", "num_speculative_tokens": 2}]}
 
 
-def default_speculative_config(model: str | os.PathLike) -> dict:
+def default_speculative_config(model: str | os.PathLike, mtp_layers: int = 0) -> dict:
     """The speculation a model gets when none is asked for: the configuration `specdec tune --write-default` chose
-    for it (shipped for a built-in model, a head's `model` named relative to the shipped heads), else
-    MODEL_FREE_DEFAULT. An unreadable file is named in a warning and passed over."""
+    for it (shipped for a built-in model, a head's `model` named relative to the shipped heads), else MTP_DEFAULT for
+    a model with `mtp_layers` (`ModelConfig.num_mtp_layers`), else MODEL_FREE_DEFAULT. An unreadable file is named
+    in a warning and passed over."""
     path = default_config_path(model)
+    fallback = copy.deepcopy(MTP_DEFAULT if mtp_layers else MODEL_FREE_DEFAULT)
     try:
-        return _shipped_paths(json.loads(path.read_text())) if path.is_file() else dict(MODEL_FREE_DEFAULT)
+        return _shipped_paths(json.loads(path.read_text())) if path.is_file() else fallback
     except (OSError, ValueError) as e:
-        warnings.warn(f"cannot read the default speculative config {path} ({e}); drafting with "
-                      f"{MODEL_FREE_DEFAULT}", stacklevel=2)
-        return dict(MODEL_FREE_DEFAULT)
+        warnings.warn(f"cannot read the default speculative config {path} ({e}); drafting with {fallback}",
+                      stacklevel=2)
+        return fallback
 
 
 def _shipped_paths(config: dict) -> dict:
@@ -161,7 +169,11 @@ def load_weights(src: ModelSource, keep_blocks: bool = False
     else:
         hf_config = json.loads((src.path / "config.json").read_text())
         family = family_of(hf_config)  # refuses an unknown model_type before reading any weights
-        state = family.state(_without_mtp_layers(_load_safetensors(src.path), hf_config), hf_config)
+        files = _load_safetensors(src.path)
+        own = _without_mtp_layers(files, hf_config)
+        if len(own) == len(files) and hf_config.get("num_nextn_predict_layers"):  # declared (transformers writes 1
+            hf_config = {**hf_config, "num_nextn_predict_layers": 0}  # for DeepSeek-V3) but not in the files
+        state = family.state(own, hf_config)
     return load_config(hf_config), state
 
 

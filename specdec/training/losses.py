@@ -3,7 +3,7 @@ SmoothL1 term on its output), per training sequence over every term the head fit
 later terms weighted down; the distribution term is chosen by `--objective` (`distribution_term`)."""
 from __future__ import annotations
 
-import argparse
+from dataclasses import dataclass
 from typing import TYPE_CHECKING
 
 import torch
@@ -18,6 +18,18 @@ if TYPE_CHECKING:
 
 CE_WEIGHT, REGRESSION_WEIGHT = 0.1, 1.0
 TTT_DECAY = 0.8  # weight of unrolled step s: 0.8^(s - 1)
+OBJECTIVES = ("ce", "topk", "acceptance", "replay")
+
+
+@dataclass(frozen=True)
+class LossOptions:
+    """What `sequence_loss` reads of a training run (`TrainConfig.loss_options()`), and nothing else of it."""
+
+    ttt_steps: int = 1  # the head unrolled on its own outputs this many steps (EAGLE-3's training-time test)
+    ce_weight: float = CE_WEIGHT  # weight of the distribution term
+    regression_weight: float = REGRESSION_WEIGHT  # weight of the SmoothL1 hidden-state term
+    objective: str = "ce"  # the distribution term (`distribution_term`): one of OBJECTIVES
+    topk: int = 8  # tokens of objective "topk"
 
 
 def logits_input(head: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
@@ -29,7 +41,6 @@ def logits_input(head: torch.nn.Module, out: torch.Tensor) -> torch.Tensor:
         else out
 
 
-OBJECTIVES = ("ce", "topk", "acceptance", "replay")
 REPLAY_WEIGHT = 4.0  # "replay": a row whose draft the target would reject counts this many times a kept one
 
 
@@ -87,7 +98,7 @@ def head_loss(head: torch.nn.Module, out: torch.Tensor, target_hidden: torch.Ten
                                                              "n": len(out)}
 
 
-def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mask: list[bool], args: argparse.Namespace,
+def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mask: list[bool], options: LossOptions,
                   outputs: tuple[torch.Tensor | None, torch.Tensor, None] | None = None,
                   lm_rows: torch.Tensor | None = None) -> tuple[torch.Tensor, dict]:
     """Equation 1 over one training sequence; the target runs once, under inference mode.
@@ -101,7 +112,7 @@ def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mas
     with torch.inference_mode():
         normed = target.norm(hidden)
     embeds = target.embed(torch.tensor(ids[1:])).float()
-    terms, goal, draft_ids = head.training_terms(embeds, features, hidden, normed, args.ttt_steps)
+    terms, goal, draft_ids = head.training_terms(embeds, features, hidden, normed, options.ttt_steps)
     with torch.inference_mode():  # the target's logits over the head's vocabulary only (a sixth of the rows)
         goal_logits = (target.compute_logits(normed) if draft_ids is None
                        else linear(normed, lm_rows if lm_rows is not None else target.lm_head[draft_ids]).float())
@@ -112,8 +123,8 @@ def sequence_loss(head: torch.nn.Module, target: LlamaModel, ids: list[int], mas
         if n <= 0 or not step_mask.any():
             continue
         step_loss, step_stats = head_loss(head, out, goal[ahead:ahead + n], goal_logits[ahead:ahead + n], step_mask,
-                                          None, (args.ce_weight, args.regression_weight),
-                                          getattr(args, "objective", "ce"), getattr(args, "topk", 8))
+                                          None, (options.ce_weight, options.regression_weight),
+                                          options.objective, options.topk)
         loss = loss + TTT_DECAY ** s * step_loss
         stats = stats or step_stats  # the progress bar reports the first step / head
     return loss, stats

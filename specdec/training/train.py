@@ -27,6 +27,8 @@ every `--eval-every` updates give a point of the curve: per unrolled step, how o
 the target's own top-1 on them, against the answer tokens trained on; the best head so far is kept in OUT/best.
 `--train-seconds` stops a run with a checkpoint.
 
+Each flag is a field of `TrainConfig` (`specdec.training.config`), which a library caller builds directly.
+
 Data parallel: under `torchrun --nproc-per-node N -m specdec.cli train ...` (or `specdec train --nproc N`,
 which starts it) the N ranks deal every `--batch` of conversations round-robin, each runs the target on its
 own conversations only, and the summed gradients are all-reduced (gloo, or nccl on CUDA) before the one
@@ -38,7 +40,6 @@ global position, so a run resumes with any number of ranks.
 """
 from __future__ import annotations
 
-import argparse
 import contextlib
 import inspect
 import json
@@ -48,6 +49,7 @@ import sys
 import time
 import zlib
 from collections import Counter
+from dataclasses import asdict, replace
 from pathlib import Path
 from typing import TYPE_CHECKING
 
@@ -55,7 +57,7 @@ import torch
 from tqdm import tqdm
 
 from specdec.config import SamplingParams, SpecdecError
-from specdec.drafting.registry import method_info, registered_methods
+from specdec.training.config import TrainConfig, head_class
 from specdec.training.curve import curve_point, held_out_outputs
 from specdec.training.losses import sequence_loss
 from specdec.training.targets import FeatureCache
@@ -135,56 +137,23 @@ def draft_vocabulary(samples: list[tuple[list[int], list[bool]]], size: int, voc
     return torch.tensor(sorted(chosen[:size]), dtype=torch.long)
 
 
-# ---------------------------------------------------------------------------------------------- target
-@torch.inference_mode()
 # ---------------------------------------------------------------------------------------------- run
-def head_class(method: str) -> type:
-    """The model class of a registered draft-head method
-    (`specdec.drafting.registry.register_method(..., head=...)`)."""
-    heads = registered_methods(head=True)
-    if method not in heads:
-        raise SpecdecError(f"--method {method}: the trainer supports {heads}")
-    return method_info(method).head
-
-
-def window(items: list, args: argparse.Namespace) -> list:
-    """The training conversations a run takes of the shuffled ones: --skip-conversations, then at most
-    --max-conversations (0: all), so passes over disjoint parts of a large corpus can follow one another."""
-    skip = getattr(args, "skip_conversations", 0)
-    if skip < 0 or args.max_conversations < 0:
-        raise SpecdecError(f"invalid --skip-conversations {skip} / --max-conversations {args.max_conversations}: "
-                           "must be >= 0")
+def window(items: list, skip: int, most: int) -> list:
+    """The training conversations a run takes of the shuffled ones: `skip` (--skip-conversations), then at most
+    `most` (--max-conversations; 0: all), so passes over disjoint parts of a large corpus can follow one another."""
     if skip and skip >= len(items):
         raise SpecdecError(f"--skip-conversations {skip} leaves none of the {len(items)} training conversations")
     items = items[skip:]
-    return items[:args.max_conversations] if args.max_conversations else items
+    return items[:most] if most else items
 
 
-def run_train(args: argparse.Namespace) -> dict:
-    cls = head_class(args.method)
-    if args.ttt_steps is None:
-        args.ttt_steps = 3 if cls.unrolls else 1
-    if args.ttt_steps != 1 and not cls.unrolls:
-        raise SpecdecError(f"--ttt-steps is EAGLE-3's training-time test; {args.method} trains one step")
-    if args.epochs is not None and args.epochs <= 0:
-        raise SpecdecError(f"invalid --epochs {args.epochs}: must be > 0")
-    for name in ("steps", "batch", "max_len", "draft_vocab", "save_every", "ttt_steps", "num_layers", "num_heads"):
-        if getattr(args, name) < 1:
-            raise SpecdecError(f"invalid --{name.replace('_', '-')} {getattr(args, name)}: must be >= 1")
-    args.from_traffic = getattr(args, "from_traffic", None)
-    if args.from_traffic and (args.data or args.distilled):
-        raise SpecdecError("--from-traffic trains on the recorded requests alone: leave out --data and --distilled")
-    if not args.from_traffic and not args.data:
-        raise SpecdecError("what to train on: --data FILES (with --distilled: their folder), or --from-traffic DIR")
-    if args.from_traffic and args.init is None and args.method == "eagle3":
-        from specdec.models.loader import shipped_head
-
-        args.init = shipped_head(args.target)  # the head the deployment serves by default
-        if args.init is None:
-            raise SpecdecError(f"--from-traffic fine-tunes a head: give --init (no head ships for {args.target})")
+def run_train(cfg: TrainConfig) -> dict:
+    """Train the head `cfg` describes; returns the run's log (also written to OUT/train_log.json), whose "config"
+    is the resolved config it ran with."""
+    cfg = cfg.resolved()  # a new config: the caller's stays as given
     rank, world = data_parallel()
     try:
-        return _train(args, cls, rank, world)
+        return _train(cfg, head_class(cfg.method), rank, world)
     finally:  # a gloo group left to the interpreter's exit can abort the process there ("terminate called ...")
         if world > 1:
             from specdec.engine.parallel import destroy_process_groups
@@ -192,88 +161,88 @@ def run_train(args: argparse.Namespace) -> dict:
             destroy_process_groups()
 
 
-def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
+def _train(cfg: TrainConfig, cls: type, rank: int, world: int) -> dict:
     from specdec.llm import LLM
 
-    if world > 1 and args.feature_cache:
+    if world > 1 and cfg.feature_cache:
         raise SpecdecError("--feature-cache is for one process; with several ranks each runs the target on its "
                            "own conversations")
-    torch.manual_seed(args.seed)
+    torch.manual_seed(cfg.seed)
     # each data-parallel rank holds the whole target
-    llm = LLM(args.target, dtype=getattr(args, "dtype", "auto"), device=getattr(args, "device", None),
-              tensor_parallel_size=1)
+    llm = LLM(cfg.target, dtype=cfg.dtype, device=cfg.device, tensor_parallel_size=1)
     target, tok = llm.engine.model, llm.tokenizer
-    out_dir, ckpt = Path(args.out), Path(args.out) / "trainer_state.pt"
+    out_dir, ckpt = Path(cfg.out), Path(cfg.out) / "trainer_state.pt"
     held: list[tuple[list[int], list[bool]]] = []  # answers never trained on: the curve's
-    if args.distilled or args.from_traffic:
-        if args.distilled:  # the target's own answers, made by `specdec distill` (files or directories)
+    if cfg.distilled or cfg.from_traffic:
+        if cfg.distilled:  # the target's own answers, made by `specdec distill` (files or directories)
             from specdec.training import distill
 
-            keyed = distill.keyed_samples(args.distilled, args.data, llm, args.max_len)
+            keyed = distill.keyed_samples(cfg.distilled, cfg.data, llm, cfg.max_len)
         else:  # what a server recorded (`specdec serve --record-traffic DIR`): the prompts and the target's outputs
-            keyed = traffic_samples(args.from_traffic, target, args.max_len)
+            keyed = traffic_samples(cfg.from_traffic, target, cfg.max_len)
         keyed = [k for k in keyed if len(k[1]) >= 3 and any(k[2][2:])]
-        n_held = min(args.held_out, len(keyed) // 5)  # at most a fifth: the rest trains
+        n_held = min(cfg.held_out, len(keyed) // 5)  # at most a fifth: the rest trains
         # held out: the answers whose key hashes lowest, so that more answers never move a trained one into the
         # held-out set
         keyed.sort(key=lambda k: zlib.crc32(repr(k[0]).encode()))
         held = [(ids, mask) for _, ids, mask in keyed[:n_held]]
         samples = [(ids, mask) for _, ids, mask in keyed[n_held:]]
-        random.Random(args.seed).shuffle(samples)
+        random.Random(cfg.seed).shuffle(samples)
         held_out = []  # validation prompts come with conversations; acceptance is measured by `specdec bench`
-        samples = window(samples, args)
+        samples = window(samples, cfg.skip_conversations, cfg.max_conversations)
     else:
-        convs = load_conversations(args.data)
-        random.Random(args.seed).shuffle(convs)
-        held_out, train_convs = convs[:args.val_prompts], convs[args.val_prompts:]
-        train_convs = window(train_convs, args)
-        samples = (regenerate(llm, train_convs, args.max_len, out_dir / "regenerated.json") if args.regenerate
-                   else [tokenize(tok, c, args.max_len) for c in train_convs])
+        convs = load_conversations(cfg.data)
+        random.Random(cfg.seed).shuffle(convs)
+        held_out, train_convs = convs[:cfg.val_prompts], convs[cfg.val_prompts:]
+        train_convs = window(train_convs, cfg.skip_conversations, cfg.max_conversations)
+        samples = (regenerate(llm, train_convs, cfg.max_len, out_dir / "regenerated.json") if cfg.regenerate
+                   else [tokenize(tok, c, cfg.max_len) for c in train_convs])
     samples = [(ids, mask) for ids, mask in samples if len(ids) >= 3 and any(mask[2:])]
     if not samples:
         raise SpecdecError("no training conversation has assistant tokens within --max-len")
     n = len(samples)
-    if args.epochs:
-        args.steps = math.ceil(args.epochs * n)
+    if cfg.epochs:  # the data decides the steps
+        cfg = replace(cfg, steps=math.ceil(cfg.epochs * n))
     state = None
-    if args.resume and ckpt.is_file():
-        head = cls.load_for(args.method, out_dir, target)
+    if cfg.resume and ckpt.is_file():
+        head = cls.load_for(cfg.method, out_dir, target)
         state = torch.load(ckpt, weights_only=False)
     else:
-        init = cls.load_for(args.method, args.init, target) if args.init else None
+        init = cls.load_for(cfg.method, cfg.init, target) if cfg.init else None
         if init is not None and hasattr(init, "d2t"):  # a warm start keeps its draft vocabulary
             draft_ids = init.target_ids(torch.arange(init.draft_vocab_size, device=init.d2t.device)).cpu()
         else:
-            draft_ids = draft_vocabulary(samples, min(args.draft_vocab, target.config.vocab_size),
+            draft_ids = draft_vocabulary(samples, min(cfg.draft_vocab, target.config.vocab_size),
                                          target.config.vocab_size)
-        head = cls.create(args.method, target, draft_ids=draft_ids, num_layers=args.num_layers,
-                          num_heads=args.num_heads)
+        head = cls.create(cfg.method, target, draft_ids=draft_ids, num_layers=cfg.num_layers,
+                          num_heads=cfg.num_heads)
         if init is not None:
             warm_start(head, init)
     if world > 1:  # every rank starts from rank 0's weights (the same seed makes them equal anyway)
         for t in head.state_dict().values():
             torch.distributed.broadcast(t, src=0)
     cache = None
-    if args.feature_cache:  # the target runs once per sample, before the first step
-        cache = FeatureCache(Path(args.feature_cache), target, head.aux_layers, samples)
+    if cfg.feature_cache:  # the target runs once per sample, before the first step
+        cache = FeatureCache(Path(cfg.feature_cache), target, head.aux_layers, samples)
         cache.build()
     params = trainable_parameters(head)
     for p in params:
         p.requires_grad_(True)
-    opt = torch.optim.AdamW(params, lr=args.lr, weight_decay=args.weight_decay)
+    opt = torch.optim.AdamW(params, lr=cfg.lr, weight_decay=cfg.weight_decay)
     step, answer_tokens, curve = 0, 0, []
     if state is not None:
         opt.load_state_dict(state["optimizer"])
         step, answer_tokens, curve = state["step"], state.get("answer_tokens", 0), state.get("curve", [])
-    updates = -(-args.steps // args.batch)
-    warmup = args.warmup if args.warmup is not None else min(100, updates // 20)
+    updates = -(-cfg.steps // cfg.batch)
+    warmup = cfg.warmup if cfg.warmup is not None else min(100, updates // 20)
     lm_rows = target.lm_head[head.target_ids(torch.arange(head.draft_vocab_size))] if hasattr(head, "d2t") else None
-    autocast = autocast_context(target.device, args.autocast)
+    autocast = autocast_context(target.device, cfg.autocast)
+    loss_options = cfg.loss_options()
     held_outputs = held_out_outputs(target, head, held) if held and rank == 0 else []
 
     def evaluate() -> None:  # one point of the curve; the best head so far is kept in out/best
         point = {"answer_tokens": answer_tokens, "step": step,
-                 **curve_point(head, target, held, held_outputs, args.ttt_steps, autocast)}
+                 **curve_point(head, target, held, held_outputs, cfg.ttt_steps, autocast)}
         curve.append(point)
         if point["step1"]["top1"] >= max((c["step1"]["top1"] for c in curve), default=-1.0):
             shards = "dtype" in inspect.signature(head.save).parameters  # the shipped layout, where a head has it
@@ -283,41 +252,41 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
     if held_outputs and not curve:
         evaluate()
     history, order, stats = [], None, {}
-    bar = tqdm(total=args.steps, initial=step, desc=f"train {args.method}", file=sys.stderr, disable=rank > 0)
+    bar = tqdm(total=cfg.steps, initial=step, desc=f"train {cfg.method}", file=sys.stderr, disable=rank > 0)
     tokens_seen, start, last_save = 0, time.perf_counter(), step
-    while step < args.steps:
-        if args.train_seconds and step % args.batch == 0 and time.perf_counter() - start > args.train_seconds:
+    while step < cfg.steps:
+        if cfg.train_seconds and step % cfg.batch == 0 and time.perf_counter() - start > cfg.train_seconds:
             if rank == 0:  # out of time: a checkpoint to resume from
                 save_checkpoint(head, opt, step, out_dir, ckpt, {"answer_tokens": answer_tokens, "curve": curve})
             break
         epoch, i = divmod(step, n)
         if order is None or order[0] != epoch:  # a fresh seeded order every epoch (a resumed run sees the same)
-            order = (epoch, random.Random(args.seed * 1000 + epoch).sample(range(n), n))
+            order = (epoch, random.Random(cfg.seed * 1000 + epoch).sample(range(n), n))
         k = order[1][i]
         ids, mask = samples[k]
-        mine = (step % args.batch) % world == rank  # a batch's conversations are dealt round-robin
+        mine = (step % cfg.batch) % world == rank  # a batch's conversations are dealt round-robin
         answer_tokens += sum(mask[2:])
         if mine:
             outputs = cache.outputs(k, logits=False) if cache is not None else None
             with autocast:
-                loss, stats = sequence_loss(head, target, ids, mask, args, outputs, lm_rows)
-            (loss / args.batch).backward()
+                loss, stats = sequence_loss(head, target, ids, mask, loss_options, outputs, lm_rows)
+            (loss / cfg.batch).backward()
             tokens_seen += len(ids)
         step += 1
-        if step % args.batch == 0 or step == args.steps:  # one optimizer step per --batch sequences
+        if step % cfg.batch == 0 or step == cfg.steps:  # one optimizer step per --batch sequences
             if world > 1:
                 sum_gradients(params)
-            lr = args.lr * lr_factor(step // args.batch if step % args.batch == 0 else updates, updates, warmup,
-                                     args.schedule)
+            lr = cfg.lr * lr_factor(step // cfg.batch if step % cfg.batch == 0 else updates, updates, warmup,
+                                     cfg.schedule)
             for group in opt.param_groups:
                 group["lr"] = lr
-            if args.clip_grad:
-                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, args.clip_grad).item()
+            if cfg.clip_grad:
+                stats["grad_norm"] = torch.nn.utils.clip_grad_norm_(params, cfg.clip_grad).item()
             opt.step()
             opt.zero_grad()
-            if held_outputs and ((step // args.batch) % args.eval_every == 0 or step == args.steps):
+            if held_outputs and ((step // cfg.batch) % cfg.eval_every == 0 or step == cfg.steps):
                 evaluate()
-            if step - last_save >= args.save_every or step == args.steps:
+            if step - last_save >= cfg.save_every or step == cfg.steps:
                 if rank == 0:
                     save_checkpoint(head, opt, step, out_dir, ckpt, {"answer_tokens": answer_tokens, "curve": curve})
                 last_save = step
@@ -330,8 +299,8 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
     bar.close()
     if held_outputs and curve[-1]["step"] != step:  # stopped by --train-seconds
         evaluate()
-    result = {"steps": step, "history": history[-50:], "world_size": world, "objective": args.objective,
-              "answer_tokens": answer_tokens, "seconds": round(time.perf_counter() - start, 1)}
+    result = {"steps": step, "history": history[-50:], "world_size": world, "objective": cfg.objective,
+              "answer_tokens": answer_tokens, "seconds": round(time.perf_counter() - start, 1), "config": asdict(cfg)}
     if curve:
         result["curve"] = curve
         result["best"] = max(curve, key=lambda c: c["step1"]["top1"])
@@ -341,7 +310,7 @@ def _train(args: argparse.Namespace, cls: type, rank: int, world: int) -> dict:
             return result
     if held_out:
         k = min(3, head.max_draft_depth or 3)
-        result["validation"] = validate(args.target, args.method, out_dir, held_out, args.val_tokens, k)
+        result["validation"] = validate(cfg.target, cfg.method, out_dir, held_out, cfg.val_tokens, k)
         print(json.dumps(result["validation"]))
     (out_dir / "train_log.json").write_text(json.dumps(result, indent=1))
     return result

@@ -14,6 +14,7 @@ canonical ones the decoder loads, and which of llama.cpp's GGUF architectures it
 """
 from __future__ import annotations
 
+import dataclasses
 from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any
@@ -61,7 +62,8 @@ def gguf_archs() -> dict[str, GGUFArch]:
 
 
 def load_config(hf: dict) -> ModelConfig:
-    return family_of(hf).config(hf)
+    config = family_of(hf).config(hf)
+    return dataclasses.replace(config, num_mtp_layers=int(hf.get("num_nextn_predict_layers") or 0))
 
 
 def rename(state: State, renames: dict[str, str]) -> State:

@@ -233,13 +233,15 @@ def hf_config(reader: GGUFReader, arch: GGUFArch, tensors: dict) -> dict:
     heads = key("attention.head_count")
     head_dim = key("attention.key_length", None) or hidden // heads  # as llama.cpp: rope.dimension_count is the
     rope_theta = f32(key("rope.freq_base", 10000.0))  # rotated part (Phi-4-mini's is 3/4 of the head)
-    layers = key("block_count") - key("nextn_predict_layers", 0)  # MTP layers count in block_count
+    mtp_layers = key("nextn_predict_layers", 0)
+    layers = key("block_count") - mtp_layers  # MTP layers count in block_count
     config = {
         "model_type": arch.model_type,
         "architectures": [arch.hf_architecture],
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length", 0),
         "num_hidden_layers": layers,
+        "num_nextn_predict_layers": mtp_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,

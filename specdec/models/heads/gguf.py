@@ -145,7 +145,8 @@ def _read_nextn(reader: GGUFReader, path: Path, arch: str) -> HeadCheckpoint:
         out[hf + _NEXTN[short] + ".weight"] = _tensor(t)
     if hf + "eh_proj.weight" not in out:
         raise SpecdecError(f"{path} declares {arch}.nextn_predict_layers but block {block} has no nextn.eh_proj")
-    return HeadCheckpoint("mtp", {**config, "num_hidden_layers": 1}, out, path.parent, "gguf")
+    head = {k: v for k, v in config.items() if k != "num_nextn_predict_layers"}  # the head's own shape
+    return HeadCheckpoint("mtp", {**head, "num_hidden_layers": 1}, out, path.parent, "gguf")
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
