@@ -121,7 +121,8 @@ def test_a_heads_drafting_cost_is_its_measured_time_over_a_plain_steps():
         for n in range(2 * SwitchDrafter.PROBE_EVERY):
             step(drafter, [9, 9], seq_id=n, features=torch.zeros(1, 4), plain_seconds=plain_seconds)
         assert head.asked == asked
-        assert drafter.sources[1].drafting_cost(plain_seconds) == pytest.approx(0.02 / plain_seconds, rel=0.5)
+        measured = drafter.sources[1].drafting_cost(plain_seconds) * plain_seconds  # seconds a request
+        assert 0.02 <= measured < 0.2  # a sleep never ends early; a busy machine may end it late
     assert drafter.sources[1].drafting_cost(None) == 0.01  # no plain step known: the constant
 
 

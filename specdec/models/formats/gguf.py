@@ -241,7 +241,6 @@ def hf_config(reader: GGUFReader, arch: GGUFArch, tensors: dict) -> dict:
         "hidden_size": hidden,
         "intermediate_size": key("feed_forward_length", 0),
         "num_hidden_layers": layers,
-        "num_nextn_predict_layers": mtp_layers,
         "num_attention_heads": heads,
         "num_key_value_heads": key("attention.head_count_kv", heads),
         "head_dim": head_dim,
@@ -255,6 +254,8 @@ def hf_config(reader: GGUFReader, arch: GGUFArch, tensors: dict) -> dict:
         "bos_token_id": _field(reader, "tokenizer.ggml.bos_token_id", None),
         "eos_token_id": _field(reader, "tokenizer.ggml.eos_token_id", None),
     }
+    if mtp_layers:  # as DeepSeek-V3's config.json states them
+        config["num_nextn_predict_layers"] = mtp_layers
     if (rotary := key("rope.dimension_count", head_dim)) != head_dim:  # RoPE on part of each head (Phi-4-mini)
         config["partial_rotary_factor"] = rotary / head_dim
     experts = key("expert_count", 0)
