@@ -16,6 +16,7 @@ from specdec.models.heads.formats import FORMATS, WRITES
 from specdec.models.loader import DEFAULT_MODEL
 
 if TYPE_CHECKING:
+    from specdec.bench.config import BenchConfig, TuneConfig
     from specdec.training.config import TrainConfig
 
 # prompt sets of the package kept for measuring: never answered for training nor trained on
@@ -438,6 +439,27 @@ def cmd_serve(args: argparse.Namespace) -> None:
           limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=record, admin=admin)
 
 
+def bench_config(args: argparse.Namespace) -> BenchConfig:
+    """`specdec bench`'s flags as the bench's config: the comma-separated lists parsed, the run's kind (--serve,
+    --soak, ...) left to the caller's choice of function."""
+    from specdec.bench.config import BenchConfig, parse_counts, parse_dtypes
+
+    lists = {"batch_sizes": parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"),
+             "concurrency": parse_counts(args.concurrency, "--concurrency", "1,4,16,64"),
+             "dtypes": parse_dtypes(args.dtypes) if args.dtypes is not None else None,
+             "replicas": parse_counts(args.replicas, "--replicas", "0,1,2", least=0) if args.replicas else None}
+    names = {f.name for f in dataclasses.fields(BenchConfig)}
+    return BenchConfig(**{k: v for k, v in vars(args).items() if k in names and k not in lists}, **lists)
+
+
+def tune_config(args: argparse.Namespace) -> TuneConfig:
+    from specdec.bench.config import TuneConfig, parse_counts
+
+    names = {f.name for f in dataclasses.fields(TuneConfig)}
+    return TuneConfig(**{k: v for k, v in vars(args).items() if k in names and k != "batch_sizes"},
+                      batch_sizes=parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"))
+
+
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """`specdec train`'s flags as the trainer's config: every flag but the launcher's own (--nproc) is a field."""
     from specdec.training.config import TrainConfig
@@ -472,27 +494,27 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "bench" and args.soak:
             from specdec.bench.soak import run_soak
 
-            run_soak(args)
+            run_soak(bench_config(args))
         elif args.command == "bench" and args.serve and args.replicas:
             from specdec.bench.serve import run_replica_bench
 
-            run_replica_bench(args)
+            run_replica_bench(bench_config(args))
         elif args.command == "bench" and args.serve:
             from specdec.bench.serve import run_serve_bench
 
-            run_serve_bench(args)
+            run_serve_bench(bench_config(args))
         elif args.command == "bench" and args.structured:
             from specdec.bench.structured import run_structured_bench
 
-            run_structured_bench(args)
+            run_structured_bench(bench_config(args))
         elif args.command == "bench" and args.agent:
             from specdec.bench.agent import run_agent_bench
 
-            run_agent_bench(args)
+            run_agent_bench(bench_config(args))
         elif args.command == "bench":
             from specdec.bench.offline import run_bench
 
-            run_bench(args)
+            run_bench(bench_config(args))
         elif args.command == "train" and args.nproc > 1 and "WORLD_SIZE" not in os.environ:
             return launch_ranks(args.nproc, argv if argv is not None else sys.argv[1:])
         elif args.command == "train":
@@ -506,7 +528,7 @@ def main(argv: list[str] | None = None) -> int:
         elif args.command == "tune":
             from specdec.bench.tune import run_tune
 
-            run_tune(args)
+            run_tune(tune_config(args))
     except SpecdecError as e:
         print(f"specdec: error: {e}", file=sys.stderr)
         return 2

@@ -5,7 +5,7 @@ import json
 import os
 import re
 import sys
-from collections.abc import Iterator
+from collections.abc import Iterable, Iterator
 from collections.abc import Sequence as Seq
 from typing import Any
 
@@ -15,6 +15,7 @@ from tqdm import tqdm
 from specdec.config import EngineConfig, SamplingParams, SpecdecError, from_kwargs
 from specdec.drafting.registry import SpeculativeConfig, method_info, registered_methods
 from specdec.engine.llm_engine import LLMEngine
+from specdec.engine.measuring import Measuring
 from specdec.engine.outputs import RequestOutput
 from specdec.engine.parallel import Workers, launched_by_torchrun
 from specdec.models.loader import DEFAULT_MODEL, default_speculative_config, load_model, load_tokenizer, model_files
@@ -180,6 +181,16 @@ class LLM:
 
         return model_fingerprint(self.engine.model)
 
+    @property
+    def target_model(self) -> torch.nn.Module:
+        """The target network, for what runs it outside decoding (the trainer's features); decoding is this class's."""
+        return self.engine.model
+
+    @property
+    def measuring(self) -> Measuring:
+        """The engine as measuring tools see and drive it (`specdec.engine.measuring`): bench, tune, the soak."""
+        return Measuring(self.engine)
+
     def reload_draft(self, path: str) -> None:
         """Swap the draft head for the one in `path` (same method, same target and shape) without reloading the
         target: between generate() calls here, between engine steps in the server (`POST /admin/draft`). Outputs
@@ -265,6 +276,29 @@ class LLM:
             if out is None:
                 out = engine.abort(request_id)  # the caller stopped early: free the blocks
         self.last_output = out
+
+    def as_completed(self, requests: Iterable[tuple[list[int], SamplingParams]], in_flight: int = 32
+                     ) -> Iterator[tuple[int, RequestOutput]]:
+        """(index, output) of each request as it finishes, with at most `in_flight` decoding together; the next ones
+        are taken from `requests` (token ids, params) as earlier ones finish, so a long queue costs no memory. A
+        caller that stops early leaves nothing running (the rest are aborted and their blocks freed)."""
+        if in_flight < 1:
+            raise SpecdecError(f"in_flight must be >= 1, got {in_flight}")
+        engine, queue = self.engine, enumerate(requests)
+        running: dict[int, int] = {}  # request id -> index
+        try:
+            while True:
+                while len(running) < in_flight and (nxt := next(queue, None)) is not None:
+                    index, (ids, params) = nxt
+                    running[engine.add_request(ids, params)] = index
+                if not running:
+                    return
+                for update in engine.step():
+                    if update.finished and update.request_id in running:
+                        yield running.pop(update.request_id), update.output
+        finally:
+            for request_id in running:
+                engine.abort(request_id)
 
     def _run(self, encoded: list[tuple[str | None, list[int]]],
              sampling_params: SamplingParams | Seq[SamplingParams] | None, use_tqdm: bool = False

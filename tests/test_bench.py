@@ -96,6 +96,32 @@ def test_a_prompt_rows_system_message_comes_before_its_turn(tiny_model: Path) ->
     assert with_system.token_ids != plain.token_ids
 
 
+@pytest.mark.parametrize("flags, message", [
+    (["--batch-sizes", "1,x"], "invalid --batch-sizes '1,x'"), (["--batch-sizes", "0,4"], "invalid --batch-sizes"),
+    (["--num-prompts", "0"], "invalid --num-prompts 0"), (["--max-tokens", "-1"], "invalid --max-tokens -1"),
+    (["--threads", "0"], "invalid --threads 0"), (["--temperature", "-0.5"], "invalid --temperature"),
+    (["--replicas", "2", "--serve"], "invalid --replicas (2,)"),
+    (["--llamacpp-draft", "d.gguf"], "pass --llama-server PATH too"),
+])
+def test_bad_options_are_refused_before_any_model_loads(flags, message, capsys, monkeypatch) -> None:
+    """The command line's flags become a `BenchConfig`, which checks them: each error names its flag."""
+    monkeypatch.setattr("specdec.llm.LLM.__init__", lambda *a, **k: pytest.fail("a model was loaded"))
+    assert main(["bench", "--model", "no-such-model", *flags]) == 2
+    assert message in capsys.readouterr().err
+
+
+def test_the_command_line_and_a_library_caller_build_the_same_config() -> None:
+    from specdec.bench.config import BenchConfig
+    from specdec.cli import bench_config, build_parser
+
+    args = build_parser().parse_args(["bench", "--batch-sizes", "16,4", "--dtypes", "float32,bfloat16,float32",
+                                      "--concurrency", "4,1", "--num-prompts", "20"])
+    assert bench_config(args) == BenchConfig(batch_sizes=(4, 16), dtypes=("float32", "bfloat16"), concurrency=(1, 4),
+                                             num_prompts=20)
+    spec = BenchConfig(speculative_config='{"method": "ngram"}')
+    assert spec.speculative_dict({}) == {"method": "ngram"} and BenchConfig().speculative_dict({"a": 1}) == {"a": 1}
+
+
 def test_unknown_dtype(tiny_model: Path, tmp_path: Path, capsys) -> None:
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     assert main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--dtypes", "float32,int3"]) == 2

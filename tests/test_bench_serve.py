@@ -5,7 +5,8 @@ import json
 
 import pytest
 
-from specdec.bench.serve import RequestResult, parse_levels, percentile, summarize_level
+from specdec.bench.config import BenchConfig, parse_counts
+from specdec.bench.serve import RequestResult, percentile, summarize_level
 from specdec.cli import main
 from specdec.config import SpecdecError
 
@@ -23,8 +24,13 @@ def test_percentiles_and_level_summary():
 
 def test_bad_levels_and_missing_speculation_are_refused(tiny_llama_dir):
     with pytest.raises(SpecdecError, match="--concurrency"):
-        parse_levels("1,0")
-    assert parse_levels("16, 1,4") == [1, 4, 16]
+        parse_counts("1,0", "--concurrency", "1,4")
+    with pytest.raises(SpecdecError, match="--concurrency"):
+        BenchConfig(concurrency=(0, 4))
+    with pytest.raises(SpecdecError, match="--replicas"):
+        BenchConfig(replicas=(1,))  # nothing to compare it with
+    assert parse_counts("16, 1,4", "--concurrency", "1,4") == (1, 4, 16)
+    assert main(["bench", "--serve", "--concurrency", "1,x"]) == 2
     assert main(["bench", "--serve", "--speculative-config", "off"]) == 2  # nothing to compare against plain
     assert main(["bench", "--serve", "--model", str(tiny_llama_dir)]) == 2  # no head ships for it
 

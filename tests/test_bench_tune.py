@@ -115,10 +115,11 @@ def test_token_cost_times_the_engines_own_steps(tiny_llama_dir):
     from specdec.bench.verify_cost import token_cost
     from specdec.engine.cost import time_verification
 
-    engine = LLM(str(tiny_llama_dir), speculative_config="off").engine
+    llm = LLM(str(tiny_llama_dir), speculative_config="off")
+    engine = llm.engine
     times = time_verification(engine, 20, [1, 5], repeats=3)
     assert set(times) == {1, 5} and all(t > 0 for t in times.values())
-    assert token_cost(engine, 20, 4, repeats=3) >= 0
+    assert token_cost(llm.measuring, 20, 4, repeats=3) >= 0
     assert not engine.has_unfinished() and engine.allocator.num_used == 0  # the probe sequence is given back
     engine.add_request([1, 2, 3], SamplingParams(max_tokens=2))
     with pytest.raises(SpecdecError, match="while requests run"):

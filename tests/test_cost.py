@@ -139,6 +139,19 @@ def test_a_table_a_busy_machine_measured_is_measured_again_and_never_cached(tmp_
     path.write_text(json.dumps(stays_busy.to_json()))  # a table an older version cached while the machine was busy
     assert cost.load_or_measure(key, lambda: quiet) is quiet
     assert json.loads(path.read_text())["seconds"] == quiet.seconds
+    # A plausible cached table that one fresh forward contradicts (an oversubscribed machine's, every width 250x
+    # slower alike) is measured again; one the fresh forward agrees with is kept.
+    fresh = StepCost([1, 2, 4], [32, 512], [[0.004, 0.0044, 0.006], [0.0045, 0.005, 0.0068]])
+    assert cost.load_or_measure(key, lambda: fresh, spot_check=lambda context: 0.0041) is fresh  # 1.0 s cached
+    assert json.loads(path.read_text())["seconds"] == fresh.seconds
+
+    def never() -> StepCost:
+        raise AssertionError("a table the spot check agrees with is not measured again")
+
+    kept = cost.load_or_measure(key, never, spot_check=lambda context: 0.0039)
+    assert kept.seconds == fresh.seconds
+    assert cost.load_or_measure(key, never, spot_check=lambda context: 0.0049).seconds == fresh.seconds  # 1 ms slack
+    assert cost.load_or_measure(key, lambda: quiet, spot_check=lambda context: 0.02) is quiet  # 5x: measured again
 
 
 def test_every_model_speculates_by_default_and_decodes_what_plain_decoding_does(tiny_llama_dir):

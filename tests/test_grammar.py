@@ -17,7 +17,6 @@ from test_drafters import other_draft_dir, target_dir  # noqa: F401 (module fixt
 from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 
 from specdec import LLM, SamplingParams, SpecdecError, StructuredOutput
-from specdec.engine.measuring import trace_speculation
 from specdec.structured import BACKEND_ENV, apply_bitmask, compiler_for, grammar_backend, mask_logits
 
 PERSON = {"type": "object", "properties": {"name": {"type": "string", "maxLength": 12},
@@ -467,14 +466,14 @@ def test_forced_text_is_drafted_where_the_dispatcher_drafts_nothing(target_dir, 
                                                                "tree": "off"}))
     prompts = [{"prompt_token_ids": PROMPTS[0]}, {"prompt_token_ids": PROMPTS[1]}]
     params = [constrained({"choice": [text]}), SamplingParams(temperature=0, max_tokens=20, ignore_eos=True)]
-    with trace_speculation(spec.engine) as trace:
+    with spec.measuring.trace_speculation() as trace:
         outs = spec.generate(prompts, params)
     expected = plain.generate(prompts, params)
     assert outs[0].text == text and [o.token_ids for o in outs] == [e.token_ids for e in expected]
     assert outs[0].metrics["num_accepted_tokens"] >= 4 and outs[0].metrics["num_steps"] < len(outs[0].token_ids) - 3
     assert outs[1].metrics["num_draft_tokens"] == 0 and trace
     off = LLM(str(target_dir), speculative_config=every_step({"method": "ngram", "tree": "off", "jump_forward": 0}))
-    with trace_speculation(off.engine) as trace:
+    with off.measuring.trace_speculation() as trace:
         assert off.generate(prompts, params)[0].token_ids == expected[0].token_ids
     assert not trace  # nothing to draft: every decode step took the plain path
 

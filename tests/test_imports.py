@@ -93,3 +93,31 @@ def test_a_violation_is_caught(tmp_path):
     f = tmp_path / "x.py"
     f.write_text("def g():\n    from specdec.engine.sequence import Sequence\n    import specdec.bench.prompts\n")
     assert imports_of(f) == {"specdec.engine.sequence", "specdec.engine.sequence.Sequence", "specdec.bench.prompts"}
+
+
+def engine_reads(path: Path) -> list[str]:
+    """Every `<something>.engine` attribute read in a file (an LLM's engine, reached around its interfaces), and every
+    argparse import (the command line's types belong to the CLI)."""
+    found = []
+    for node in ast.walk(ast.parse(path.read_text(), str(path))):
+        server_loop = isinstance(node, ast.Attribute) and isinstance(node.value, ast.Attribute) and \
+            node.value.attr == "server"  # `app.state.server.engine`: the serving loop, not an LLM's engine
+        if isinstance(node, ast.Attribute) and node.attr == "engine" and not server_loop:
+            found.append(f"{path.name}:{node.lineno} .engine")
+        elif isinstance(node, ast.Import) and any(a.name == "argparse" for a in node.names):
+            found.append(f"{path.name}:{node.lineno} import argparse")
+    return found
+
+
+def test_bench_and_training_use_the_library_not_the_engine():
+    """Bench and training drive an `LLM` through its own methods and `LLM.measuring` (`engine.measuring.Measuring`),
+    and take typed configs (`BenchConfig`, `TuneConfig`, `TrainConfig`), never argparse Namespaces. The server's
+    own `.engine` (the serving loop a soak drives) is not an LLM's engine."""
+    files = sorted((PACKAGE / "bench").rglob("*.py")) + sorted((PACKAGE / "training").rglob("*.py"))
+    assert [f for p in files for f in engine_reads(p)] == []
+
+
+def test_an_engine_read_is_caught(tmp_path):
+    f = tmp_path / "x.py"
+    f.write_text("import argparse\n\ndef g(llm, app):\n    return llm.engine.model, app.state.server.engine\n")
+    assert engine_reads(f) == ["x.py:1 import argparse", "x.py:4 .engine"]

@@ -5,7 +5,6 @@ import pytest
 from conftest import every_step
 
 from specdec import LLM, SamplingParams, SpecdecError
-from specdec.engine.measuring import inject_fault
 
 
 @pytest.fixture(scope="module")
@@ -168,14 +167,14 @@ def test_a_step_that_raises_fails_only_the_request_at_fault(tiny_llama_dir, conf
     llm = LLM(str(tiny_llama_dir), speculative_config=every_step(config))
     prompts = [{"prompt_token_ids": llm.encode(t)[1]} for t in ("Hello world", "1 2 3 1 2 3 1 2", "def add(a, b):")]
     alone = [llm.generate(p, GREEDY)[0].token_ids for p in prompts]
-    inject_fault(llm.engine, fail_on_marked)
+    llm.measuring.inject_fault(fail_on_marked)
     faulty = {"prompt_token_ids": [5, 6, 7, FAULTY]}
     outs = llm.generate([prompts[0], faulty, prompts[1], prompts[2]], GREEDY)  # one batch: the fault hits all
     assert [o.token_ids for o in outs[:1] + outs[2:]] == alone  # the others: as if nothing happened
     assert outs[1].finish_reason == "error" and "injected fault" in outs[1].stop_reason
     assert llm.engine.num_failed == 1 and llm.engine.stats()["requests_failed"] == 1
     assert llm.engine.allocator.num_used == 0 and not llm.engine.scheduler.suspects
-    inject_fault(llm.engine, None)
+    llm.measuring.inject_fault(None)
     assert llm.generate(prompts[0], GREEDY)[0].token_ids == alone[0]
 
 
@@ -218,3 +217,32 @@ def test_the_device_comes_from_specdec_device_when_not_given(tiny_llama_dir, mon
         monkeypatch.setenv("SPECDEC_DEVICE", "cuda")
         with pytest.raises(SpecdecError, match="CUDA is not available"):
             LLM(str(tiny_llama_dir))
+
+
+def test_as_completed_feeds_requests_as_others_finish_and_aborts_what_is_left(llm):
+    """Every request comes back once, under its index, with plain generate()'s tokens; no more than `in_flight`
+    decode together; a caller that stops early leaves no request running and no block held."""
+    prompts = [[1, 2, 3 + i] for i in range(7)]
+    lengths = [4 + 3 * (i % 3) for i in range(7)]  # finishing out of order
+    params = [SamplingParams(temperature=0, max_tokens=n, ignore_eos=True) for n in lengths]
+    want = [o.token_ids for o in llm.generate([{"prompt_token_ids": p} for p in prompts], params)]
+    engine, running = llm.engine, []
+    step = engine.step
+
+    def counting():
+        running.append(len(engine.scheduler.running) + len(engine.scheduler.waiting))
+        return step()
+
+    engine.step = counting
+    try:
+        got = dict(llm.as_completed(zip(prompts, params), in_flight=3))
+    finally:
+        del engine.step
+    assert sorted(got) == list(range(7)) and [got[i].token_ids for i in range(7)] == want
+    assert max(running) == 3
+    stream = llm.as_completed(zip(prompts, params), in_flight=3)
+    next(stream)
+    stream.close()  # the caller stops after one answer
+    assert not engine.has_unfinished() and engine.allocator.num_used == 0
+    with pytest.raises(SpecdecError, match="in_flight"):
+        next(llm.as_completed([], in_flight=0))

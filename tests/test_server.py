@@ -26,7 +26,6 @@ from prometheus_client.parser import text_string_to_metric_families
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.cli import main
-from specdec.engine.measuring import inject_fault
 from specdec.serving.admin import Admin, head_path
 from specdec.serving.api import APIError, Limits, warn_if_exposed
 from specdec.serving.openai_format import streamable_length
@@ -296,7 +295,7 @@ def test_concurrent_streams_with_cancellations_leak_nothing(spec, offline):
 def steps_held_until_abort(s: Served, monkeypatch) -> Iterator[None]:
     """No engine step finishes before the server queued an abort (it saw the client leave), so a request that
     is left can never end on its own first."""
-    engine, served, gate = s.llm.engine, s.app.state.server.engine, threading.Event()
+    measuring, served, gate = s.llm.measuring, s.app.state.server.engine, threading.Event()
     queue_abort = served.abort
 
     def abort_then_resume(req):
@@ -304,11 +303,11 @@ def steps_held_until_abort(s: Served, monkeypatch) -> Iterator[None]:
         gate.set()
 
     monkeypatch.setattr(served, "abort", abort_then_resume)
-    inject_fault(engine, lambda seqs: gate.wait(10))
+    measuring.inject_fault(lambda seqs: gate.wait(10))
     try:
         yield
     finally:
-        inject_fault(engine, None)
+        measuring.inject_fault(None)
         gate.set()
 
 
@@ -843,7 +842,7 @@ def test_a_full_server_answers_429_with_retry_after(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir), max_num_seqs=1)
     with serving(llm, served_model_name=MODEL, limits=Limits(max_queue=1)) as s:
         gate = threading.Event()
-        inject_fault(llm.engine, lambda seqs: gate.wait(10))  # hold every step until released
+        llm.measuring.inject_fault(lambda seqs: gate.wait(10))  # hold every step until released
         body = OK_COMPLETION | {"max_tokens": 3}
         with ThreadPoolExecutor(2) as pool:
             running = [pool.submit(s.post, "/v1/completions", body) for _ in range(2)]  # 1 runs, 1 waits
@@ -855,7 +854,7 @@ def test_a_full_server_answers_429_with_retry_after(tiny_llama_dir):
                 s.client(max_retries=0).completions.create(model=MODEL, prompt="Hello", max_tokens=3)
             assert int(e.value.response.headers["retry-after"]) >= 1
             assert e.value.response.json()["error"]["code"] == "server_full"
-            inject_fault(llm.engine, None)
+            llm.measuring.inject_fault(None)
             gate.set()
             assert [f.result().status_code for f in running] == [200, 200]
         assert s.post("/v1/completions", body).status_code == 200
@@ -866,7 +865,7 @@ def test_an_injected_fault_fails_only_its_request(tiny_llama_dir, offline):
 
     llm = LLM(str(tiny_llama_dir))
     with serving(llm, served_model_name=MODEL) as s:
-        inject_fault(llm.engine, fail_on_marked)
+        llm.measuring.inject_fault(fail_on_marked)
         good = {"model": MODEL, "prompt": "Hello world", "max_tokens": 24, "temperature": 0, "ignore_eos": True}
         bad = good | {"prompt": [5, 6, 7, FAULTY]}
         with ThreadPoolExecutor(4) as pool:
@@ -885,14 +884,14 @@ def test_health_says_not_ready_while_a_step_is_stuck(tiny_llama_dir):
     llm = LLM(str(tiny_llama_dir))
     with serving(llm, served_model_name=MODEL, limits=Limits(stuck_after_s=0.3)) as s:
         gate = threading.Event()
-        inject_fault(llm.engine, lambda seqs: gate.wait(10))
+        llm.measuring.inject_fault(lambda seqs: gate.wait(10))
         with ThreadPoolExecutor(1) as pool:
             reply = pool.submit(s.post, "/v1/completions", OK_COMPLETION)
             deadline = time.monotonic() + 10  # the step is held: /health must turn 503 0.3 s after it began
             while httpx.get(f"{s.url}/health").status_code != 503:
                 assert time.monotonic() < deadline
                 time.sleep(0.05)
-            inject_fault(llm.engine, None)
+            llm.measuring.inject_fault(None)
             gate.set()
             assert reply.result().status_code == 200
         assert httpx.get(f"{s.url}/health").status_code == 200

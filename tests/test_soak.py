@@ -2,11 +2,11 @@
 what they are for (different greedy texts, a leaked block, a 5xx nobody injected)."""
 from __future__ import annotations
 
-import argparse
 import json
 
 import pytest
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.soak import Outcome, check_repeats, run_soak, summarize
 from specdec.config import SpecdecError
 
@@ -16,11 +16,11 @@ PROMPTS = ["Hello world, say something.", "1 2 3 1 2 3 1 2 3", "def add(a, b):",
 def test_a_short_soak_of_the_tiny_model_passes(tiny_llama_dir, tmp_path, capsys):
     prompts = tmp_path / "prompts.jsonl"
     prompts.write_text("".join(json.dumps({"category": "x", "turns": [p]}) + "\n" for p in PROMPTS))
-    args = argparse.Namespace(model=str(tiny_llama_dir), dtype="auto", device="cpu", quantization=None,
-                              speculative_config=json.dumps({"method": "ngram", "num_speculative_tokens": 3}),
-                              prompts=str(prompts), num_prompts=4, max_tokens=16, num_requests=100,
-                              soak_concurrency=8, soak_seed=0, out=str(tmp_path / "soak.json"))
-    result = run_soak(args)
+    cfg = BenchConfig(model=str(tiny_llama_dir), device="cpu",
+                      speculative_config={"method": "ngram", "num_speculative_tokens": 3},  # parsed, or JSON text
+                      prompts=str(prompts), num_prompts=4, max_tokens=16, num_requests=100, soak_concurrency=8,
+                      out=str(tmp_path / "soak.json"))
+    result = run_soak(cfg)
     assert result["ok"] and result["requests"] == 100 and result["leaked_blocks"] == 0
     assert set(result["statuses"]) == {"greedy", "seeded", "choices", "cancelled", "bad", "no_auth", "fault"}
     assert result["statuses"]["fault"] == {"500": sum(result["statuses"]["fault"].values())}

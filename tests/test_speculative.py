@@ -11,7 +11,6 @@ from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig
 from specdec.engine.cost import PROBE_EVERY, StepCost
-from specdec.engine.measuring import trace_speculation
 from specdec.engine.scheduler import ScheduledBatch
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -101,7 +100,7 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
     llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
                                                        "drafter": bad})
     made_up_costs(llm)
-    with trace_speculation(llm.engine) as trace:
+    with llm.measuring.trace_speculation() as trace:
         out = llm.generate(PROMPTS[0], params)[0]
     assert out.token_ids == want
     m = out.metrics
@@ -160,7 +159,7 @@ def test_a_config_for_greedy_requests_only_leaves_sampled_ones_plain(tiny_llama_
     llm = LLM(str(tiny_llama_dir), speculative_config=every_step({"method": "ngram", "num_speculative_tokens": 4,
                                                                   "prompt_lookup_min": 1, "sampled": False}))
     sampled = SamplingParams(temperature=0.8, seed=5, max_tokens=30, ignore_eos=True)
-    with trace_speculation(llm.engine) as trace:
+    with llm.measuring.trace_speculation() as trace:
         out = llm.generate(PROMPTS[0], sampled)[0]
     assert not trace and out.metrics["num_drafts"] == 0
     assert out.token_ids == plain.generate(PROMPTS[0], sampled)[0].token_ids

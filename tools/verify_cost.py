@@ -16,7 +16,6 @@ import torch
 from specdec import LLM
 from specdec.bench.engines import load_llamacpp
 from specdec.bench.verify_cost import llamacpp_step_times
-from specdec.engine.cost import time_verification
 from specdec.models.loader import resolve
 
 
@@ -41,7 +40,7 @@ def main(argv: list[str] | None = None) -> None:
     print("| engine | context | " + " | ".join(f"{n} tokens" for n in rows) + " |")
     print("|---" * (len(rows) + 2) + "|")
     for ctx in contexts:
-        measured = [("specdec", time_verification(llm.engine, ctx, rows))]
+        measured = [("specdec", llm.measuring.time_verification(ctx, rows))]
         if peer is not None:
             measured.append(("llama.cpp", llamacpp_step_times(peer, ctx, rows)))
         for name, times in measured:

@@ -9,10 +9,10 @@ is drafted from the grammar, and what calls repeat across turns (a city, a date 
 earlier answers."""
 from __future__ import annotations
 
-import argparse
 import json
 import time
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.report import format_table, output_path, ratio
 from specdec.config import SamplingParams
 from specdec.serving.tool_calls import Tools, constraint, default_conversation, parse, parse_tools
@@ -60,13 +60,13 @@ def tasks(count: int) -> list[tuple[str, str]]:
     return out
 
 
-def run_agent_bench(args: argparse.Namespace) -> dict:
+def run_agent_bench(cfg: BenchConfig) -> dict:
     from specdec.llm import LLM
 
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+    llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, quantization=cfg.quantization,
               speculative_config="off")
-    spec_cfg = json.loads(args.speculative_config) if args.speculative_config else \
-        {"method": "suffix", "num_speculative_tokens": 12, "jump_forward": 15}  # a call's forced runs are long
+    # a call's forced runs are long
+    spec_cfg = cfg.speculative_dict({"method": "suffix", "num_speculative_tokens": 12, "jump_forward": 15})
     engines = {"plain": llm, "speculative": llm.with_speculative_config({"jump_forward": True, **spec_cfg})}
     call_tools, answer_tools = parse_tools(TOOLS, "required", False), parse_tools(TOOLS, "auto", False)
     names = {t["function"]["name"] for t in TOOLS}
@@ -74,7 +74,7 @@ def run_agent_bench(args: argparse.Namespace) -> dict:
 
     def run(name: str, kind: str, messages: list[dict], tools: Tools | None) -> dict:
         ids = llm.apply_chat_template(default_conversation(messages, tools))
-        params = SamplingParams(temperature=0, max_tokens=args.max_tokens if kind == "answer" else 128,
+        params = SamplingParams(temperature=0, max_tokens=cfg.max_tokens if kind == "answer" else 128,
                                 structured_output=constraint(tools))
         begin = time.perf_counter()
         out = engines[name].generate({"prompt_token_ids": ids}, params)[0]
@@ -88,7 +88,7 @@ def run_agent_bench(args: argparse.Namespace) -> dict:
     for name in engines:  # warm-up: kernels and the grammar compiler (its call is none of the tasks')
         run(name, "call", [{"role": "system", "content": SYSTEM}, {"role": "user", "content": "Hello"}], call_tools)
         turns["call"][name].clear()
-    for i, (ask, result) in enumerate(tasks(args.num_prompts)):
+    for i, (ask, result) in enumerate(tasks(cfg.num_prompts)):
         messages = [{"role": "system", "content": SYSTEM}, {"role": "user", "content": ask}]
         order = list(engines) if i % 2 == 0 else list(reversed(engines))
         calls = {name: run(name, "call", messages, call_tools) for name in order}
@@ -99,10 +99,10 @@ def run_agent_bench(args: argparse.Namespace) -> dict:
             [{"role": "tool", "tool_call_id": c["id"], "content": result} for c in tool_calls]
         for name in order:
             run(name, "answer", history, answer_tools)
-    result = {"config": spec_cfg, "num_tasks": args.num_prompts, "turns": {kind: _summary(recs) for kind, recs in
+    result = {"config": spec_cfg, "num_tasks": cfg.num_prompts, "turns": {kind: _summary(recs) for kind, recs in
                                                                             turns.items()}}
     print(format_agent(result))
-    path = output_path(args.out)
+    path = output_path(cfg.out)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return result

@@ -34,9 +34,8 @@ def check_outputs(llm: LLM, outs: list[RequestOutput]) -> None:
     """A benchmark of requests that failed measures nothing: stop it, naming the configuration and the cause."""
     failed = [o for o in outs if o.finish_reason == "error"]
     if failed:
-        spec = llm.engine.speculative
         raise SpecdecError(f"{len(failed)} of {len(outs)} requests failed with "
-                           f"{spec.method if spec is not None else 'plain decoding'} on {llm.engine.model.device}: "
+                           f"{llm.speculative_method or 'plain decoding'} on {llm.measuring.model.device}: "
                            f"{failed[0].stop_reason}; no figures are reported for a failing configuration")
 
 

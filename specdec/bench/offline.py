@@ -8,7 +8,7 @@ one read of the target's weights at the bandwidth measured at the start.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -18,6 +18,7 @@ from pathlib import Path
 import torch
 from tqdm import tqdm
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.engines import load_hf, load_llamacpp, time_group, time_hf, time_llamacpp, time_specdec
 from specdec.bench.llamacpp_spec import ENGINE as LLAMA_SERVER
 from specdec.bench.llamacpp_spec import LlamaServerPeers, PeerConfig, start_peers, summarize_peers
@@ -29,31 +30,9 @@ from specdec.drafting.registry import SpeculativeConfig
 from specdec.models.loader import default_speculative_config, resolve, shipped_head
 
 
-def parse_batch_sizes(text: str) -> list[int]:
-    """Batch size 1 is always measured: every other batch size is reported relative to it."""
-    try:
-        sizes = {int(s) for s in text.split(",") if s.strip()}
-    except ValueError:
-        sizes = {0}
-    if not sizes or min(sizes) < 1:
-        raise SpecdecError(f"invalid --batch-sizes {text!r}: expected comma-separated positive integers, e.g. 1,4,16")
-    return sorted(sizes | {1})
-
-
-def parse_dtypes(dtypes: str | None, default: str) -> list[str]:
-    from specdec.llm import parse_dtype
-
-    names = [d.strip() for d in (dtypes or default).split(",") if d.strip()]
-    if not names:
-        raise SpecdecError(f"invalid --dtypes {dtypes!r}: expected comma-separated dtypes, e.g. float32,bfloat16")
-    for name in names:
-        parse_dtype(name)  # raises with the valid names listed
-    return list(dict.fromkeys(names))
-
-
-def bench_params(args: argparse.Namespace) -> SamplingParams:
-    temperature = getattr(args, "temperature", 0.0)
-    return SamplingParams(temperature=temperature, max_tokens=args.max_tokens, seed=0 if temperature > 0 else None)
+def bench_params(cfg: BenchConfig) -> SamplingParams:
+    return SamplingParams(temperature=cfg.temperature, max_tokens=cfg.max_tokens,
+                          seed=0 if cfg.temperature > 0 else None)
 
 
 def acceptance(records: list[dict]) -> dict | None:
@@ -119,9 +98,9 @@ def batched_runs(engines: dict[tuple[str, str], object], prompts: list[BenchProm
     """Groups of batch_size prompts (cycling through the list), one generate() call per group and engine,
     the engines alternating group by group (which goes first too) so machine drift hits them alike."""
     for llm in engines.values():
-        if batch_size > llm.engine.cfg.max_num_seqs:
+        if batch_size > llm.measuring.max_num_seqs:
             raise SpecdecError(f"batch size {batch_size} exceeds the engine's max_num_seqs="
-                               f"{llm.engine.cfg.max_num_seqs}")
+                               f"{llm.measuring.max_num_seqs}")
     order = [i % len(prompts) for i in range(math.ceil(len(prompts) / batch_size) * batch_size)]
     names = list(engines)
     per_group: dict[tuple[str, str], list[dict]] = {name: [] for name in names}
@@ -202,41 +181,41 @@ def add_step_times(runs: list[dict], engines: dict[tuple[str, str], object], roo
     for run in runs:
         llm = engines.get((run["config"]["engine"], run["config"]["method"]))
         if llm is not None:
-            run["step_times"] = {**llm.engine.step_times.summary(), "roofline_step_ms": roofline_step_ms}
-            if llm.engine.speculator is not None and llm.engine.speculator.cost is not None:
-                run["cost_model"] = llm.engine.speculator.prediction.summary()  # its prediction, to check
+            run["step_times"] = {**llm.measuring.step_times.summary(), "roofline_step_ms": roofline_step_ms}
+            if (prediction := llm.measuring.prediction()) is not None:
+                run["cost_model"] = prediction  # the cost model's prediction, to check
 
 
-def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_sizes: list[int],
+def bench_dtype(cfg: BenchConfig, dtype: str, rows: list[dict], batch_sizes: list[int],
                 bandwidth: dict, peer_cfg: PeerConfig | None = None) -> tuple[list[dict], list[dict], dict | None]:
     """All runs for one dtype: batch 1 (speculative and transformers interleaved with plain when asked; with
     `peer_cfg`, llama.cpp's speculative modes too, summarized in the third value), roofline, larger batches.
     Speculation is compared with plain decoding of the same engine and weights."""
     from specdec.llm import LLM, parse_dtype
 
-    llm = LLM(args.model, dtype=dtype, device=args.device, speculative_config="off", quantization=args.quantization)
-    model = llm.engine.model
+    llm = LLM(cfg.model, dtype=dtype, device=cfg.device, speculative_config="off", quantization=cfg.quantization)
+    model = llm.measuring.model
     # Runs are labelled with what the weights compute in: 'auto' resolves to a GGUF's block formats ('q4_1').
     dtype = model.quantization or (str(model.dtype).removeprefix("torch.") if dtype == "auto" else dtype)
     prompts = encode_prompts(llm, rows)
-    params = bench_params(args)
+    params = bench_params(cfg)
     engines = {("specdec", "plain"): llm}
-    spec = args.speculative_config if args.speculative_config is not None else \
-        default_speculative_config(args.model, model.config.num_mtp_layers)
+    spec = cfg.speculative_config if cfg.speculative_config is not None else \
+        default_speculative_config(cfg.model, model.config.num_mtp_layers)
     if SpeculativeConfig.parse(spec) is not None:
         spec_llm = llm.with_speculative_config(spec)
-        engines[("specdec", spec_llm.engine.speculative.method)] = spec_llm
+        engines[("specdec", spec_llm.speculative_method)] = spec_llm
     timers = {key: (lambda p, e=e: time_specdec(e, p, params)) for key, e in engines.items()}
-    eos = sorted(llm.engine.eos_token_ids)
-    if args.compare_hf:
+    eos = sorted(llm.measuring.eos_token_ids)
+    if cfg.compare_hf:
         hf_dtype = torch.float32 if model.quantization else parse_dtype(dtype)
-        hf = load_hf(resolve(args.model), hf_dtype, llm.engine.model.device)
+        hf = load_hf(resolve(cfg.model), hf_dtype, model.device)
         if hf.generation_config.cache_implementation == "static":  # compiles its first decode: not timed
-            time_hf(hf, max(prompts, key=lambda p: len(p.token_ids)), args.max_tokens, eos)
-        timers[("transformers", "plain")] = lambda p: time_hf(hf, p, args.max_tokens, eos)
-    if args.compare_llamacpp:
-        peer = load_llamacpp(resolve(args.model), torch.get_num_threads())
-        timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, args.max_tokens, eos)
+            time_hf(hf, max(prompts, key=lambda p: len(p.token_ids)), cfg.max_tokens, eos)
+        timers[("transformers", "plain")] = lambda p: time_hf(hf, p, cfg.max_tokens, eos)
+    if cfg.compare_llamacpp:
+        peer = load_llamacpp(resolve(cfg.model), torch.get_num_threads())
+        timers[("llama.cpp", "plain")] = lambda p: time_llamacpp(peer, p, cfg.max_tokens, eos)
     servers: LlamaServerPeers | None = start_peers(peer_cfg) if peer_cfg is not None else None
     commands = servers.commands() if servers is not None else {}
     if servers is not None:
@@ -244,26 +223,26 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
 
     def forget() -> None:  # before each timed pass: no drafter remembers it, every engine counts its steps anew
         for engine in engines.values():
-            engine.engine.forget_finished()
-            engine.engine.step_times.switch(True)  # on a GPU too (there every phase then waits for the device)
-            engine.engine.step_times.reset()
+            engine.measuring.forget_finished()
+            engine.measuring.step_times.switch(True)  # on a GPU too (there every phase then waits for the device)
+            engine.measuring.step_times.reset()
         if servers is not None:
             servers.forget()
 
     try:
-        runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(llm.engine.model.device), forget)
+        runs = batch1_runs(timers, prompts, dtype, read_bandwidth_probe(model.device), forget)
     finally:
         if servers is not None:
             servers.stop()
     peer_summary = summarize_peers(runs, servers.refused, commands) if servers is not None else None
-    weight_bytes = llm.engine.model.weight_bytes_per_token()
+    weight_bytes = model.weight_bytes_per_token()
     roofline_step_ms = 1e3 * weight_bytes / bandwidth["read_bytes_per_s"]
     add_step_times(runs, engines, roofline_step_ms)
     plain = runs[0]
     plain["roofline"] = roofline(weight_bytes, bandwidth, plain["summary"]["decode_tokens_per_s"], plain["per_prompt"])
     def differs_by_design(method: str) -> bool:  # rejection sampling's tokens depend on the drafts; keyed ones do not
-        speculator = engines[("specdec", method)].engine.speculator
-        return params.temperature > 0 and speculator is not None and speculator.cfg.sampled_verification == "rejection"
+        verification = engines[("specdec", method)].measuring.sampled_verification()
+        return params.temperature > 0 and verification == "rejection"
 
     comparisons = [{**compare(other, plain), "sampled": differs_by_design(other["config"]["method"])}
                    for other in runs[1:] if other["config"]["engine"] == "specdec"]
@@ -280,50 +259,46 @@ def bench_dtype(args: argparse.Namespace, dtype: str, rows: list[dict], batch_si
     return runs, comparisons, peer_summary
 
 
-def peer_config(args: argparse.Namespace, out: Path) -> PeerConfig | None:
+def peer_config(cfg: BenchConfig, out: Path) -> PeerConfig | None:
     """--llama-server with --compare-llamacpp: llama.cpp's speculative modes on the model's GGUF, with specdec's
     threads; the shipped EAGLE-3 head when the model has one. Checked before any model loads."""
-    if args.llamacpp_draft and not args.llama_server:
-        raise SpecdecError("--llamacpp-draft is a draft model for llama-server: pass --llama-server PATH too")
-    if not args.llama_server:
+    if not cfg.llama_server:
         return None
-    if not args.compare_llamacpp:
+    if not cfg.compare_llamacpp:
         raise SpecdecError("--llama-server runs llama.cpp's speculative modes beside --compare-llamacpp (or serves "
                            "with --serve): pass one of them")
-    if not Path(args.llama_server).is_file():
-        raise SpecdecError(f"--llama-server {args.llama_server!r} is not a file: build it as docs/benchmarks.md says")
-    draft = Path(args.llamacpp_draft).expanduser() if args.llamacpp_draft else None
+    if not Path(cfg.llama_server).is_file():
+        raise SpecdecError(f"--llama-server {cfg.llama_server!r} is not a file: build it as docs/benchmarks.md says")
+    draft = Path(cfg.llamacpp_draft).expanduser() if cfg.llamacpp_draft else None
     if draft is not None and not draft.is_file():
         raise SpecdecError(f"--llamacpp-draft {draft} is not a file")
-    gguf = resolve(args.model).gguf_file
+    gguf = resolve(cfg.model).gguf_file
     if gguf is None:
-        raise SpecdecError(f"--llama-server runs llama.cpp on a GGUF file, and {args.model} is a Hugging Face model")
-    head = shipped_head(args.model)
-    return PeerConfig(args.llama_server, gguf, torch.get_num_threads(), args.max_tokens, out, draft,
+        raise SpecdecError(f"--llama-server runs llama.cpp on a GGUF file, and {cfg.model} is a Hugging Face model")
+    head = shipped_head(cfg.model)
+    return PeerConfig(cfg.llama_server, gguf, torch.get_num_threads(), cfg.max_tokens, out, draft,
                       head if head is not None and head.is_dir() else None)
 
 
-def run_bench(args: argparse.Namespace) -> dict:
+def run_bench(cfg: BenchConfig) -> dict:
     """Validate everything cheap first, then measure; prints the report and writes the JSON."""
-    SpeculativeConfig.parse(args.speculative_config)  # validates before any model loads
+    SpeculativeConfig.parse(cfg.speculative_config)  # validates before any model loads
     from specdec.llm import parse_device
 
-    path = prompts_path(args.prompts)
-    dtypes = parse_dtypes(args.dtypes, args.dtype)
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
-    bench_params(args)  # validates --max-tokens and --temperature
-    if args.threads is not None:
-        if args.threads < 1:
-            raise SpecdecError(f"invalid --threads {args.threads}: must be >= 1")
-        torch.set_num_threads(args.threads)
-    rows = pick_round_robin(load_questions(path), args.num_prompts)
-    device = parse_device(args.device)
-    out = output_path(args.out)
-    peer_cfg = peer_config(args, out)
-    result = {"machine": machine_info(device), "args": vars(args), "prompts_file": str(path),
+    path = prompts_path(cfg.prompts)
+    dtypes = cfg.dtypes or (cfg.dtype,)
+    batch_sizes = sorted({*cfg.batch_sizes, 1})  # every other batch size is reported relative to batch 1
+    bench_params(cfg)  # validates --max-tokens and --temperature
+    if cfg.threads is not None:
+        torch.set_num_threads(cfg.threads)
+    rows = pick_round_robin(load_questions(path), cfg.num_prompts)
+    device = parse_device(cfg.device)
+    out = output_path(cfg.out)
+    peer_cfg = peer_config(cfg, out)
+    result = {"machine": machine_info(device), "args": dataclasses.asdict(cfg), "prompts_file": str(path),
               "bandwidth": measure_bandwidth(device), "runs": [], "comparisons": []}
     for dtype in dtypes:
-        runs, comparisons, peer_summary = bench_dtype(args, dtype, rows, batch_sizes, result["bandwidth"], peer_cfg)
+        runs, comparisons, peer_summary = bench_dtype(cfg, dtype, rows, batch_sizes, result["bandwidth"], peer_cfg)
         result["runs"] += runs
         result["comparisons"] += comparisons
         if peer_summary is not None:

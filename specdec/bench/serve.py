@@ -17,8 +17,8 @@ specdec's throughput over llama-server's.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import os
 import socket
@@ -30,6 +30,7 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.machine import machine_info
 from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import format_table, output_path
@@ -42,17 +43,6 @@ if TYPE_CHECKING:
     import httpx
 
 STARTUP_TIMEOUT_S = 600
-
-
-def parse_levels(text: str) -> list[int]:
-    try:
-        levels = sorted({int(s) for s in text.split(",") if s.strip()})
-    except ValueError:
-        levels = []
-    if not levels or levels[0] < 1:
-        raise SpecdecError(f"invalid --concurrency {text!r}: expected comma-separated positive integers, "
-                           "e.g. 1,4,16,64")
-    return levels
 
 
 # ------------------------------------------------------------------------------------------ servers
@@ -75,11 +65,11 @@ def llama_server_command(binary: str, gguf: Path, port: int, slots: int, threads
 class ServerProcess:
     """`specdec serve` in a subprocess on a free loopback port; stopped on exit."""
 
-    def __init__(self, args: argparse.Namespace, speculative_config: str, max_num_seqs: int, log: Path,
+    def __init__(self, cfg: BenchConfig, speculative_config: str, max_num_seqs: int, log: Path,
                  replicas: int = 0) -> None:
         self.port, self.url = free_port()
-        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", args.model, "--dtype", args.dtype,
-               "--device", str(parse_device(args.device)), "--port", str(self.port),
+        cmd = [sys.executable, "-m", "specdec.cli", "serve", "--model", cfg.model, "--dtype", cfg.dtype,
+               "--device", str(parse_device(cfg.device)), "--port", str(self.port),
                "--max-num-seqs", str(max_num_seqs), "--speculative-config", speculative_config,
                "--served-model-name", "bench"]
         if replicas:  # on Ray Serve, a cluster of its own
@@ -276,16 +266,16 @@ def torch_threads() -> int:
     return torch.get_num_threads()
 
 
-def offline_speedup(args: argparse.Namespace, prompts: list[str], spec: str) -> dict:
+def offline_speedup(cfg: BenchConfig, prompts: list[str], spec: str) -> dict:
     """The same prompts decoded offline at batch 1 (LLM.chat, plain and speculative interleaved prompt by
     prompt): the speedup serving at concurrency 1 should keep."""
     from specdec.config import SamplingParams
     from specdec.llm import LLM
 
-    plain = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off",
-                quantization=args.quantization)
+    plain = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config="off",
+                quantization=cfg.quantization)
     fast = plain.with_speculative_config(spec)
-    params = SamplingParams(temperature=0, max_tokens=args.max_tokens)
+    params = SamplingParams(temperature=0, max_tokens=cfg.max_tokens)
     for llm in (plain, fast):  # first calls pay one-time costs (kernel loading)
         llm.chat([{"role": "user", "content": "Hi"}], SamplingParams(temperature=0, max_tokens=4))
     seconds = {"plain": 0.0, "speculative": 0.0}
@@ -324,25 +314,31 @@ def drive_sides(servers: dict[str, ServerProcess], level: dict, prompts: list[st
 
 
 # ------------------------------------------------------------------------------------------ the runs
-def run_serve_bench(args: argparse.Namespace) -> dict:
-    spec = args.speculative_config
-    if spec is None and (default := default_speculative_config(args.model)) is not None:
+def spec_text(cfg: BenchConfig) -> str | None:
+    """The speculative config as the server's flag takes it (a library caller may give it parsed)."""
+    spec = cfg.speculative_config
+    return spec if spec is None or isinstance(spec, str) else json.dumps(spec)
+
+
+def run_serve_bench(cfg: BenchConfig) -> dict:
+    spec = spec_text(cfg)
+    if spec is None and (default := default_speculative_config(cfg.model)) is not None:
         spec = json.dumps(default)
     if spec in (None, "off"):
         raise SpecdecError("--serve compares speculative against plain serving: pass --speculative-config JSON")
     SpeculativeConfig.parse(spec)  # validates before any server starts
-    levels = parse_levels(args.concurrency)
-    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
+    levels = list(cfg.concurrency)
+    rows = pick_round_robin(load_questions(prompts_path(cfg.prompts)), max(cfg.num_prompts, 1))
     prompts = [row["turns"][0] for row in rows]
-    out = output_path(args.out)
-    result: dict = {"machine": machine_info(parse_device(args.device)), "args": vars(args), "levels": []}
-    result["offline"] = offline_speedup(args, prompts, spec)  # before the servers start: nothing else runs
+    out = output_path(cfg.out)
+    result: dict = {"machine": machine_info(parse_device(cfg.device)), "args": dataclasses.asdict(cfg), "levels": []}
+    result["offline"] = offline_speedup(cfg, prompts, spec)  # before the servers start: nothing else runs
     print(f"offline, batch 1: {result['offline']['speedup']:.2f}x "
           f"({result['offline']['speculative_tok_s']:.1f} vs {result['offline']['plain_tok_s']:.1f} tok/s)", flush=True)
-    servers = {"plain": ServerProcess(args, "off", max(levels), out.with_suffix(".plain.log")),
-               "speculative": ServerProcess(args, spec, max(levels), out.with_suffix(".spec.log"))}
-    if args.llama_server:
-        servers["llama-server"] = ServerProcess.llama_server(args.llama_server, gguf_of(args.model), max(levels),
+    servers = {"plain": ServerProcess(cfg, "off", max(levels), out.with_suffix(".plain.log")),
+               "speculative": ServerProcess(cfg, spec, max(levels), out.with_suffix(".spec.log"))}
+    if cfg.llama_server:
+        servers["llama-server"] = ServerProcess.llama_server(cfg.llama_server, gguf_of(cfg.model), max(levels),
                                                              torch_threads(), out.with_suffix(".llama-server.log"))
     try:
         for server in servers.values():
@@ -353,9 +349,9 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
         print(f"prefix cache: TTFT {pc['ttft_miss_s'] * 1e3:.0f} ms on a miss, {pc['ttft_hit_s'] * 1e3:.0f} ms "
               f"on a hit ({pc['system_prompt_chars']}-character system prompt)", flush=True)
         for c in levels:
-            n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
+            n = max(cfg.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
             level: dict = {"concurrency": c, "num_requests": n}
-            texts = drive_sides(servers, level, prompts, c, n, args.max_tokens)
+            texts = drive_sides(servers, level, prompts, c, n, cfg.max_tokens)
             same = [texts["plain"][i] == texts["speculative"][i] for i in texts["plain"] if i in texts["speculative"]]
             level["identical"] = [sum(same), len(same)]
             p, s = level["plain"]["throughput_tok_s"], level["speculative"]["throughput_tok_s"]
@@ -385,37 +381,32 @@ def run_serve_bench(args: argparse.Namespace) -> dict:
     return result
 
 
-def run_replica_bench(args: argparse.Namespace) -> dict:
+def run_replica_bench(cfg: BenchConfig) -> dict:
     """`specdec bench --serve --replicas 0,1,2`: the same speculative server as 0 (plain `specdec serve`, no
     Ray), 1 and 2 Ray Serve replicas, all up at once and driven one at a time at each concurrency level, in two
     rounds of half the requests (order A B C, then C B A). Throughput and latency per side; the ratio of each
     side to the first."""
-    spec = args.speculative_config
+    spec = spec_text(cfg)
     if spec is None:
-        spec = json.dumps(default) if (default := default_speculative_config(args.model)) is not None else "off"
+        spec = json.dumps(default) if (default := default_speculative_config(cfg.model)) is not None else "off"
     SpeculativeConfig.parse(spec)
-    try:
-        counts = sorted({int(x) for x in args.replicas.split(",") if x.strip()})
-    except ValueError:
-        counts = []
-    if len(counts) < 2 or counts[0] < 0:
-        raise SpecdecError(f"invalid --replicas {args.replicas!r}: give two or more counts, e.g. 1,2 (0: no Ray)")
-    levels = parse_levels(args.concurrency)
-    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
+    counts = list(cfg.replicas or ())  # two or more: the config checks
+    levels = list(cfg.concurrency)
+    rows = pick_round_robin(load_questions(prompts_path(cfg.prompts)), max(cfg.num_prompts, 1))
     prompts = [row["turns"][0] for row in rows]
-    out = output_path(args.out)
+    out = output_path(cfg.out)
     sides = [f"replicas={n}" if n else "no Ray" for n in counts]
-    result: dict = {"machine": machine_info(parse_device(args.device)), "args": vars(args), "speculative_config": spec,
-                    "sides": sides, "levels": []}
-    servers = {side: ServerProcess(args, spec, max(levels), out.with_suffix(f".{n}.log"), replicas=n)
+    result: dict = {"machine": machine_info(parse_device(cfg.device)), "args": dataclasses.asdict(cfg),
+                    "speculative_config": spec, "sides": sides, "levels": []}
+    servers = {side: ServerProcess(cfg, spec, max(levels), out.with_suffix(f".{n}.log"), replicas=n)
                for side, n in zip(sides, counts)}
     try:
         for server in servers.values():
             server.wait_ready()
         for c in levels:
-            n = max(args.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
+            n = max(cfg.requests_per_level or 0, 2 * c, len(prompts) if c == 1 else 0)
             level: dict = {"concurrency": c, "num_requests": n}
-            texts = drive_sides(servers, level, prompts, c, n, args.max_tokens)
+            texts = drive_sides(servers, level, prompts, c, n, cfg.max_tokens)
             base = level[sides[0]]["throughput_tok_s"]
             for side in sides[1:]:
                 same = [texts[sides[0]][i] == t for i, t in texts[side].items() if i in texts[sides[0]]]

@@ -19,8 +19,8 @@ runs or waits, and /health is 200. One summary line, and JSON with every figure.
 """
 from __future__ import annotations
 
-import argparse
 import asyncio
+import dataclasses
 import json
 import logging
 import random
@@ -32,12 +32,12 @@ from dataclasses import dataclass, field
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.machine import machine_info
 from specdec.bench.prompts import load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.bench.serve import percentile
 from specdec.config import SamplingParams, SpecdecError
-from specdec.engine.measuring import inject_fault
 from specdec.llm import LLM, parse_device
 
 if TYPE_CHECKING:
@@ -231,41 +231,41 @@ def check_repeats(outcomes: list[Outcome]) -> list[str]:
     return [f"{key}: {len(t)} different texts" for key, t in texts.items() if len(t) > 1]
 
 
-def run_soak(args: argparse.Namespace) -> dict:
+def run_soak(cfg: BenchConfig) -> dict:
     import httpx
     import uvicorn
 
     from specdec.serving.api import Limits
     from specdec.serving.server import create_app
 
-    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), max(args.num_prompts, 1))
+    rows = pick_round_robin(load_questions(prompts_path(cfg.prompts)), max(cfg.num_prompts, 1))
     prompts = [row["turns"][0][:2000] for row in rows]
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config=args.speculative_config,
-              quantization=args.quantization, max_num_seqs=args.soak_concurrency, max_num_batched_tokens=512)
-    marker = llm.engine.model.config.vocab_size - 1
+    llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config=cfg.speculative_config,
+              quantization=cfg.quantization, max_num_seqs=cfg.soak_concurrency, max_num_batched_tokens=512)
+    marker = llm.vocab_size - 1
 
     def fault(seqs: list[Sequence]) -> None:
         if any(s.prompt_token_ids[-1] == marker for s in seqs):
             raise RuntimeError(FAULT)
 
-    inject_fault(llm.engine, fault)
+    llm.measuring.inject_fault(fault)
     logging.getLogger("specdec.engine").setLevel(logging.CRITICAL)  # the injected faults are expected; each
     # response is checked instead of reading their tracebacks
     api_key = secrets.token_hex(8)
     app = create_app(llm, "soak", api_key, engine_thread=False,
-                     limits=Limits(max_queue=4 * args.soak_concurrency, request_timeout_s=600))
+                     limits=Limits(max_queue=4 * cfg.soak_concurrency, request_timeout_s=600))
     engine = app.state.server.engine
     http = uvicorn.Server(uvicorn.Config(app, host="127.0.0.1", port=0, log_level="error"))
     threading.Thread(target=http.run, daemon=True).start()
     while not http.started:
         time.sleep(0.05)
     url = f"http://127.0.0.1:{http.servers[0].sockets[0].getsockname()[1]}"
-    soak = Soak(url, api_key, "soak", prompts, args.max_tokens, marker)
-    result: dict = {"machine": machine_info(parse_device(args.device)), "args": vars(args)}
+    soak = Soak(url, api_key, "soak", prompts, cfg.max_tokens, marker)
+    result: dict = {"machine": machine_info(parse_device(cfg.device)), "args": dataclasses.asdict(cfg)}
 
     def drive() -> None:
         try:
-            result["wall_s"] = asyncio.run(soak.run(args.num_requests, args.soak_concurrency, args.soak_seed))
+            result["wall_s"] = asyncio.run(soak.run(cfg.num_requests, cfg.soak_concurrency, cfg.soak_seed))
             deadline = time.monotonic() + 60
             while time.monotonic() < deadline:  # idle: nothing runs, only the prefix cache keeps blocks
                 s = engine.stats
@@ -286,16 +286,16 @@ def run_soak(args: argparse.Namespace) -> dict:
     http.should_exit = True
 
     # After the run: greedy answers against offline decoding of the same prompts by the same engine.
-    inject_fault(llm.engine, None)
+    llm.measuring.inject_fault(None)
     offline_mismatch = []
     greedy_texts = {o.key[1]: o.text for o in soak.outcomes if o.kind == "greedy" and o.problem is None}
     for i, text in sorted(greedy_texts.items()):
         want = llm.chat([{"role": "user", "content": prompts[i]}],
-                        SamplingParams(temperature=0, max_tokens=args.max_tokens))[0].text
+                        SamplingParams(temperature=0, max_tokens=cfg.max_tokens))[0].text
         if want != text:
             offline_mismatch.append(f"prompt {i}: served {text[:60]!r}, offline {want[:60]!r}")
     return summarize(result, soak.outcomes, check_repeats(soak.outcomes), offline_mismatch, len(greedy_texts),
-                     output_path("bench_results/soak.json" if args.out == "bench_results/bench.json" else args.out))
+                     output_path("bench_results/soak.json" if cfg.out == "bench_results/bench.json" else cfg.out))
 
 
 def summarize(result: dict, outcomes: list[Outcome], repeats: list[str], offline_mismatch: list[str],

@@ -4,11 +4,11 @@ drafting, prompt by prompt in turn on one engine's weights; validity (each outpu
 its schema with `jsonschema`), token identity with constrained plain decoding, and the masks' share of time."""
 from __future__ import annotations
 
-import argparse
 import json
 from pathlib import Path
 from typing import TYPE_CHECKING
 
+from specdec.bench.config import BenchConfig
 from specdec.bench.engines import time_specdec
 from specdec.bench.prompts import BenchPrompt
 from specdec.bench.report import format_table, output_path, ratio
@@ -48,42 +48,41 @@ def is_valid(text: str, schema: dict) -> bool:
         return False
 
 
-def run_structured_bench(args: argparse.Namespace) -> dict:
+def run_structured_bench(cfg: BenchConfig) -> dict:
     from specdec.llm import LLM
 
-    tasks = load_tasks(Path(args.prompts) if args.prompts else DEFAULT_PROMPTS)[: args.num_prompts]
-    llm = LLM(args.model, dtype=args.dtype, device=args.device, quantization=args.quantization,
+    tasks = load_tasks(Path(cfg.prompts) if cfg.prompts else DEFAULT_PROMPTS)[: cfg.num_prompts]
+    llm = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, quantization=cfg.quantization,
               speculative_config="off")
-    spec_cfg = json.loads(args.speculative_config) if args.speculative_config else \
-        {"method": "ngram", "num_speculative_tokens": 4}
+    spec_cfg = cfg.speculative_dict({"method": "ngram", "num_speculative_tokens": 4})
     engines = {"plain": llm, "speculative": llm.with_speculative_config({"jump_forward": True, **spec_cfg}),
                "speculative, no jump-forward": llm.with_speculative_config({**spec_cfg, "jump_forward": False})}
     prompts = [BenchPrompt(i, "json", llm.apply_chat_template(extraction_prompt(t))) for i, t in enumerate(tasks)]
     records: dict[str, list[dict]] = {name: [] for name in engines}
     for eng in engines.values():  # warm-up: kernels, grammar compiler
-        time_specdec(eng, prompts[0], _params(tasks[0], 8, args.temperature))
+        time_specdec(eng, prompts[0], _params(tasks[0], 8, cfg.temperature))
     for task, prompt in zip(tasks, prompts):
-        params = _params(task, args.max_tokens, args.temperature)
+        params = _params(task, cfg.max_tokens, cfg.temperature)
         for name, eng in engines.items():
             out = eng.generate({"prompt_token_ids": prompt.token_ids}, params)[0]
             m = out.metrics
             records[name].append({"valid": is_valid(out.text, task["schema"]), "token_ids": out.token_ids,
                                   "tokens": len(out.token_ids), "decode_s": m["decode_s"], "e2e_s": m["e2e_s"],
                                   "grammar_s": m["grammar_s"], "num_steps": m["num_steps"]})
-    result = {"config": spec_cfg, "grammar_backend": grammar_backend(), "temperature": args.temperature,
+    result = {"config": spec_cfg, "grammar_backend": grammar_backend(), "temperature": cfg.temperature,
               "num_prompts": len(tasks),
               "summary": {name: _summary(recs, records["plain"]) for name, recs in records.items()},
-              "batched": [_batched(engines["plain"], engines["speculative"], tasks, prompts, int(b), args)
-                          for b in str(args.batch_sizes).split(",") if int(b) > 1]}
+              "batched": [_batched(engines["plain"], engines["speculative"], tasks, prompts, b, cfg)
+                          for b in cfg.batch_sizes if b > 1]}
     print(format_structured(result))
-    path = output_path(args.out)
+    path = output_path(cfg.out)
     path.write_text(json.dumps(result, indent=1))
     print(f"wrote {path}")
     return result
 
 
 def _batched(plain: LLM, spec: LLM, tasks: list[dict], prompts: list[BenchPrompt], batch_size: int,
-             args: argparse.Namespace) -> dict:
+             cfg: BenchConfig) -> dict:
     """Groups of batch_size prompts decoded together, plain and speculative in turn group by group (which goes
     first alternates): decode tok/s after the group's last first token, validity, identity."""
     import time
@@ -95,7 +94,7 @@ def _batched(plain: LLM, spec: LLM, tasks: list[dict], prompts: list[BenchPrompt
                           [("speculative", spec), ("plain", plain)]):
             begin = time.perf_counter()
             outs = eng.generate([{"prompt_token_ids": prompts[i].token_ids} for i in group],
-                                [_params(tasks[i], args.max_tokens, args.temperature) for i in group])
+                                [_params(tasks[i], cfg.max_tokens, cfg.temperature) for i in group])
             wall = time.perf_counter() - begin
             t = totals[name]
             t["tokens"] += sum(len(o.token_ids) - 1 for o in outs)

@@ -18,7 +18,7 @@ verifying only while it is likelier to be accepted than that.
 """
 from __future__ import annotations
 
-import argparse
+import dataclasses
 import json
 import math
 import sys
@@ -28,14 +28,13 @@ from typing import TYPE_CHECKING
 
 from tqdm import tqdm
 
+from specdec.bench.config import TuneConfig
 from specdec.bench.engines import time_group
-from specdec.bench.offline import parse_batch_sizes
 from specdec.bench.prompts import encode_prompts, load_questions, pick_round_robin, prompts_path
 from specdec.bench.report import output_path
 from specdec.bench.verify_cost import token_cost
 from specdec.config import SamplingParams, SpecdecError
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.engine.measuring import pin_draft_shape, trace_speculation
 from specdec.models.loader import HEADS_DIR, default_config_path
 from specdec.tree import SpecShape, pruned_tree
 
@@ -52,12 +51,12 @@ DYNAMIC_TREES = ({"topk": 2, "num_steps": 3, "num_draft_tokens": 6},
 
 def acceptance_table(llm: LLM, prompts: list[BenchPrompt], params: SamplingParams) -> list[list[float]]:
     """rate[d][r]: how often the rank-r child at depth d + 1 is accepted, given its parent was."""
-    shape = llm.engine.speculative.parse_shape(MEASURE_TREE, "tree")
-    pin_draft_shape(llm.engine, shape)
+    shape = llm.measuring.speculative.parse_shape(MEASURE_TREE, "tree")
+    llm.measuring.pin_draft_shape(shape)
     width, depth = 1 + max(p[-1] for p in shape.tree), max(len(p) for p in shape.tree)
     reached, accepted = [0] * depth, [[0] * width for _ in range(depth)]
     for p in tqdm(prompts, desc="acceptance statistics", file=sys.stderr):
-        with trace_speculation(llm.engine) as trace:
+        with llm.measuring.trace_speculation() as trace:
             llm.generate({"prompt_token_ids": p.token_ids}, params)
         for nodes, num_drafted in trace:
             if not num_drafted:
@@ -67,7 +66,7 @@ def acceptance_table(llm: LLM, prompts: list[BenchPrompt], params: SamplingParam
                 reached[d] += 1
             for d, n in enumerate(nodes):
                 accepted[d][shape.tree[n][-1]] += 1
-    pin_draft_shape(llm.engine, None)
+    llm.measuring.pin_draft_shape(None)
     return [[a / r if r else 0.0 for a in row] for row, r in zip(accepted, reached)]
 
 
@@ -94,33 +93,33 @@ def parse_candidates(value: str | dict | list) -> list[dict]:
     return configs
 
 
-def run_tune(args: argparse.Namespace) -> dict:
-    if not args.speculative_config:
+def run_tune(cfg: TuneConfig) -> dict:
+    if not cfg.speculative_config:
         raise SpecdecError("specdec tune needs --speculative-config: the drafting method(s) to tune")
-    configs = parse_candidates(args.speculative_config)
+    configs = parse_candidates(cfg.speculative_config)
     from specdec.llm import LLM
 
-    out = output_path(args.out)
-    batch_sizes = parse_batch_sizes(args.batch_sizes)
-    params = SamplingParams(temperature=0.0, max_tokens=args.max_tokens, ignore_eos=True)
-    rows = pick_round_robin(load_questions(prompts_path(args.prompts)), args.num_prompts)
-    base = LLM(args.model, dtype=args.dtype, device=args.device, speculative_config="off",
-               quantization=args.quantization, max_num_seqs=max(max(batch_sizes), 1))
+    out = output_path(cfg.out)
+    batch_sizes = sorted({*cfg.batch_sizes, 1})  # batch 1 is the reference of every other size
+    params = SamplingParams(temperature=0.0, max_tokens=cfg.max_tokens, ignore_eos=True)
+    rows = pick_round_robin(load_questions(prompts_path(cfg.prompts)), cfg.num_prompts)
+    base = LLM(cfg.model, dtype=cfg.dtype, device=cfg.device, speculative_config="off",
+               quantization=cfg.quantization, max_num_seqs=max(max(batch_sizes), 1))
     prompts = encode_prompts(base, rows)  # the weights are loaded and the prompts encoded once for every method
     results = [tune_method(base, prompts, batch_sizes, params, user) for user in configs]
     result = {**results[0]} if len(results) == 1 else {"methods": results}
     result["default"] = pick_default(configs, results)
-    result["args"] = {k: v for k, v in vars(args).items() if k != "func"}
+    result["args"] = dataclasses.asdict(cfg)
     out.write_text(json.dumps(result, indent=1))
     print("\n\n".join(format_tune(r) for r in results))
     print(f"\ndefault: {json.dumps(result['default'])}")
     print(f"\ndispatch tables written to {out}; use one with "
           f"--speculative-config '{{\"method\": \"...\", ..., \"dispatch\": \"{out}\"}}'")
-    if args.write_default:
-        path = default_config_path(args.model)
+    if cfg.write_default:
+        path = default_config_path(cfg.model)
         path.parent.mkdir(parents=True, exist_ok=True)
         path.write_text(json.dumps(shippable(result["default"]), indent=1) + "\n")
-        print(f"default speculative config of {args.model} written to {path}")
+        print(f"default speculative config of {cfg.model} written to {path}")
     return result
 
 
@@ -166,7 +165,7 @@ def tune_method(base: LLM, prompts: list, batch_sizes: list[int], params: Sampli
     tree_method = cfg.info.trees
     llm = base.with_speculative_config({**user, "dispatch": None, **({"tree": MEASURE_TREE} if tree_method else {})})
     rates = acceptance_table(llm, prompts, params) if tree_method else None
-    shapes = candidates(llm.engine.speculative, rates)
+    shapes = candidates(llm.measuring.speculative, rates)
     speeds: dict[int, dict[str, float]] = {}
     for b in batch_sizes:
         totals = defaultdict(lambda: [0, 0.0])
@@ -174,8 +173,8 @@ def tune_method(base: LLM, prompts: list, batch_sizes: list[int], params: Sampli
         for g, group in enumerate(tqdm(groups, desc=f"{cfg.method}, batch {b}", file=sys.stderr)):
             for j in range(len(shapes)):  # rotate the order every group: drift hits every candidate alike
                 shape = shapes[(g + j) % len(shapes)]
-                pin_draft_shape(llm.engine, shape)
-                llm.engine.forget_finished()  # no shape drafts from another shape's answers to these prompts
+                llm.measuring.pin_draft_shape(shape)
+                llm.measuring.forget_finished()  # no shape drafts from another shape's answers to these prompts
                 record, _ = time_group(llm, group, params)
                 totals[shape][0] += record["decode_tokens"]
                 totals[shape][1] += record["decode_s"]
@@ -192,8 +191,8 @@ def verify_cost_threshold(base: LLM, prompts: list, nodes: int, params: Sampling
     """The extra cost of verifying one more token, in plain steps, at the prompts' median context halfway
     through their answers: the least acceptance chance that pays for a draft node (at most 1)."""
     context = sorted(len(p.token_ids) for p in prompts)[len(prompts) // 2] + params.max_tokens // 2
-    context = min(context, base.engine.max_model_len - nodes - 2)
-    cost = token_cost(base.engine, context, nodes)
+    context = min(context, base.max_model_len - nodes - 2)
+    cost = token_cost(base.measuring, context, nodes)
     print(f"verifying one more token costs {cost:.3f} plain steps (context {context}, {nodes} nodes)",
           file=sys.stderr)
     return min(round(cost, 3), 1.0)

@@ -1,7 +1,7 @@
 """What verification costs on this machine: one target forward (all layers, LM head, argmax) feeding n tokens of
 one sequence, against a plain decode step (n = 1). A hybrid tree is worth growing by one node only while that
 node's chance of being accepted exceeds the extra time it takes to verify, in plain steps; `specdec tune`
-measures that here, through the engine's own measuring method (`engine.cost.time_verification`), and sets the
+measures that here, through the engine's measuring interface (`Measuring.time_verification`), and sets the
 hybrid's `min_score` from it.
 """
 from __future__ import annotations
@@ -10,12 +10,10 @@ import statistics
 import time
 from typing import TYPE_CHECKING
 
-from specdec.engine.cost import time_verification
-
 if TYPE_CHECKING:
     from llama_cpp import Llama
 
-    from specdec.engine.llm_engine import LLMEngine
+    from specdec.engine.measuring import Measuring
 
 
 def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
@@ -34,8 +32,8 @@ def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: 
     return {n: statistics.median(t) for n, t in times.items()}
 
 
-def token_cost(engine: LLMEngine, context: int, nodes: int, repeats: int = 9) -> float:
+def token_cost(measuring: Measuring, context: int, nodes: int, repeats: int = 9) -> float:
     """The extra time of verifying one more token, in plain steps, averaged over a tree of `nodes` drafts:
     (t(1 + nodes) - t(1)) / (nodes * t(1))."""
-    t = time_verification(engine, context, [1, 1 + nodes], repeats)
+    t = measuring.time_verification(context, [1, 1 + nodes], repeats)
     return max(0.0, (t[1 + nodes] - t[1]) / (nodes * t[1]))

@@ -53,6 +53,8 @@ MEASURE_BUDGET_S = 4.0  # widths beyond the smallest eight are measured while th
 REPEATS = 3
 MEASURE_ATTEMPTS = 3  # a table a busy machine measured (not `StepCost.plausible`) is measured again, this many in all
 SLOW_FORWARD_S = 0.1  # a forward slower than this is timed once per shape
+SPOT_CHECK_RATIO = 1.75  # a cached table whose one-row forward a fresh timing puts off by more is measured again
+SPOT_CHECK_SLACK_S = 1e-3  # ... and by more than this many seconds (a tiny model's forwards jitter by multiples)
 FORMAT = 1  # of the cached tables: a change to what is measured makes old ones stale
 
 PRIOR = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1)  # g(j) before any draft is measured (then 0.7 times the last)
@@ -270,7 +272,8 @@ def engine_costs(engine: LLMEngine) -> StepCost | None:
     key = cache_key(repr(model.config), str(model.dtype), str(model.kv_dtype), str(model.device), formats,
                     type(engine.runner).__name__, engine.cfg.block_size, max_rows, max_context)
     return load_or_measure(key, lambda: measure(lambda c, w, r: time_verification(engine, c, w, r), max_rows,
-                                                max_context))
+                                                max_context),
+                           spot_check=lambda c: time_verification(engine, c, [1], 5)[1])
 
 
 def cache_key(*parts: object) -> str:
@@ -283,16 +286,25 @@ def cache_key(*parts: object) -> str:
     return hashlib.sha256(text.encode()).hexdigest()[:24]
 
 
-def load_or_measure(key: str, measure_now: Callable[[], StepCost]) -> StepCost:
+def load_or_measure(key: str, measure_now: Callable[[], StepCost],
+                    spot_check: Callable[[int], float] | None = None) -> StepCost:
     """The cached table for `key`, or one measured now and cached (an unwritable cache only costs measuring again).
     A table that is not `plausible` (measured while the machine was busy) is used this once, never cached, and a
-    cached one is measured again."""
+    cached one is measured again. `spot_check(context)`: one row's forward timed now; a cached table it puts off by
+    more than SPOT_CHECK_RATIO and SPOT_CHECK_SLACK_S either way (cached by a busy or oversubscribed machine, whose
+    times can all be slow alike) is measured again."""
     path = cache_root() / "costs" / f"{key}.json"
     try:
         data = json.loads(path.read_text())
         if data.get("format") == FORMAT and (cached := StepCost(data["rows"], data["contexts"], data["seconds"])
                                              ).plausible():
-            return cached
+            if spot_check is None:
+                return cached
+            now, then = spot_check(cached.contexts[0]), cached.seconds[0][0]
+            if then / SPOT_CHECK_RATIO - SPOT_CHECK_SLACK_S <= now <= then * SPOT_CHECK_RATIO + SPOT_CHECK_SLACK_S:
+                return cached
+            log.info("the cached verification costs (%s) put a forward at %.2f ms, it takes %.2f ms now: measuring "
+                     "again", path.name, 1e3 * then, 1e3 * now)
     except (OSError, ValueError, KeyError, TypeError):
         pass
     cost = measure_now()

@@ -26,6 +26,7 @@ import random
 import sys
 import time
 import zlib
+from collections.abc import Iterator
 from dataclasses import dataclass
 from pathlib import Path
 from typing import TYPE_CHECKING
@@ -263,7 +264,7 @@ def regenerate(llm: LLM, data_dir: str | Path | list[str | Path], out: str | Pat
         raise SpecdecError(f"--out {out} is a file: answers go to a directory (chunk files); `--pack FILE` writes "
                            "them as one file")
     out.mkdir(parents=True, exist_ok=True)
-    meta = {"model": model_fingerprint(llm.engine.model), "max_tokens": max_tokens,
+    meta = {"model": llm.fingerprint, "max_tokens": max_tokens,
             "max_prompt_tokens": max_prompt_tokens, "seed": seed}
     done: dict[tuple[str, int], Record] = {}
     for path in answer_files([*also, out]):
@@ -279,9 +280,8 @@ def regenerate(llm: LLM, data_dir: str | Path | list[str | Path], out: str | Pat
     jobs = [j for j in planned if (j.source, j.row) not in done]
     if limit is not None:
         jobs = jobs[:limit]
-    engine = llm.engine
-    pending, fresh = list(reversed(jobs)), []
-    running: list[tuple[Job, list[int], object]] = []
+    fresh: list[Record] = []
+    submitted: list[tuple[Job, list[int]]] = []  # by the index `as_completed` gives back
     chunk_id = 1 + max((int(p.stem.split("-")[1]) for p in out.glob("chunk-*.npz")), default=-1)
     bar = tqdm(total=len(jobs), desc="distill", unit="answer", file=sys.stderr)
     new_tokens, start = 0, time.perf_counter()
@@ -293,37 +293,29 @@ def regenerate(llm: LLM, data_dir: str | Path | list[str | Path], out: str | Pat
             done.update({(r.job.source, r.job.row): r for r in fresh})
             chunk_id, fresh = chunk_id + 1, []
 
-    try:
-        while pending or running:
-            while pending and len(running) < in_flight:
-                job = pending.pop()
-                ids = llm.apply_chat_template(sources[job.source][job.row])
-                if len(ids) > max_prompt_tokens:
-                    fresh.append(Record(job, len(ids), crc(ids), "skipped", []))
-                    bar.update()
-                    continue
-                params = SamplingParams(temperature=job.temperature, seed=job.seed if job.temperature else None,
-                                        max_tokens=max_tokens)
-                running.append((job, ids, engine.add_request(ids, params)))
-            finished = {u.request_id: u.output for u in engine.step() if u.finished} if running else {}
-            still = []
-            for job, ids, request_id in running:
-                answer = finished.get(request_id)
-                if answer is None:
-                    still.append((job, ids, request_id))
-                    continue
-                tokens = list(answer.token_ids)
-                fresh.append(Record(job, len(ids), crc(ids), answer.finish_reason, tokens))
-                new_tokens += len(tokens)
+    def requests() -> Iterator[tuple[list[int], SamplingParams]]:  # rendered as the engine takes them
+        for job in jobs:
+            ids = llm.apply_chat_template(sources[job.source][job.row])
+            if len(ids) > max_prompt_tokens:
+                fresh.append(Record(job, len(ids), crc(ids), "skipped", []))
                 bar.update()
-                bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
-            running = still
+                continue
+            submitted.append((job, ids))
+            yield ids, SamplingParams(temperature=job.temperature, seed=job.seed if job.temperature else None,
+                                      max_tokens=max_tokens)
+
+    try:
+        for index, answer in llm.as_completed(requests(), in_flight):
+            job, ids = submitted[index]
+            tokens = list(answer.token_ids)
+            fresh.append(Record(job, len(ids), crc(ids), answer.finish_reason, tokens))
+            new_tokens += len(tokens)
+            bar.update()
+            bar.set_postfix(tok_s=f"{new_tokens / (time.perf_counter() - start):.0f}")
             if len(fresh) >= flush_every:
                 flush()
     finally:
         bar.close()
-        for _, _, request_id in running:
-            engine.abort(request_id)
         flush()
     elapsed = time.perf_counter() - start
     return {"answers": len(done), "answer_tokens": sum(len(r.tokens) for r in done.values()),
@@ -345,9 +337,9 @@ def keyed_samples(paths: str | Path | list[str | Path], data_dir: str | Path | l
     """`samples`, each with its prompt's key (source, row)."""
     paths = [paths] if isinstance(paths, (str, Path)) else list(paths)
     meta, done = load_all(paths)
-    if done and meta["model"] != model_fingerprint(llm.engine.model):
+    if done and meta["model"] != llm.fingerprint:
         raise SpecdecError(f"{paths[0]} holds answers of another target (fingerprint {meta['model']}, this target "
-                           f"{model_fingerprint(llm.engine.model)}); regenerate it with `specdec distill`")
+                           f"{llm.fingerprint}); regenerate it with `specdec distill`")
     sources = read_sources(data_dir)
     out = []
     for key in sorted(done):

@@ -170,7 +170,7 @@ def _train(cfg: TrainConfig, cls: type, rank: int, world: int) -> dict:
     torch.manual_seed(cfg.seed)
     # each data-parallel rank holds the whole target
     llm = LLM(cfg.target, dtype=cfg.dtype, device=cfg.device, tensor_parallel_size=1)
-    target, tok = llm.engine.model, llm.tokenizer
+    target, tok = llm.target_model, llm.tokenizer
     out_dir, ckpt = Path(cfg.out), Path(cfg.out) / "trainer_state.pt"
     held: list[tuple[list[int], list[bool]]] = []  # answers never trained on: the curve's
     if cfg.distilled or cfg.from_traffic:
