@@ -263,6 +263,9 @@ def build_parser() -> argparse.ArgumentParser:
     c.add_argument("out", help="the output directory (for gguf also a .gguf path)")
     c.add_argument("--method", default=None, choices=sorted(WRITES),
                    help="the head's method (default: read from its files)")
+    c.add_argument("--target", default=None, metavar="MODEL",
+                   help="with --to gguf: the target (alias or .gguf file) whose tokenizer goes into the head's file, "
+                   "as llama.cpp's loader requires (specdec reads the head without it)")
 
     d = sub.add_parser("distill", help="answer the training prompts with the target itself (self-distillation data)")
     d.add_argument("--model", default=DEFAULT_MODEL, help=f"the target (default {DEFAULT_MODEL})")
@@ -357,8 +360,19 @@ def cmd_convert_head(args: argparse.Namespace) -> None:
     from specdec.models.heads.formats import find_method, read_head, write_head
 
     method = args.method or find_method(args.src)
+    target = None
+    if args.target is not None:
+        from specdec.models.loader import resolve
+
+        target = resolve(args.target).gguf_file
+        if target is None:
+            raise SpecdecError(f"--target {args.target} is not a GGUF model: the tokenizer is copied from the "
+                               "target's GGUF")
     ckpt = read_head(args.src, method)
-    out = write_head(ckpt, args.to_format, args.out)
+    out = write_head(ckpt, args.to_format, args.out, target)
+    if args.to_format == "gguf" and target is None:
+        print("note: no --target, so the file holds no tokenizer; llama.cpp loads a head only with its target's "
+              "(pass --target MODEL)", file=sys.stderr)
     print(f"wrote {out}: the {method} head of {args.src} ({ckpt.source} layout, {len(ckpt.tensors)} tensors) in "
           f"the {args.to_format} layout")
 

@@ -31,7 +31,7 @@ from specdec.bench.report import llamacpp_spec_lines
 from specdec.bench.serve import llama_server_command
 from specdec.cli import main
 from specdec.config import SpecdecError
-from specdec.models.loader import shipped_head
+from specdec.models.loader import resolve, shipped_head
 
 EAGLE3_REFUSAL = ("llama_model_load: error loading model: error loading model vocabulary: key not found in model: "
                   "tokenizer.ggml.model")
@@ -138,16 +138,18 @@ def test_best_mode_is_the_fastest_speculative_one_and_our_ratio_is_over_it() -> 
     assert "no specdec speculative run" in "\n".join(llamacpp_spec_lines(none_ran))
 
 
-def test_the_shipped_head_converts_once(tmp_path: Path) -> None:
+def test_the_shipped_head_converts_once_with_the_targets_tokenizer(tmp_path: Path) -> None:
     head = shutil.copytree(shipped_head("smollm2-135m"), tmp_path / "head")
-    out = convert_eagle3(head, tmp_path / "cache")
+    target = resolve("smollm2-135m").gguf_file
+    out = convert_eagle3(head, target, tmp_path / "cache")
     reader = GGUFReader(out)
     assert reader.get_field("general.architecture").contents() == "eagle3"
     assert reader.get_field("eagle3.target_layers").contents() == [3, 16, 28]  # inputs of the layers after ours
+    assert reader.get_field("tokenizer.ggml.model").contents() == "gpt2"  # llama.cpp refuses a head without it
     made = out.stat().st_mtime_ns
-    assert convert_eagle3(head, tmp_path / "cache").stat().st_mtime_ns == made  # cached
+    assert convert_eagle3(head, target, tmp_path / "cache").stat().st_mtime_ns == made  # cached
     os.utime(head / "config.json", ns=(made + 10**9, made + 10**9))
-    assert convert_eagle3(head, tmp_path / "cache").stat().st_mtime_ns > made  # the head changed: converted again
+    assert convert_eagle3(head, target, tmp_path / "cache").stat().st_mtime_ns > made  # the head changed: again
 
 
 FAKE_SERVER = """#!{python}

@@ -9,7 +9,7 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.engine import cost
-from specdec.engine.cost import Acceptance, Item, StepCost, plan, prior_rates, time_verification
+from specdec.engine.cost import Acceptance, Item, StepCost, TimeCalibration, plan, prior_rates, time_verification
 
 LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
 
@@ -26,10 +26,25 @@ def test_step_costs_are_linear_between_and_beyond_the_measured_widths_and_contex
     c.observe(1, 4, 32, 2.2)  # until a drafting step is measured: 0.2 s beyond its forward
     assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == 2.2
     c.observe(1, 1, 32, 2.5)
-    assert c.overhead[1] == pytest.approx(0.9 * 0.5 + 0.1 * 1.5)  # a moving average
+    assert c.overhead[1].value == pytest.approx((0.5 + 1.5) / 2)  # the median of the recent ones
+    assert not c.observe(1, 1, 32, 9.0)  # a stall, 4.5x what it expects: not learnt from
+    assert c.overhead[1].value == pytest.approx(1.0) and not c.observe(1, 4, 32, 9.0)
+    for _ in range(3):
+        c.observe(1, 1, 32, 1.4)
+    assert c.overhead[1].value == pytest.approx(0.4)  # the median: the 1.5 of one slow step weighs nothing
     frozen = StepCost([1], [32], [[1.0]], online=False)
     frozen.observe(1, 1, 32, 9.0)
     assert frozen.overhead == {} and frozen.fits == {}
+
+
+def test_a_stalled_first_step_cannot_hold_a_batch_sizes_estimate():
+    """The first step of a batch size may carry one-time work (6x its steps, seen at batch 16); the recent median
+    forgets it as soon as the steps after it outnumber it, where a moving mean held it for hundreds of steps."""
+    c = StepCost([1, 16], [32], [[0.003, 0.02]])
+    c.observe(16, 16, 32, 0.12)  # the first plain step at batch 16: 100 ms beyond its 20 ms forward
+    for _ in range(2):
+        c.observe(16, 16, 32, 0.023)
+    assert c(16, 32, batch=16) == pytest.approx(0.023)
 
 
 def test_drafting_steps_fit_what_their_extra_rows_really_cost():
@@ -204,3 +219,22 @@ def test_drafters_that_size_their_own_drafts_are_given_the_measured_row_cost(tin
     hybrid = HybridDrafter.__new__(HybridDrafter)
     hybrid.min_score = 0.15
     assert hybrid.threshold(r) == 0.3 and hybrid.threshold(dataclasses.replace(r, row_cost=None)) == 0.15
+
+
+def test_drafting_steps_that_run_over_their_costs_are_priced_at_what_they_take():
+    """A batch size's drafting steps measured 10% over their predicted time: the time calibration moves toward
+    1.1 (from 1, with the weight of a few steps; a stall's ratio clipped to 2), and a plan that paid by 5% at the
+    costs alone drafts nothing at the calibrated ones."""
+    t = TimeCalibration()
+    assert t.factor == 1.0
+    for _ in range(200):
+        t.record(1.1, 1.0)
+    assert t.factor == pytest.approx((4 + 1.1 * 50) / (4 + 50), rel=1e-3)  # 50 steps' weight at decay 0.98
+    stalled = TimeCalibration()
+    stalled.record(50.0, 1.0)
+    assert stalled.factor == pytest.approx((4 + 2) / 5)
+    flat = StepCost([1, 2], [32], [[1.0, 1.0]], online=False)  # a second row costs nothing...
+    items = [Item(0, 1, 0.05)]  # ...and adds 0.05 tokens: 5% faster, past MARGIN
+    assert plan(items, 1, 32, flat).rows == [1]
+    assert plan(items, 1, 32, flat, time_factor=1.1).rows == [0]
+    assert plan(items, 1, 32, flat, draft_seconds=0.01).draft_seconds == 0.01

@@ -12,6 +12,7 @@ import pytest
 import torch
 import torch.nn.functional as F
 from conftest import assert_greedy_equal, default_model_available, every_step, save_tiny_model
+from gguf import GGUFReader
 from safetensors.torch import load_file, save_file
 from test_eagle import target, target_dir  # noqa: F401  module fixtures of their own here
 
@@ -20,7 +21,7 @@ from specdec.cli import main
 from specdec.drafting.eagle import EagleDrafter
 from specdec.models.heads.eagle3 import Eagle3Head, Eagle3Variant
 from specdec.models.heads.formats import read_head, write_head
-from specdec.models.loader import shipped_head
+from specdec.models.loader import resolve, shipped_head
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick", "Hello world", "1 2 3 4 5 6 1 2 3"]
 GREEDY = SamplingParams(temperature=0, max_tokens=16, ignore_eos=True)
@@ -62,7 +63,8 @@ def test_the_shipped_head_converted_to_each_format_drafts_the_same_tokens(tmp_pa
     for fmt in ("shipped", "specforge", "eagle", "speculators", "gguf"):
         out = shipped_head("smollm2-135m") if fmt == "shipped" else tmp_path / fmt
         if fmt != "shipped":
-            assert main(["convert-head", str(shipped_head("smollm2-135m")), "--to", fmt, str(out)]) == 0
+            target = ["--target", "smollm2-135m"] if fmt == "gguf" else []  # its tokenizer, for llama.cpp
+            assert main(["convert-head", str(shipped_head("smollm2-135m")), "--to", fmt, str(out), *target]) == 0
         llm = plain.with_speculative_config(every_step({"method": "eagle3", "model": str(out),
                                                         "num_speculative_tokens": 3}))
         outs = llm.generate(prompts, params)
@@ -71,6 +73,9 @@ def test_the_shipped_head_converted_to_each_format_drafts_the_same_tokens(tmp_pa
     assert results["gguf"] == results["speculators"] == results["eagle"] == results["specforge"] == results["shipped"]
     assert sum(a for _, a in results["shipped"]) > 10  # the head drafts and is accepted
     assert (tmp_path / "eagle" / "pytorch_model.bin").is_file() and (tmp_path / "gguf" / "model.gguf").is_file()
+    fields, model = GGUFReader(tmp_path / "gguf" / "model.gguf").fields, GGUFReader(resolve("smollm2-135m").gguf_file)
+    assert fields["tokenizer.ggml.model"].contents() == "gpt2"  # llama.cpp's loader needs the target's tokenizer
+    assert fields["tokenizer.ggml.tokens"].contents() == model.fields["tokenizer.ggml.tokens"].contents()
     back = read_head(tmp_path / "gguf", "eagle3")
     ours = read_head(shipped_head("smollm2-135m"), "eagle3")
     assert back.config["eagle_config"] == ours.config["eagle_config"]

@@ -84,15 +84,15 @@ def peer_modes(gguf: Path, draft: Path | None = None, eagle3: Path | None = None
     return modes
 
 
-def convert_eagle3(head: Path, out_dir: Path) -> Path:
-    """The head in llama.cpp's EAGLE-3 GGUF, by specdec's converter (`convert-head --to gguf`); converted again
-    only when a file of the head is newer than the conversion."""
+def convert_eagle3(head: Path, target: Path, out_dir: Path) -> Path:
+    """The head in llama.cpp's EAGLE-3 GGUF with the target's tokenizer, by specdec's converter (`convert-head --to
+    gguf --target`); converted again only when a file of the head, or the target, is newer than the conversion."""
     from specdec.models.heads.formats import read_head, write_head
 
     out = out_dir / f"{head.name}.gguf"
-    newest = max(p.stat().st_mtime for p in head.iterdir())
+    newest = max([p.stat().st_mtime for p in head.iterdir()] + [target.stat().st_mtime])
     if not out.is_file() or out.stat().st_mtime < newest:
-        write_head(read_head(head, "eagle3"), "gguf", out)
+        write_head(read_head(head, "eagle3"), "gguf", out, target)
     return out
 
 
@@ -197,7 +197,7 @@ def start_peers(cfg: PeerConfig) -> LlamaServerPeers:
     eagle3 = None
     if cfg.eagle3_head is not None:
         try:
-            eagle3 = convert_eagle3(cfg.eagle3_head, cache_root() / "llamacpp")
+            eagle3 = convert_eagle3(cfg.eagle3_head, cfg.gguf, cache_root() / "llamacpp")
         except SpecdecError as e:
             refused["draft-eagle3"] = f"specdec convert-head --to gguf failed: {e}"
     peers = LlamaServerPeers(cfg, peer_modes(cfg.gguf, cfg.draft, eagle3), refused)

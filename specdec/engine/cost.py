@@ -34,6 +34,8 @@ import json
 import logging
 import os
 import platform
+import statistics
+from collections import deque
 from collections.abc import Callable
 from dataclasses import asdict, dataclass, field
 from pathlib import Path
@@ -63,10 +65,14 @@ REQUEST_WEIGHT = 4.0  # a request's own drafts weigh against every request's as 
 DECAY = 0.9  # a request's older drafts weigh this much less per draft (its text changes character)
 PROBE_EVERY = 16  # a request that drafts nothing is given one row once in so many of its steps
 MARGIN = 1.01  # a plan must beat plain decoding's tokens per second by this much
-ONLINE = 0.1  # the weight of a step in the moving overhead of a batch size's steps
+ONLINE = 0.1  # the weight of a step in a batch size's RowFit (older steps weigh 1 - ONLINE less each)
+RECENT = 15  # a moving time (a batch size's plain-step overhead, the drafting time) is the median of this many
+STALL = 3.0  # a step taking this many times what the model expects is a stall (page faults, a collection, a first
+# call's one-time work): not learnt from, once the batch size has an estimate
 SLOPE_PRIOR = 0.5  # the belief that extra rows cost what the table says, in steps of mean square x (`RowFit`)
 SLOPE_RANGE = (0.5, 3.0)  # the fitted slope stays within these multiples of the table's
 CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
+TIME_PRIOR = 4.0  # drafting steps a batch size's time calibration starts from (at 1)
 CALIBRATION_PRIOR = 2.0  # expected tokens the ratio starts from (at 1)
 
 
@@ -90,8 +96,9 @@ class StepCost:
     contexts: list[int]
     seconds: list[list[float]]  # [context][width]
     online: bool = True
-    # batch size -> seconds its plain steps add to their forward (moving): scheduling, token choice, commit
-    overhead: dict[int, float] = field(default_factory=dict)
+    # batch size -> seconds its plain steps add to their forward (the median of recent ones): scheduling, token
+    # choice, commit
+    overhead: dict[int, Recent] = field(default_factory=dict)
     # batch size -> its drafting steps' seconds beyond a plain forward, fitted to the extra rows' forward time
     # (`RowFit`): a drafting step's token choice, settling and bookkeeping, and its rows as they really cost there
     # (B sequences of a few rows each are not the table's one sequence of as many)
@@ -104,8 +111,9 @@ class StepCost:
         if rows > batch and fit is not None:  # a drafting step: a plain forward, then its rows at the fitted slope
             base = self.forward(batch, context)
             return max(base + fit.seconds(forward - base), 0.25 * forward)
-        extra = self.overhead.get(batch, fit.intercept() if fit is not None else 0.0)  # not measured: as the other
-        return max(forward + extra, 0.25 * forward)                                    # kind of step
+        recent = self.overhead.get(batch)
+        extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0  # not measured:
+        return max(forward + extra, 0.25 * forward)                                   # as the other kind of step
 
     def forward(self, rows: int, context: float) -> float:
         """The table's seconds (no overhead): each context's row read off a dense copy (a plan asks for many widths a
@@ -128,21 +136,38 @@ class StepCost:
                 return False
         return all(b >= 0.8 * a for short, long in zip(self.seconds, self.seconds[1:]) for a, b in zip(short, long))
 
-    def observe(self, batch: int, rows: int, context: float, seconds: float) -> None:
+    def observe(self, batch: int, rows: int, context: float, seconds: float) -> bool:
         """A decode step of `batch` sequences and `rows` rows took `seconds` (its drafting not counted): a plain
-        step's overhead moves toward what it measured beyond the forward; a drafting step refits its batch size's
-        `RowFit`."""
+        step's overhead joins the recent ones (beyond the forward); a drafting step refits its batch size's
+        `RowFit`. A stall (STALL times what the model expects, once the batch size has an estimate) teaches
+        nothing: returns whether the step was learnt from."""
         if not self.online or seconds <= 0:
-            return
+            return False
+        if (batch in self.overhead or batch in self.fits) and seconds > STALL * self(rows, context, batch):
+            return False
         base = self.forward(batch, context)
         if rows > batch:
             self.fits.setdefault(batch, RowFit()).add(self.forward(rows, context) - base, seconds - base)
-            return
-        old = self.overhead.get(batch)
-        self.overhead[batch] = seconds - base if old is None else (1 - ONLINE) * old + ONLINE * (seconds - base)
+        else:
+            self.overhead.setdefault(batch, Recent()).add(seconds - base)
+        return True
 
     def to_json(self) -> dict:
         return {"format": FORMAT, "rows": self.rows, "contexts": self.contexts, "seconds": self.seconds}
+
+
+@dataclass
+class Recent:
+    """The median of the last RECENT values: a moving time that a stalled step cannot drag as it drags a mean (a
+    first step's one-time work once held a batch size's plain-step estimate at 6x its steps for hundreds of
+    steps)."""
+
+    values: deque[float] = field(default_factory=lambda: deque(maxlen=RECENT))
+    value: float = 0.0
+
+    def add(self, x: float) -> None:
+        self.values.append(x)
+        self.value = statistics.median(self.values)
 
 
 @dataclass
@@ -380,6 +405,27 @@ class Calibration:
 
 
 @dataclass
+class TimeCalibration:
+    """Measured over predicted seconds of a batch size's drafting steps (each ratio clipped to 0.5-2: a stall says
+    nothing of the model), a decayed mean starting from 1 with the weight of TIME_PRIOR steps: the factor drafting
+    steps are priced at. What the step costs and the drafting times do not catch (a batch's drafting steps running
+    a few percent over them) would otherwise tip plans that barely pay into losses."""
+
+    ratios: float = 0.0  # decayed sums
+    weight: float = 0.0
+
+    def record(self, measured: float, predicted: float) -> None:
+        if predicted > 0:
+            r = min(max(measured / predicted, 0.5), 2.0)
+            self.ratios = CALIBRATION_DECAY * self.ratios + r
+            self.weight = CALIBRATION_DECAY * self.weight + 1
+
+    @property
+    def factor(self) -> float:
+        return (TIME_PRIOR + self.ratios) / (TIME_PRIOR + self.weight)
+
+
+@dataclass
 class Item:
     """Rows one request may verify: a chain's next token (rows 1) or a whole tree (rows = its nodes)."""
 
@@ -394,18 +440,21 @@ class Plan:
 
     rows: list[int]
     tokens: float
-    seconds: float
+    seconds: float  # drafting included (its expected time until the drafter has run, then its measured time)
     plain_seconds: float  # what plain decoding would take for the same number of sequences
+    draft_seconds: float = 0.0  # the drafting time `seconds` counts
 
     @property
     def drafts(self) -> bool:
         return any(self.rows)
 
 
-def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_seconds: float = 0.0) -> Plan:
+def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_seconds: float = 0.0,
+         time_factor: float = 1.0) -> Plan:
     """The items to verify: the prefix of them, best tokens per row first, that maximizes tokens per second
-    (drafting costs `draft_seconds` when anything is drafted), and only where it beats plain decoding by MARGIN.
-    Items of one request must come in the order they are taken (a chain's positions)."""
+    (drafting costs `draft_seconds` when anything is drafted, and a drafting step `time_factor` times what the costs
+    say: `TimeCalibration`), and only where it beats plain decoding by MARGIN. Items of one request must come in the
+    order they are taken (a chain's positions)."""
     plain = cost(batch, context, batch)
     # stable: a request's later position, never worth more than its earlier one, is never taken before it
     order = sorted(items, key=lambda it: -it.gain / it.rows)
@@ -414,13 +463,13 @@ def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_se
     for n, it in enumerate(order, 1):
         tokens += it.gain
         rows += it.rows
-        seconds = cost(batch + rows, context, batch) + draft_seconds
+        seconds = (cost(batch + rows, context, batch) + draft_seconds) * time_factor
         if tokens / seconds > best_rate:
             best_rate, best, best_tokens, best_seconds = tokens / seconds, n, tokens, seconds
     per_seq = [0] * batch
     for it in order[:best]:
         per_seq[it.seq] += it.rows
-    return Plan(per_seq, best_tokens, best_seconds, plain)
+    return Plan(per_seq, best_tokens, best_seconds, plain, draft_seconds if best else 0.0)
 
 
 @dataclass

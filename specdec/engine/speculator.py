@@ -24,12 +24,15 @@ from specdec.engine.cost import (
     PRIOR_WEIGHT,
     PROBE_EVERY,
     REQUEST_WEIGHT,
+    STALL,
     Acceptance,
     Calibration,
     Item,
     Plan,
     Prediction,
+    Recent,
     StepCost,
+    TimeCalibration,
     plan,
     prior_rates,
 )
@@ -49,7 +52,6 @@ log = logging.getLogger("specdec.engine")
 # A feature drafter takes the target features of steps it drafted nothing in once this many rows wait, and the rest
 # when its sequence finishes (`Speculator.catch_up`): a forward of its every 64 tokens costs little at any batch size.
 CATCH_UP_ROWS = 64
-DRAFT_TIME_WEIGHT = 0.2  # of a step in the moving drafting time
 
 
 def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = None, keyed: bool = True
@@ -80,11 +82,13 @@ class Speculator:
         self.source = Acceptance()
         self.acceptance: dict[int, Acceptance] = {}
         self.idle: dict[int, int] = {}  # seq_id -> its steps since it last drafted
-        self.draft_s: dict[int, float] = {}
+        self.draft_s: dict[tuple[int, int], Recent] = {}  # (batch size, largest budget) -> drafting seconds
         self.prediction = Prediction()
         self.calibration = Calibration()
+        self.timing: dict[int, TimeCalibration] = {}  # batch size -> its drafting steps' measured / predicted time
         self.steps = 0  # decode steps planned (probes fall on every PROBE_EVERY-th)
         self._factor = 1.0  # the calibration this step's plan took its gains at
+        self._time_factor = 1.0  # and its drafting steps' time at (`TimeCalibration`)
         self._rows: list[int] = []  # this step's draft budget per sequence (`drafts`)
         self._plan: Plan | None = None
         self._step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
@@ -131,7 +135,10 @@ class Speculator:
             items += [Item(i, b, sum(g))] if whole else [Item(i, 1, x) for x in g]
         if context is None:  # the batch's mean length
             context = sum(len(s.token_ids) for s in seqs) / len(seqs)
-        self._plan = plan(items, len(seqs), context, self.cost, self.draft_seconds(max(budgets)))
+        timing = self.timing.get(len(seqs))
+        self._time_factor = timing.factor if timing is not None else 1.0
+        self._plan = plan(items, len(seqs), context, self.cost, self.draft_seconds(len(seqs), max(budgets)),
+                          self._time_factor)
         rows = self._plan.rows
         self.steps += 1
         for i, (s, b) in enumerate(zip(seqs, budgets)):
@@ -150,11 +157,14 @@ class Speculator:
         one_more = c(batch + rows + 1, context, batch) - c(batch + rows, context, batch)
         return max(0.0, one_more) * batch / c(batch, context, batch)
 
-    def draft_seconds(self, budget: int) -> float:
-        """What drafting is expected to take at this largest budget (the nearest one measured; 0 before any)."""
+    def draft_seconds(self, batch: int, budget: int) -> float:
+        """What drafting is expected to take for `batch` sequences at this largest budget: the recent median of the
+        nearest budget measured at this batch size, else of the nearest batch size scaled by the sequences (a
+        drafter's host work grows with them); 0 before any."""
         if not self.draft_s:
             return 0.0
-        return self.draft_s[min(self.draft_s, key=lambda k: (abs(k - budget), k))]
+        near = min(self.draft_s, key=lambda k: (k[0] != batch, abs(k[0] - batch), abs(k[1] - budget), k))
+        return self.draft_s[near].value * (1.0 if near[0] == batch else batch / near[0])
 
     def shape_for(self, batch_size: int) -> SpecShape:
         """This step's draft shape: the pinned one (tune), else the config's for the batch size (its dispatch table's
@@ -172,6 +182,10 @@ class Speculator:
         planned = self._plan if speculated and rows and self._plan is not None else None
         if planned is not None and any(planned.rows):  # what the drafts added against what the plan expected
             self.calibration.record(tokens - batch_size, (planned.tokens - batch_size) / self._factor)
+            # and what the step took against its costs (not the time factor the plan priced it at)
+            if self.cost.online:  # (a made-up table's seconds are not this machine's)
+                self.timing.setdefault(batch_size, TimeCalibration()).record(seconds,
+                                                                             planned.seconds / self._time_factor)
         if planned is None:  # a plain step: predicted as one
             plain = self.cost(batch_size, context, batch_size)
             planned = Plan([0] * batch_size, batch_size, plain, plain)
@@ -219,12 +233,12 @@ class Speculator:
             parents = [row[:r.max_tokens] for row, r in zip(parents, requests)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
         seconds = time.perf_counter() - start
-        if any(rows):
-            key = max(rows)
-            old = self.draft_s.get(key)
-            self.draft_s[key] = seconds if old is None else (1 - DRAFT_TIME_WEIGHT) * old + DRAFT_TIME_WEIGHT * seconds
-        if self._plan is not None:
-            self._plan.seconds += seconds
+        if any(rows) and not (self.draft_s and seconds > STALL * self.draft_seconds(len(seqs), max(rows))):
+            # (a stall, or a drafter's one-time work on new requests (indexing their prompts), is not learnt from)
+            self.draft_s.setdefault((len(seqs), max(rows)), Recent()).add(seconds)
+        if self._plan is not None:  # the drafting time it expected becomes the one measured
+            self._plan.seconds += (seconds - self._plan.draft_seconds) * self._time_factor
+            self._plan.draft_seconds = seconds
         self._step = (sum(len(d) for d in drafted), self._step[1], seconds)
         return StepDrafts(drafted, parents, trees, draft)
 

@@ -283,13 +283,17 @@ def _mtp_inside(where: Path, config: dict, tensors: dict[str, torch.Tensor]) -> 
 
 
 # ---- writing ------------------------------------------------------------------------------------------------------
-def write_head(ckpt: HeadCheckpoint, fmt: str, out: str | Path) -> Path:
-    """Write `ckpt` in layout `fmt` (one of WRITES[method]) under `out`; returns what was written."""
+def write_head(ckpt: HeadCheckpoint, fmt: str, out: str | Path, target_gguf: Path | None = None) -> Path:
+    """Write `ckpt` in layout `fmt` (one of WRITES[method]) under `out`; returns what was written. `target_gguf`:
+    for gguf, the target's file, whose tokenizer llama.cpp needs in the head's."""
     if fmt not in WRITES.get(ckpt.method, ()):
         raise SpecdecError(f"a {ckpt.method} head converts to {list(WRITES.get(ckpt.method, ()))}, not {fmt!r}")
     out = Path(out)
     if fmt == "gguf":
-        return write_gguf_head(ckpt, out)
+        return write_gguf_head(ckpt, out, target_gguf)
+    if target_gguf is not None:
+        raise SpecdecError(f"--target is for --to gguf (llama.cpp's heads carry the target's tokenizer); the {fmt} "
+                           "layout takes it from the target at load")
     out.mkdir(parents=True, exist_ok=True)
     config, tensors, weights = _layout(ckpt, fmt)
     (out / "config.json").write_text(json.dumps(config, indent=1))

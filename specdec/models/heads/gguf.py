@@ -24,7 +24,7 @@ from pathlib import Path
 
 import numpy as np
 import torch
-from gguf import GGMLQuantizationType, GGUFReader, GGUFWriter
+from gguf import GGMLQuantizationType, GGUFReader, GGUFValueType, GGUFWriter
 from gguf.gguf_reader import ReaderTensor
 from gguf.quants import quantize
 
@@ -150,9 +150,11 @@ def _read_nextn(reader: GGUFReader, path: Path, arch: str) -> HeadCheckpoint:
 
 
 # ---- writing -----------------------------------------------------------------------------------------------------
-def write_gguf_head(ckpt: HeadCheckpoint, out: Path) -> Path:
+def write_gguf_head(ckpt: HeadCheckpoint, out: Path, target: Path | None = None) -> Path:
     """An EAGLE-3 head as llama.cpp's GGUF (`out`: a .gguf path, or a directory to write `model.gguf` into);
-    what that format cannot hold is refused by name."""
+    what that format cannot hold is refused by name. `target`: the target's GGUF, whose tokenizer is copied in, as
+    llama.cpp's own converter does (its loader refuses a head without `tokenizer.ggml.*`; without a target the
+    file is for readers that take the tokenizer from the target, such as ours)."""
     c, sd = ckpt.config, ckpt.tensors
     refused = [k for k in ("fc_norm", "norm_output") if c.get(k)]
     refused += ["num_hidden_layers > 1"] * (int(c.get("num_hidden_layers", 1)) > 1)
@@ -185,6 +187,8 @@ def write_gguf_head(ckpt: HeadCheckpoint, out: Path) -> Path:
     w.add_uint32("eagle3.target_hidden_size", int(c.get("target_hidden_size") or H))
     w.add_bool("eagle3.norm_before_residual", bool(c.get("norm_before_residual")))
     w.add_bool("eagle3.norm_before_fc", bool(c.get("norm_before_fc")))
+    if target is not None:
+        copy_tokenizer(target, w)
     ours = {v: k for k, v in _EAGLE3_TOP.items()} | {"midlayer." + v: "blk.0." + k for k, v in _EAGLE3_LAYER.items()}
     for name, t in sd.items():
         if name == "t2d":
@@ -203,6 +207,21 @@ def write_gguf_head(ckpt: HeadCheckpoint, out: Path) -> Path:
     w.write_tensors_to_file()
     w.close()
     return path
+
+
+def copy_tokenizer(target: Path, w: GGUFWriter) -> None:
+    """Every `tokenizer.*` key of the target's GGUF, with its type, into the file being written."""
+    try:
+        fields = GGUFReader(target).fields
+    except (OSError, ValueError) as e:
+        raise SpecdecError(f"cannot read the target's GGUF {target} for its tokenizer: {e}") from None
+    keys = [k for k in fields if k.startswith("tokenizer.")]
+    if "tokenizer.ggml.model" not in keys:
+        raise SpecdecError(f"the target's GGUF {target} holds no tokenizer (tokenizer.ggml.model) to copy")
+    for key in keys:
+        f = fields[key]
+        sub = f.types[-1] if f.types[0] == GGUFValueType.ARRAY else None
+        w.add_key_value(key, f.contents(), f.types[0], sub_type=sub)
 
 
 def _permute_qk(w: np.ndarray, n_heads: int) -> np.ndarray:
