@@ -31,6 +31,7 @@ from specdec.bench.report import llamacpp_spec_lines
 from specdec.bench.serve import llama_server_command
 from specdec.cli import main
 from specdec.config import SpecdecError
+from specdec.models.heads.formats import read_head, write_head
 from specdec.models.loader import resolve, shipped_head
 
 EAGLE3_REFUSAL = ("llama_model_load: error loading model: error loading model vocabulary: key not found in model: "
@@ -150,6 +151,8 @@ def test_the_shipped_head_converts_once_with_the_targets_tokenizer(tmp_path: Pat
     assert convert_eagle3(head, target, tmp_path / "cache").stat().st_mtime_ns == made  # cached
     os.utime(head / "config.json", ns=(made + 10**9, made + 10**9))
     assert convert_eagle3(head, target, tmp_path / "cache").stat().st_mtime_ns > made  # the head changed: again
+    write_head(read_head(head, "eagle3"), "gguf", out)  # a conversion of an older version: no tokenizer, newer
+    assert "tokenizer.ggml.model" in GGUFReader(convert_eagle3(head, target, tmp_path / "cache")).fields
 
 
 FAKE_SERVER = """#!{python}

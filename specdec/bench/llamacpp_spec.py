@@ -84,6 +84,15 @@ def peer_modes(gguf: Path, draft: Path | None = None, eagle3: Path | None = None
     return modes
 
 
+def has_tokenizer(gguf: Path) -> bool:
+    from gguf import GGUFReader
+
+    try:
+        return "tokenizer.ggml.model" in GGUFReader(gguf).fields
+    except (OSError, ValueError):
+        return False
+
+
 def convert_eagle3(head: Path, target: Path, out_dir: Path) -> Path:
     """The head in llama.cpp's EAGLE-3 GGUF with the target's tokenizer, by specdec's converter (`convert-head --to
     gguf --target`); converted again only when a file of the head, or the target, is newer than the conversion."""
@@ -91,7 +100,7 @@ def convert_eagle3(head: Path, target: Path, out_dir: Path) -> Path:
 
     out = out_dir / f"{head.name}.gguf"
     newest = max([p.stat().st_mtime for p in head.iterdir()] + [target.stat().st_mtime])
-    if not out.is_file() or out.stat().st_mtime < newest:
+    if not out.is_file() or out.stat().st_mtime < newest or not has_tokenizer(out):  # (older conversions had none)
         write_head(read_head(head, "eagle3"), "gguf", out, target)
     return out
 

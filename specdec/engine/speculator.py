@@ -89,6 +89,8 @@ class Speculator:
         self.steps = 0  # decode steps planned (probes fall on every PROBE_EVERY-th)
         self._factor = 1.0  # the calibration this step's plan took its gains at
         self._time_factor = 1.0  # and its drafting steps' time at (`TimeCalibration`)
+        self._verified = 0  # drafts verified so far (what the plans learn from)
+        self._quiet: tuple[int, int] | None = None  # (batch size, drafts verified) at a plan that drafted nothing
         self._rows: list[int] = []  # this step's draft budget per sequence (`drafts`)
         self._plan: Plan | None = None
         self._step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
@@ -124,6 +126,10 @@ class Speculator:
         if self.pinned is not None or self.cost is None or not self.cfg.adaptive or not any(budgets):
             return budgets
         whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
+        quiet = (len(seqs), self._verified)
+        if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:  # no draft paid at the last plan and nothing
+            return self._probe(seqs, budgets, [0] * len(seqs), whole)  # was learnt since: nor now (planned again
+            # on every probe step, PROBE_EVERY steps apart)
         items, factor = [], self.calibration.factor
         self._factor = factor
         levels = max(min(b, shape.depth) if whole else b for b in budgets)
@@ -139,7 +145,11 @@ class Speculator:
         self._time_factor = timing.factor if timing is not None else 1.0
         self._plan = plan(items, len(seqs), context, self.cost, self.draft_seconds(len(seqs), max(budgets)),
                           self._time_factor)
-        rows = self._plan.rows
+        self._quiet = None if self._plan.drafts else quiet
+        return self._probe(seqs, budgets, self._plan.rows, whole)
+
+    def _probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool) -> list[int]:
+        """The planned rows with this step's probes added (see `plan_rows`)."""
         self.steps += 1
         for i, (s, b) in enumerate(zip(seqs, budgets)):
             idle = 0 if rows[i] or not b else self.idle.get(s.seq_id, 0) + 1
@@ -268,6 +278,7 @@ class Speculator:
             seq.spec.record(n, len(nodes), depth)
             if n:
                 self.source.record(depth, len(nodes))
+                self._verified += 1
                 self.acceptance.setdefault(seq.seq_id, Acceptance(decay=DECAY)).record(depth, len(nodes))
             self.totals.record(n, len(nodes))
             if self.trace is not None:
