@@ -298,7 +298,7 @@ def engine_costs(engine: LLMEngine) -> StepCost | None:
                     type(engine.runner).__name__, engine.cfg.block_size, max_rows, max_context)
     return load_or_measure(key, lambda: measure(lambda c, w, r: time_verification(engine, c, w, r), max_rows,
                                                 max_context),
-                           spot_check=lambda c: time_verification(engine, c, [1], 5)[1])
+                           spot_check=lambda c: min(time_verification(engine, c, [1], 1)[1] for _ in range(5)))
 
 
 def cache_key(*parts: object) -> str:
@@ -315,7 +315,8 @@ def load_or_measure(key: str, measure_now: Callable[[], StepCost],
                     spot_check: Callable[[int], float] | None = None) -> StepCost:
     """The cached table for `key`, or one measured now and cached (an unwritable cache only costs measuring again).
     A table that is not `plausible` (measured while the machine was busy) is used this once, never cached, and a
-    cached one is measured again. `spot_check(context)`: one row's forward timed now; a cached table it puts off by
+    cached one is measured again. `spot_check(context)`: one row's forward timed now (the fastest of a few, so a
+    moment's load does not count); a cached table it puts off by
     more than SPOT_CHECK_RATIO and SPOT_CHECK_SLACK_S either way (cached by a busy or oversubscribed machine, whose
     times can all be slow alike) is measured again."""
     path = cache_root() / "costs" / f"{key}.json"
