@@ -453,33 +453,36 @@ def cmd_serve(args: argparse.Namespace) -> None:
           limits=limits, shutdown_timeout=args.shutdown_timeout, record_traffic=record, admin=admin)
 
 
+def config_from(cls: type, args: argparse.Namespace, **parsed: object) -> object:
+    """A config dataclass from a command's flags: every flag that names a field, with `parsed` (the flags given as
+    text, e.g. comma-separated lists) in place of their raw values; the rest (the run's kind, --nproc) left out."""
+    names = {f.name for f in dataclasses.fields(cls)}
+    return cls(**{k: v for k, v in vars(args).items() if k in names and k not in parsed}, **parsed)
+
+
 def bench_config(args: argparse.Namespace) -> BenchConfig:
-    """`specdec bench`'s flags as the bench's config: the comma-separated lists parsed, the run's kind (--serve,
-    --soak, ...) left to the caller's choice of function."""
+    """`specdec bench`'s flags as the bench's config; the run's kind (--serve, --soak, ...) is the caller's choice
+    of function."""
     from specdec.bench.config import BenchConfig, parse_counts, parse_dtypes
 
-    lists = {"batch_sizes": parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"),
-             "concurrency": parse_counts(args.concurrency, "--concurrency", "1,4,16,64"),
-             "dtypes": parse_dtypes(args.dtypes) if args.dtypes is not None else None,
-             "replicas": parse_counts(args.replicas, "--replicas", "0,1,2", least=0) if args.replicas else None}
-    names = {f.name for f in dataclasses.fields(BenchConfig)}
-    return BenchConfig(**{k: v for k, v in vars(args).items() if k in names and k not in lists}, **lists)
+    return config_from(BenchConfig, args,
+                       batch_sizes=parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"),
+                       concurrency=parse_counts(args.concurrency, "--concurrency", "1,4,16,64"),
+                       dtypes=parse_dtypes(args.dtypes) if args.dtypes is not None else None,
+                       replicas=parse_counts(args.replicas, "--replicas", "0,1,2", least=0) if args.replicas else None)
 
 
 def tune_config(args: argparse.Namespace) -> TuneConfig:
     from specdec.bench.config import TuneConfig, parse_counts
 
-    names = {f.name for f in dataclasses.fields(TuneConfig)}
-    return TuneConfig(**{k: v for k, v in vars(args).items() if k in names and k != "batch_sizes"},
-                      batch_sizes=parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"))
+    return config_from(TuneConfig, args, batch_sizes=parse_counts(args.batch_sizes, "--batch-sizes", "1,4,16"))
 
 
 def train_config(args: argparse.Namespace) -> TrainConfig:
     """`specdec train`'s flags as the trainer's config: every flag but the launcher's own (--nproc) is a field."""
     from specdec.training.config import TrainConfig
 
-    names = {f.name for f in dataclasses.fields(TrainConfig)}
-    return TrainConfig(**{k: v for k, v in vars(args).items() if k in names})
+    return config_from(TrainConfig, args)
 
 
 def launch_ranks(nproc: int, argv: list[str]) -> int:
