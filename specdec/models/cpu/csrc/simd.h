@@ -41,6 +41,15 @@
 #define SPECDEC_ISA_NAME "portable"  // the scalar code everywhere
 #endif
 
+// How the interleaved weights are prefetched, chosen per CPU vendor by native.py (-DSPECDEC_STREAM_NTA on AMD).
+#ifdef SPECDEC_AVX2
+#ifdef SPECDEC_STREAM_NTA
+#define SPECDEC_STREAM_HINT _MM_HINT_NTA
+#else
+#define SPECDEC_STREAM_HINT _MM_HINT_T0
+#endif
+#endif
+
 namespace {
 
 // v's storage, grown to at least n elements (kept across calls; contents unspecified).
