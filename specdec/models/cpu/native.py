@@ -57,15 +57,20 @@ class KernelBuildError(RuntimeError):
     set this CPU cannot execute)."""
 
 
-@lru_cache(maxsize=1)
-def _cpu_flags() -> str:
+def _cpuinfo(*keys: str) -> str | None:
+    """The first /proc/cpuinfo line's value whose name starts with one of `keys` (None: no such line, or no file)."""
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith(("flags", "Features")):
+            if line.startswith(keys):
                 return line.split(":", 1)[1].strip()
     except OSError:
         pass
-    return platform.processor() or platform.machine()
+    return None
+
+
+@lru_cache(maxsize=1)
+def _cpu_flags() -> str:
+    return _cpuinfo("flags", "Features") or platform.processor() or platform.machine()
 
 
 def resolve_isa(isa: str | None = None) -> str:
@@ -98,13 +103,7 @@ def distinct_isas() -> list[str]:
 @lru_cache(maxsize=1)
 def cpu_vendor() -> str:
     """/proc/cpuinfo's vendor_id ("AuthenticAMD", "GenuineIntel"), else "" (another OS or architecture)."""
-    try:
-        for line in Path("/proc/cpuinfo").read_text().splitlines():
-            if line.startswith("vendor_id"):
-                return line.split(":", 1)[1].strip()
-    except OSError:
-        pass
-    return ""
+    return _cpuinfo("vendor_id") or ""
 
 
 def vendor_flags(vendor: str) -> list[str]:
