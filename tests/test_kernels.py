@@ -112,7 +112,6 @@ def test_huge_empty_gives_separate_lasting_tensors_on_2mb_pages():
     assert all(bool((t == i + 2).all()) for i, t in enumerate(small))
 
 
-
 def test_the_weight_stream_prefetch_hint_follows_the_vendor_and_keys_the_build(monkeypatch):
     """Non-temporal prefetches of the weight stream on AMD only (on Intel they made a decode step 2.3x slower): the
     define reaches the compiler flags, and so the build's cache key, which the vendor's own build is cached under."""

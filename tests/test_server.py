@@ -554,12 +554,33 @@ def test_unknown_fields_are_refused_naming_them(plain, path, body):
                                              "code": None}}
 
 
+def test_unknown_fields_inside_nested_objects_are_refused_by_their_path(plain):
+    """A typo inside stream_options or a message is a 400 naming its path, as at the top; what OpenAI's SDK writes back
+    when a client resends an answer's message whole (refusal, annotations, audio) is accepted and ignored."""
+    stream = OK_CHAT | {"stream": True, "stream_options": {"include_usage": True}}
+    cases = {"stream_options.include_usge": stream | {"stream_options": {"include_usge": True}},
+             "messages[0].contnet": OK_CHAT | {"messages": [{"role": "user", "contnet": "Hi"}]},
+             "messages[1].tool_call": OK_CHAT | {"messages": [*CHAT, {"role": "assistant", "content": "Hi",
+                                                                   "tool_call": []}]}}
+    for path, body in cases.items():
+        resp = plain.post("/v1/chat/completions", body)
+        assert resp.status_code == 400, resp.text
+        assert resp.json()["error"] == {"message": f"Unrecognized request argument supplied: {path}",
+                                        "type": "invalid_request_error", "param": path, "code": None}
+    resent = {"role": "assistant", "content": "Hi", "refusal": None, "annotations": [], "audio": None}
+    assert plain.post("/v1/chat/completions", OK_CHAT | {"messages": [*CHAT, resent, *CHAT]}).status_code == 200
+    assert plain.post("/tokenize", {"messages": [{"role": "user", "contnet": "Hi"}]}).status_code == 400
+
+
 def test_allow_unknown_fields_accepts_and_ignores_them(tiny_llama_dir):
     limits = Limits(allow_unknown_fields=True)
     with serving(LLM(str(tiny_llama_dir)), served_model_name=MODEL, limits=limits) as s:
         for path, body in ENDPOINTS:
             resp = s.post(path, body | {"frobnicate": 1, "guided_decoding_backend": "x"})
             assert resp.status_code == 200, (path, resp.text)
+        nested = OK_CHAT | {"messages": [{"role": "user", "content": "Hi", "contnet": "x"}],
+                            "stream": True, "stream_options": {"include_usage": True, "include_usge": True}}
+        assert s.post("/v1/chat/completions", nested).status_code == 200
         resp = s.post("/v1/chat/completions", OK_CHAT | {"suffix": "x"})  # known elsewhere, refused as before
         assert resp.status_code == 400 and resp.json()["error"]["param"] == "suffix"
 

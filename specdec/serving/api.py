@@ -101,19 +101,29 @@ def check_text(text: str, field: str) -> None:
 
 # -- request bodies -------------------------------------------------------------------------------------------
 class Body(BaseModel):
-    """A request body. Its known fields are those it declares (every field an endpoint reads, refuses or passes on)
-    and `IGNORED`: documented fields of the API it mirrors that change nothing here, accepted and ignored. Any other
-    field is unknown: a 400 naming it (`plans.Planner.check_fields`) unless the operator allows unknown fields, so a
-    client never takes an answer made without a field it believed was understood."""
+    """A request body, or an object inside one. Its known fields are those it declares (every field an endpoint
+    reads, refuses or passes on) and `IGNORED`: documented fields of the API it mirrors that change nothing here,
+    accepted and ignored. Any other field is unknown, at the top or inside a nested object (`stream_options`, a
+    message): a 400 naming it (`plans.Planner.check_fields`) unless the operator allows unknown fields, so a client
+    never takes an answer made without a field it believed was understood."""
     model_config = ConfigDict(extra="allow")  # kept, so that --allow-unknown-fields can accept them
     IGNORED: ClassVar[frozenset[str]] = frozenset()
 
-    def unknown_fields(self) -> list[str]:
-        return [name for name in self.model_extra or {} if name not in self.IGNORED]
+    def unknown_fields(self, prefix: str = "") -> list[str]:
+        """Unknown fields by their path ("top_n", "stream_options.include_usge", "messages[1].contnet")."""
+        unknown = [prefix + name for name in self.model_extra or {} if name not in self.IGNORED]
+        for name in type(self).model_fields:
+            value = getattr(self, name)
+            if isinstance(value, Body):
+                unknown += value.unknown_fields(f"{prefix}{name}.")
+            elif isinstance(value, list):
+                for i, item in enumerate(value):
+                    if isinstance(item, Body):
+                        unknown += item.unknown_fields(f"{prefix}{name}[{i}].")
+        return unknown
 
 
-class _StreamOptions(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _StreamOptions(Body):
     include_usage: StrictBool = False
 
 
@@ -148,8 +158,9 @@ class _GenerationBody(Body):
     structured_outputs: Any = None
 
 
-class _ChatMessage(BaseModel):
-    model_config = ConfigDict(extra="ignore")
+class _ChatMessage(Body):
+    # what OpenAI's SDK writes back when a client resends an answer's message whole: nothing here reads them
+    IGNORED = frozenset({"annotations", "audio", "function_call", "reasoning", "reasoning_content", "refusal"})
     role: Literal["system", "developer", "user", "assistant", "tool"]  # developer: served as system
     content: str | list[dict[str, Any]] | None = None
     tool_calls: list[dict[str, Any]] | None = None  # an assistant's calls, as the API returned them

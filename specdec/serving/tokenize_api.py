@@ -80,6 +80,7 @@ class TokenizeEndpoint:
         if not body.messages:
             raise APIError(400, "messages must contain at least one message", param="messages")
         chat = checked_chat({"model": model.name, "messages": body.messages, "tools": body.tools}, "messages")
+        self.server.planner.check_fields(chat)  # a message's unknown field, as a chat request's
         tools = self.server.planner.tools(chat)
         if body.add_generation_prompt and not body.add_special_tokens:  # what a chat request is given
             return self.server.planner.prompts(chat, tools)[0][0]

@@ -188,8 +188,8 @@ void x8_tile(const uint8_t* recs, const QAct& x, int64_t m0, float* y, int64_t l
     const uint8_t* rec = recs + s * F::REC;
     // The hint is the CPU's (SPECDEC_STREAM_HINT, simd.h): non-temporal on AMD, where the weights stream once a
     // step and kept out of the shared L3 leave it to what the step reads again (Zen 4 against T0, head's chain of 1
-    // alternated in two pairs of runs: plain steps 4.01-4.02 -> 3.61-3.74 ms); T0 on Intel, where NTA fills L1
-    // only and the stream stalls (Xeon with AMX, [8192 x 2048] Q4_1, 1 row: 0.73 ms under NTA, 0.21 under T0).
+    // alternated in two pairs of runs: plain steps 4.01-4.02 -> 3.61-3.74 ms); T0 elsewhere: on an Intel Xeon the
+    // stream stalls under NTA ([8192 x 2048] Q4_1, 1 row: 0.73 ms under NTA, 0.21 under T0).
     for (int64_t o = 0; o < F::REC; o += 64) _mm_prefetch((const char*)(rec + AHEAD + o), SPECDEC_STREAM_HINT);
     const typename F::Head head(rec);
     for (int sub = 0; sub < SUBS; sub++) {
