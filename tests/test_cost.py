@@ -239,3 +239,19 @@ def test_drafting_steps_that_run_over_their_costs_are_priced_at_what_they_take()
     assert plan(items, 1, 32, flat).rows == [1]
     assert plan(items, 1, 32, flat, time_factor=1.1).rows == [0]
     assert plan(items, 1, 32, flat, draft_seconds=0.01).draft_seconds == 0.01
+
+
+def test_a_plans_widths_are_the_step_costs_it_would_ask_one_by_one():
+    """`StepCost.widths` prices every prefix of a plan at once: the same seconds as asking each width, between and
+    beyond the measured contexts, with and without a batch size's plain overhead and drafting-step fit."""
+    cost = StepCost([1, 2, 4, 8], [32, 512], [[1.0, 1.1, 1.5, 2.6], [1.4, 1.6, 2.1, 3.5]])
+    for batch in (1, 4):
+        for context in (0, 32, 200, 512, 2000):
+            assert cost.widths(batch, context, 12) == pytest.approx([cost(batch + n, context, batch)
+                                                                     for n in range(13)])
+    cost.observe(4, 4, 200, 2.6)  # a plain step's overhead, then drafting steps' fit
+    for rows, seconds in ((6, 3.4), (8, 4.0), (5, 3.1)):
+        cost.observe(4, rows, 200, seconds)
+    assert cost.fits[4].coefficients()[1] != 1.0
+    for context in (32, 300, 700):
+        assert cost.widths(4, context, 20) == pytest.approx([cost(4 + n, context, 4) for n in range(21)])

@@ -83,6 +83,26 @@ def test_ngram_draft_length_follows_the_match_length(mode, expected):
         assert draft.tokens[0, : draft.num_nodes()[0]].tolist() == text[n:n + length]
 
 
+def test_ngram_drafts_say_what_they_rest_on_and_draft_whole_when_the_plan_sizes_them():
+    """`Draft.evidence`: a token match's length ("match n"), a text match's bucket ("text 16", "text 8", "text 3"),
+    None where nothing matched. Asked with `sized_by_plan`, the whole budget comes back (the cost model cuts it by
+    what drafts of that evidence kept); without it, the drafter's own cut by match length."""
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
+
+    drafter = NgramDrafter(6, 1, 5)
+    text = list(range(100, 120))
+    for n in range(1, 6):
+        tokens = text + [7] * (5 - n) + text[:n]
+        own = drafter.propose([DraftRequest(n, tokens, len(tokens), 6)])
+        whole = drafter.propose([DraftRequest(n, tokens, len(tokens), 6, sized_by_plan=True)])
+        assert own.evidence == whole.evidence == [f"match {n}"]
+        assert whole.tokens[0].tolist() == text[n:n + 6]
+        assert own.num_nodes()[0] == drafter.draft_length(n)
+    nothing = drafter.propose([DraftRequest(9, [1, 2, 3], 3, 6, sized_by_plan=True)])
+    assert nothing.evidence == [None] and nothing.num_nodes() == [0]
+
+
 def test_ngram_index_is_incremental():
     a, b = NgramIndex(1, 2), NgramIndex(1, 2)
     tokens = [5, 6, 5, 6, 7, 5]
@@ -152,6 +172,24 @@ def test_ngram_text_match_copies_across_token_boundaries():
     longer = tok.encode("The city of Montreal hosts it in June.\nThe city of Montr")  # ... " ", "Mont", "r"
     assert draft(NgramDrafter(4, 1, 4), longer) == ""
     assert draft(NgramDrafter(4, 1, 4, tokenizer=tok), longer) == "eal hosts"  # 16+ characters: k tokens
+
+
+def test_ngram_text_matches_are_evidence_by_their_length():
+    """A text match's evidence is its length bucket; with `sized_by_plan` it drafts the whole budget it re-encodes
+    (its own cut: 1 token below 8 characters, 2 below 16, k from 16)."""
+    from specdec.drafting import DraftRequest
+    from specdec.drafting.ngram import NgramDrafter
+
+    tok = WordTokenizer()
+    cases = {'The city of Montreal hosts it in June.\n{"city": "Mont': ("text 3", "real", "real hosts it in"),
+             "The city of Montreal hosts it in June.\nA city of Mont": ("text 8", "real hosts", "real hosts it in"),
+             "The city of Montreal hosts it in June.\nThe city of Montr": ("text 16", "eal hosts", "eal hosts")}
+    for text, (evidence, own, whole) in cases.items():
+        ids = tok.encode(text)
+        for sized, want in ((False, own), (True, whole)):
+            drafter = NgramDrafter(4, 1, 4, tokenizer=tok)
+            d = drafter.propose([DraftRequest(0, ids, len(ids), 4, sized_by_plan=sized)])
+            assert d.evidence == [evidence] and tok.decode(d.tokens[0, : d.num_nodes()[0]].tolist()) == want
 
 
 def test_ngram_branches_are_distinct_continuations_of_the_best_matches():

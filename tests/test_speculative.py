@@ -119,6 +119,56 @@ def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_d
     assert m["num_drafts"] == m["num_steps"] - 1 and m["acceptance_rate"] == 1.0  # never stopped
 
 
+class Evident(Drafter):
+    """Drafts the true continuation where the sequence's length is even ("sure"), a wrong one where it is odd
+    ("guess"), saying which (`Draft.evidence`); `drafts_first` as given."""
+
+    def __init__(self, prompt: tuple[int, ...], want: list[int], drafts_first: bool):
+        self.prompt, self.want, self.drafts_first = prompt, want, drafts_first
+        self.asked = {"sure": 0, "guess": 0}
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        proposals, evidence = [], []
+        for r in requests:
+            done = len(r.token_ids) - len(self.prompt)
+            kind = "sure" if len(r.token_ids) % 2 == 0 else "guess"
+            truth = self.want[done:done + r.max_tokens]
+            proposals.append(truth if kind == "sure" else [(t + 1) % 300 for t in truth])
+            evidence.append(kind)
+            self.asked[kind] += 1
+        draft = Draft.chains(proposals)
+        draft.evidence = evidence
+        return draft
+
+
+def test_a_drafter_that_drafts_first_is_planned_by_what_drafts_of_its_evidence_kept(tiny_llama_dir, plain):
+    """`Drafter.drafts_first`: the speculator asks for the whole budget every step and prices each draft by what
+    drafts of the same evidence kept. Rows cost 0.2 plain steps: every sure draft is verified, a guess only until
+    its evidence's estimate falls and then on probes. Without evidence the plan sees their mix (half of the first
+    tokens kept) and verifies guesses all along. The output is plain decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].token_ids
+    prompt = tuple(plain.encode(PROMPTS[0])[1])
+    runs = {}
+    for first in (True, False):
+        drafter = Evident(prompt, want, first)
+        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                           "drafter": drafter})
+        made_up_costs(llm)
+        out = llm.generate(PROMPTS[0], params)[0]
+        assert out.token_ids == want
+        runs[first] = drafter, llm.engine.speculator.source, out.metrics
+    drafter, source, m = runs[True]
+    sure, guess = source["sure"], source["guess"]
+    assert sure.drafted[0] == sure.kept[0] == drafter.asked["sure"]  # every sure draft verified, and kept
+    assert guess.kept[0] == 0 and guess.drafted[0] <= 8 + 80 // PROBE_EVERY
+    _, blind, m_blind = runs[False]
+    assert set(blind) == {None}  # evidence is read only from a drafter that drafts first
+    wasted = m["num_draft_tokens"] - m["num_accepted_tokens"]
+    assert wasted < m_blind["num_draft_tokens"] - m_blind["num_accepted_tokens"]
+    assert m["num_steps"] <= m_blind["num_steps"]
+
+
 def test_a_chain_is_cut_where_the_requests_own_acceptance_stops_paying(tiny_llama_dir, plain, reference):
     """A drafter right at positions 1-2 and always wrong from 3 on, where a row costs 0.2 plain steps: the cost
     model verifies 2 tokens a step (3 on every PROBE_EVERY-th draft: a deeper probe), which keep all the drafter

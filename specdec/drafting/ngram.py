@@ -193,6 +193,7 @@ class NgramDrafter(Drafter):
         self.latest, self.frequent, self.shared = match == "latest", match == "frequent", pool == "shared"
         self.indexes: dict[int, NgramIndex] = {}
         self.shared_index = NgramIndex(prompt_lookup_min, prompt_lookup_max)
+        self.drafts_first = branches == 1  # a chain's evidence is its match (a tree of branches sizes itself)
 
     def index_for(self, seq_id: int) -> NgramIndex:
         if self.shared:
@@ -200,7 +201,7 @@ class NgramDrafter(Drafter):
         return self.indexes.setdefault(seq_id, NgramIndex(self.n_min, self.n_max))
 
     def propose(self, requests: list[DraftRequest]) -> Draft:
-        proposals = []
+        proposals, evidence = [], []
         for r in requests:
             index = self.index_for(r.seq_id)
             index.extend(r.seq_id, r.token_ids)
@@ -208,8 +209,13 @@ class NgramDrafter(Drafter):
             if self.branches == 1:
                 tokens, n = (index.lookup_frequent(r.token_ids, budget) if self.frequent
                              else index.lookup(r.token_ids, budget, self.latest))
-                tokens = tokens[:self.draft_length(n)]
-                proposals.append([tokens or self.text_lookup(r, budget)])
+                found = f"match {n}"
+                if tokens and not r.sized_by_plan:
+                    tokens = tokens[:self.draft_length(n)]
+                elif not tokens:
+                    tokens, found = self.text_lookup(r, budget)
+                proposals.append([tokens])
+                evidence.append(found if tokens else None)
                 continue
             depth = budget if r.max_depth is None else min(budget, r.max_depth)
             found = index.lookup_branches(r.token_ids, depth, self.branches, self.latest or self.frequent)
@@ -222,18 +228,24 @@ class NgramDrafter(Drafter):
                 budget -= len(tokens)
                 chains.append(tokens)
             proposals.append([c for c in chains if c])
-        return Draft.branches(proposals)
+            evidence.append(None)
+        draft = Draft.branches(proposals)
+        draft.evidence = evidence
+        return draft
 
-    def text_lookup(self, r: DraftRequest, budget: int) -> list[int]:
-        """The text match's draft where no token n-gram matched (nothing without a tokenizer)."""
+    def text_lookup(self, r: DraftRequest, budget: int) -> tuple[list[int], str]:
+        """The text match's draft where no token n-gram matched (nothing without a tokenizer), and its evidence: the
+        matched suffix's length in characters, bucketed as the drafter's own cut sizes it."""
         if self.tokenizer is None or not budget:
-            return []
+            return [], "text 0"
         text = self.texts.setdefault(r.seq_id, TextIndex(self.tokenizer))
         text.extend(r.token_ids)
         tokens, chars = text.lookup(budget)
-        if not self.adaptive or chars >= TEXT_MATCH_FULL_CHARS:
-            return tokens
-        return tokens[:2 if chars >= 8 else 1]
+        if chars >= TEXT_MATCH_FULL_CHARS:
+            return tokens, f"text {TEXT_MATCH_FULL_CHARS}"
+        if r.sized_by_plan or not self.adaptive:
+            return tokens, "text 8" if chars >= 8 else "text 3"
+        return (tokens[:2], "text 8") if chars >= 8 else (tokens[:1], "text 3")
 
     def draft_length(self, match_length: int) -> int:
         """Tokens worth drafting after a match of this many tokens (see the module docstring)."""

@@ -83,7 +83,7 @@ def _stop_after(seq: Sequence, token: int, outputs: OutputProcessor) -> tuple[st
     p = seq.params
     if token in p.stop_token_ids or (not p.ignore_eos and token in seq.eos_token_ids):
         return "stop", token
-    if len(seq.output_token_ids) >= p.max_tokens or len(seq.token_ids) >= seq.max_len:
+    if seq.num_output_tokens >= p.max_tokens or len(seq.token_ids) >= seq.max_len:
         return "length", None
     stop = outputs.stop_string(seq)
     return ("stop", stop) if stop is not None else (None, None)

@@ -16,7 +16,8 @@ speed. A tree is one item of all its nodes, worth the tokens its request's trees
                        forward, drafting steps and plain ones apart (`observe`: scheduling, token choice and commit
                        cost what the forward alone does not)
     g(i, j)            per position: what this request's recent drafts kept there, shrunk toward what every
-                       request's drafts of this source kept there (which starts from a prior), `Acceptance`; times
+                       request's drafts of this source kept there (which starts from a prior), `Acceptance`, both per
+                       evidence (what the draft rests on, `Draft.evidence`: the n-gram's match length); times
                        the moving ratio of the tokens drafts added to those the plans expected (`Calibration`: an
                        estimate taken where it is high overrates what it picks)
 
@@ -114,6 +115,27 @@ class StepCost:
         recent = self.overhead.get(batch)
         extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0  # not measured:
         return max(forward + extra, 0.25 * forward)                                   # as the other kind of step
+
+    def widths(self, batch: int, context: float, extra: int) -> list[float]:
+        """[self(batch + n, context, batch) for n in 0..extra], with the context's interpolation and the batch
+        size's fit worked out once: a plan prices every prefix of its items (up to 64 widths a step at batch 16)."""
+        top = batch + extra
+        self.forward(top, context)  # the dense copy reaches `top`
+        first = self._dense[0]
+        if len(self.contexts) == 1:
+            forwards = first[batch:top + 1]
+        else:
+            i = min(max(bisect.bisect_left(self.contexts, context), 1), len(self.contexts) - 1)
+            w = (context - self.contexts[i - 1]) / (self.contexts[i] - self.contexts[i - 1])
+            lo, hi = self._dense[i - 1], self._dense[i]
+            forwards = [max(lo[n] + (hi[n] - lo[n]) * w, 0.0, first[n] * 0.5) for n in range(batch, top + 1)]
+        fit, recent, base = self.fits.get(batch), self.overhead.get(batch), forwards[0]
+        plain_extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0
+        out = [max(base + plain_extra, 0.25 * base)]
+        if fit is None:
+            return out + [max(f + plain_extra, 0.25 * f) for f in forwards[1:]]
+        a, b = fit.coefficients()
+        return out + [max(base + a + b * (f - base), 0.25 * f) for f in forwards[1:]]
 
     def forward(self, rows: int, context: float) -> float:
         """The table's seconds (no overhead): each context's row read off a dense copy (a plan asks for many widths a
@@ -456,7 +478,8 @@ def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_se
     (drafting costs `draft_seconds` when anything is drafted, and a drafting step `time_factor` times what the costs
     say: `TimeCalibration`), and only where it beats plain decoding by MARGIN. Items of one request must come in the
     order they are taken (a chain's positions)."""
-    plain = cost(batch, context, batch)
+    times = cost.widths(batch, context, sum(it.rows for it in items))  # a step verifying n rows: times[n]
+    plain = times[0]
     # stable: a request's later position, never worth more than its earlier one, is never taken before it
     order = sorted(items, key=lambda it: -it.gain / it.rows)
     best_rate, best, tokens, rows = batch / plain * MARGIN, 0, float(batch), 0
@@ -464,7 +487,7 @@ def plan(items: list[Item], batch: int, context: float, cost: StepCost, draft_se
     for n, it in enumerate(order, 1):
         tokens += it.gain
         rows += it.rows
-        seconds = (cost(batch + rows, context, batch) + draft_seconds) * time_factor
+        seconds = (times[rows] + draft_seconds) * time_factor
         if tokens / seconds > best_rate:
             best_rate, best, best_tokens, best_seconds = tokens / seconds, n, tokens, seconds
     per_seq = [0] * batch

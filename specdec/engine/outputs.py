@@ -150,7 +150,7 @@ class OutputProcessor:
 def request_metrics(seq: Sequence) -> dict:
     """Timing and speculation metrics of one request. acceptance_length = tokens emitted per target
     forward, bonus tokens included (TPC in the Meta paper, Spec-Bench's mean accepted tokens)."""
-    n = len(seq.output_token_ids)
+    n = seq.num_output_tokens
     end = seq.finish_time or time.perf_counter()
     ttft = (seq.first_token_time - seq.arrival_time) if seq.first_token_time else None
     decode_s = (end - seq.first_token_time) if seq.first_token_time else 0.0

@@ -105,6 +105,11 @@ class Sequence:
         return self.token_ids[self.num_prompt_tokens:]
 
     @property
+    def num_output_tokens(self) -> int:
+        """len(output_token_ids) without copying them (asked per sequence and step)."""
+        return len(self.token_ids) - len(self.prompt_token_ids)
+
+    @property
     def num_uncached(self) -> int:
         return len(self.token_ids) - self.num_cached
 

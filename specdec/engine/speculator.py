@@ -13,6 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
+from collections.abc import Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -64,7 +65,7 @@ def draft_request(seq: Sequence, max_tokens: int = 0, shape: SpecShape | None = 
                         block_table=seq.block_table.blocks, num_cached=seq.num_cached,
                         num_prefix_hit=seq.num_prefix_hit, epoch=seq.num_preemptions,
                         tree=shape.tree if shape else None, dynamic=shape.dynamic if shape else None,
-                        max_depth=seq.params.max_tokens - len(seq.output_token_ids) - 1)
+                        max_depth=seq.params.max_tokens - seq.num_output_tokens - 1)
 
 
 class Speculator:
@@ -76,11 +77,12 @@ class Speculator:
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
         # The cost model (`engine.cost`): the verification costs the engine measured (None: every draft takes its
-        # whole budget), what drafts kept per position (every request's, and each request's own, recent first), the
-        # drafter's moving seconds by the step's largest budget, and its predictions against the steps' times.
+        # whole budget), what drafts kept per position by their evidence (`Draft.evidence`, None for a drafter that
+        # gives none; every request's, and each request's own, recent first), the drafter's moving seconds by the
+        # step's largest budget, and its predictions against the steps' times.
         self.cost: StepCost | None = None
-        self.source = Acceptance()
-        self.acceptance: dict[int, Acceptance] = {}
+        self.source: dict[Hashable, Acceptance] = {}
+        self.acceptance: dict[int, dict[Hashable, Acceptance]] = {}
         self.idle: dict[int, int] = {}  # seq_id -> its steps since it last drafted
         self.draft_s: dict[tuple[int, int], Recent] = {}  # (batch size, largest budget) -> drafting seconds
         self.prediction = Prediction()
@@ -93,6 +95,8 @@ class Speculator:
         self._quiet: tuple[int, int] | None = None  # (batch size, drafts verified) at a plan that drafted nothing
         self._rows: list[int] = []  # this step's draft budget per sequence (`drafts`)
         self._plan: Plan | None = None
+        self._early: Draft | None = None  # this step's draft when made before its plan (`Drafter.drafts_first`)
+        self._evidence: list[Hashable] = []  # what each sequence's draft this step rests on (None: no key)
         self._step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
 
     def budget(self, seq: Sequence, shape: SpecShape) -> int:
@@ -101,18 +105,25 @@ class Speculator:
         if not (self.cfg.sampled or seq.params.greedy) or seq.spec.draft_error is not None:
             return 0
         room_in_context = seq.max_len - len(seq.token_ids)  # one slot per draft node
-        room_in_output = seq.params.max_tokens - len(seq.output_token_ids) - 1  # one token per depth level
+        room_in_output = seq.params.max_tokens - seq.num_output_tokens - 1  # one token per depth level
         if shape.dynamic and room_in_context < shape.num_slots:
             return 0  # the candidates it would feed do not fit before the end of the context
         return max(0, min(shape.num_tokens, room_in_context, shape.nodes_within(room_in_output)))
 
-    def rates(self, seq_id: int, levels: int, every: list[float] | None = None) -> list[float]:
-        """g(0..levels-1): the chance this request's next draft keeps its first j + 1 tokens (or tree levels).
-        `every`: every request's rates for at least `levels` positions, when the caller has them (a plan asks once)."""
+    def rates(self, seq_id: int, levels: int, every: list[float] | None = None, evidence: Hashable = None
+              ) -> list[float]:
+        """g(0..levels-1): the chance this request's next draft (resting on `evidence`) keeps its first j + 1 tokens
+        (or tree levels). `every`: every request's rates for this evidence and at least `levels` positions, when the
+        caller has them (a plan asks once a step)."""
         if every is None:
-            every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)
-        own = self.acceptance.get(seq_id)
+            every = self.every_rates(levels, evidence)
+        own = self.acceptance.get(seq_id, {}).get(evidence)
         return own.rates(levels, every, REQUEST_WEIGHT) if own is not None else every[:levels]
+
+    def every_rates(self, levels: int, evidence: Hashable = None) -> list[float]:
+        """What every request's drafts resting on `evidence` kept per position, shrunk toward the prior."""
+        source = self.source.get(evidence)
+        return source.rates(levels, prior_rates(levels), PRIOR_WEIGHT) if source is not None else prior_rates(levels)
 
     def plan_rows(self, seqs: list[Sequence], context: float | None = None) -> list[int]:
         """Each sequence's draft budget this step: the rows the cost model expects to pay (`cost.plan`), one for a
@@ -122,10 +133,12 @@ class Speculator:
         or none."""
         shape = self.shape_for(len(seqs))
         budgets = [self.budget(s, shape) for s in seqs] if shape.k else [0] * len(seqs)
-        self._plan = None
+        self._plan, self._early, self._evidence = None, None, [None] * len(seqs)
         if self.pinned is not None or self.cost is None or not self.cfg.adaptive or not any(budgets):
             return budgets
         whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
+        if self.drafter.drafts_first and not whole and not self.feature_layers:
+            return self._plan_drafted(seqs, budgets, shape, context)
         quiet = (len(seqs), self._verified)
         if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:  # no draft paid at the last plan and nothing
             return self._probe(seqs, budgets, [0] * len(seqs), whole)  # was learnt since: nor now (planned again
@@ -133,7 +146,7 @@ class Speculator:
         items, factor = [], self.calibration.factor
         self._factor = factor
         levels = max(min(b, shape.depth) if whole else b for b in budgets)
-        every = self.source.rates(levels, prior_rates(levels), PRIOR_WEIGHT)  # once a step, shared by the batch
+        every = self.every_rates(levels)  # once a step, shared by the batch
         for i, (s, b) in enumerate(zip(seqs, budgets)):
             if not b:
                 continue
@@ -147,6 +160,39 @@ class Speculator:
                           self._time_factor)
         self._quiet = None if self._plan.drafts else quiet
         return self._probe(seqs, budgets, self._plan.rows, whole)
+
+    def _plan_drafted(self, seqs: list[Sequence], budgets: list[int], shape: SpecShape, context: float | None
+                      ) -> list[int]:
+        """`plan_rows` for a drafter that `drafts_first`: its whole-budget draft now, then the rows of it the cost
+        model expects to pay, each request's positions priced by what drafts of the same evidence kept (its own and
+        every request's). Drafting is already paid, so the plan weighs the rows alone; a step with no draft plans
+        nothing."""
+        start = time.perf_counter()
+        keyed = self.cfg.sampled_verification == "keyed"
+        requests = [draft_request(s, b, shape, keyed) for s, b in zip(seqs, budgets)]
+        for r in requests:
+            r.sized_by_plan = True
+        draft = self.propose(seqs, requests)
+        lengths = [min(len(t), b) for t, b in zip(draft.host_rows()[0], budgets)]
+        self._early = draft
+        self._evidence = list(draft.evidence) if draft.evidence is not None else [None] * len(seqs)
+        seconds = time.perf_counter() - start
+        self._step = (0, self._step[1], seconds)
+        if not any(lengths):
+            return self._probe(seqs, lengths, [0] * len(seqs), False)
+        factor = self._factor = self.calibration.factor
+        items, every = [], {}
+        for i, (s, n, e) in enumerate(zip(seqs, lengths, self._evidence)):
+            if n:
+                if e not in every:  # once a step per evidence, shared by the batch
+                    every[e] = self.every_rates(max(lengths), e)
+                items += [Item(i, 1, g * factor) for g in self.rates(s.seq_id, n, every[e], e)]
+        if context is None:
+            context = sum(len(s.token_ids) for s in seqs) / len(seqs)
+        timing = self.timing.get(len(seqs))
+        self._time_factor = timing.factor if timing is not None else 1.0
+        self._plan = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
+        return self._probe(seqs, lengths, self._plan.rows, False)
 
     def _probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool) -> list[int]:
         """The planned rows with this step's probes added (see `plan_rows`)."""
@@ -188,7 +234,8 @@ class Speculator:
         model's (less the drafting), and a drafting step's plan is checked against it."""
         if self.cost is None or self.pinned is not None:
             return
-        rows, context, draft_s = self._step if speculated else (0, self._step[1], 0.0)
+        rows, context, draft_s = self._step if speculated else (0, *self._step[1:])  # (a draft made first and cut to
+        # no rows took its drafting time all the same)
         planned = self._plan if speculated and rows and self._plan is not None else None
         if planned is not None and any(planned.rows):  # what the drafts added against what the plan expected
             self.calibration.record(tokens - batch_size, (planned.tokens - batch_size) / self._factor)
@@ -196,9 +243,9 @@ class Speculator:
             if self.cost.online:  # (a made-up table's seconds are not this machine's)
                 self.timing.setdefault(batch_size, TimeCalibration()).record(seconds,
                                                                              planned.seconds / self._time_factor)
-        if planned is None:  # a plain step: predicted as one
+        if planned is None:  # a plain step: predicted as one, with what its drafting took
             plain = self.cost(batch_size, context, batch_size)
-            planned = Plan([0] * batch_size, batch_size, plain, plain)
+            planned = Plan([0] * batch_size, batch_size, plain + draft_s, plain)
         self.prediction.add(planned, tokens, seconds)
         self.cost.observe(batch_size, batch_size + rows, context, seconds - draft_s)
         self._step, self._plan = (0, 0.0, 0.0), None
@@ -210,6 +257,7 @@ class Speculator:
         (jump-forward)."""
         drafting = self.cfg.sampled or any(s.params.greedy for s in seqs)
         self._step = (0, sum(len(s.token_ids) for s in seqs) / len(seqs), 0.0)
+        self._early, self._evidence = None, [None] * len(seqs)
         self._rows = self.plan_rows(seqs, self._step[1]) if drafting else [0] * len(seqs)
         watching = (self.drafter.observe_topk or self.drafter.observe_drafts) and self.shape_for(len(seqs)).k
         return any(self._rows) or bool(watching) or (self.cfg.jump_forward > 0 and
@@ -223,27 +271,35 @@ class Speculator:
         shape = self.shape_for(len(seqs))
         keyed = self.cfg.sampled_verification == "keyed"
         rows = self._rows if len(self._rows) == len(seqs) else [0] * len(seqs)
-        requests = [draft_request(s, k, shape, keyed) for s, k in zip(seqs, rows)]
-        if any(rows) and self._plan is not None:  # for a drafter that sizes its own drafts (switch, hybrid)
-            row_cost = self.row_cost(len(seqs), sum(rows), self._step[1])
-            plain_seconds = self.cost(len(seqs), self._step[1], len(seqs)) / len(seqs)
-            for r in requests:
-                r.row_cost, r.plain_seconds = row_cost, plain_seconds
-        if any(rows) and self.feature_layers:  # hand over the target features gathered since the last draft
-            for r, s in zip(requests, seqs):
-                if r.max_tokens:  # a request that does not draft keeps gathering them
-                    r.features_start, r.features = s.take_features()
-        draft = self.propose(seqs, requests) if any(rows) else Draft.chains([[] for _ in seqs])
+        early, requests = self._early, None
+        if early is not None:  # made whole before the plan (`_plan_drafted`): cut to the planned rows below
+            draft = early
+        else:
+            requests = [draft_request(s, k, shape, keyed) for s, k in zip(seqs, rows)]
+            if any(rows) and self._plan is not None:  # for a drafter that sizes its own drafts (switch, hybrid)
+                row_cost = self.row_cost(len(seqs), sum(rows), self._step[1])
+                plain_seconds = self.cost(len(seqs), self._step[1], len(seqs)) / len(seqs)
+                for r in requests:
+                    r.row_cost, r.plain_seconds = row_cost, plain_seconds
+            if any(rows) and self.feature_layers:  # hand over the target features gathered since the last draft
+                for r, s in zip(requests, seqs):
+                    if r.max_tokens:  # a request that does not draft keeps gathering them
+                        r.features_start, r.features = s.take_features()
+            draft = self.propose(seqs, requests) if any(rows) else Draft.chains([[] for _ in seqs])
         constrained = any(s.grammar is not None for s in seqs)
         if constrained:  # within each request's budget after this, maybe extended
+            if requests is None:
+                requests = [draft_request(s, k, shape, keyed) for s, k in zip(seqs, rows)]
             draft = self.constrain(seqs, requests, draft)
         drafted, parents = draft.host_rows()  # fed after the last token
         if not constrained:
-            drafted = [row[:r.max_tokens] for row, r in zip(drafted, requests)]
-            parents = [row[:r.max_tokens] for row, r in zip(parents, requests)]
+            drafted = [row[:k] for row, k in zip(drafted, rows)]
+            parents = [row[:k] for row, k in zip(parents, rows)]
         trees = [None if p == list(range(-1, len(p) - 1)) else TreeFeed.verification(p) for p in parents]
         seconds = time.perf_counter() - start
-        if any(rows) and not (self.draft_s and seconds > STALL * self.draft_seconds(len(seqs), max(rows))):
+        if early is not None:  # its drafting was timed when it was made
+            seconds += self._step[2]
+        elif any(rows) and not (self.draft_s and seconds > STALL * self.draft_seconds(len(seqs), max(rows))):
             # (a stall, or a drafter's one-time work on new requests (indexing their prompts), is not learnt from)
             self.draft_s.setdefault((len(seqs), max(rows)), Recent()).add(seconds)
         if self._plan is not None:  # the drafting time it expected becomes the one measured
@@ -277,9 +333,11 @@ class Speculator:
             depth = n if tree is None else max(tree.rope)
             seq.spec.record(n, len(nodes), depth)
             if n:
-                self.source.record(depth, len(nodes))
+                e = self._evidence[i] if i < len(self._evidence) else None
+                self.source.setdefault(e, Acceptance()).record(depth, len(nodes))
                 self._verified += 1
-                self.acceptance.setdefault(seq.seq_id, Acceptance(decay=DECAY)).record(depth, len(nodes))
+                own = self.acceptance.setdefault(seq.seq_id, {})
+                own.setdefault(e, Acceptance(decay=DECAY)).record(depth, len(nodes))
             self.totals.record(n, len(nodes))
             if self.trace is not None:
                 self.trace.append((nodes, n))
@@ -325,7 +383,7 @@ class Speculator:
                 origin.append(list(range(n)))
                 continue
             room = min(self.cfg.jump_forward, seq.max_len - len(seq.token_ids),
-                       seq.params.max_tokens - len(seq.output_token_ids) - 1)
+                       seq.params.max_tokens - seq.num_output_tokens - 1)
             kept, kept_parents, index = seq.grammar.filter_draft(
                 tokens, parents, self.tokenizer if self.cfg.jump_forward else None, max(0, room))
             rows.append((kept, kept_parents))
@@ -375,7 +433,7 @@ class Speculator:
 
         def waits(s: Sequence) -> bool:
             return s.spec.draft_error is None and bool(s.pending_features) and bool(s.block_table.blocks) and \
-                s.num_cached - s.features_start >= least and (final or len(s.output_token_ids) > 1)
+                s.num_cached - s.features_start >= least and (final or s.num_output_tokens > 1)
 
         late = [s for s in seqs if waits(s)]
         if not late:
@@ -403,7 +461,7 @@ class Speculator:
     def forget(self) -> None:
         """The drafter drops what it learnt from finished requests (none may be running), and so does the cost model
         (what drafts kept; not the costs, which describe the machine)."""
-        self.source, self.prediction = Acceptance(), Prediction()
+        self.source, self.prediction = {}, Prediction()
         self.drafter.forget()
 
     @property
@@ -421,4 +479,6 @@ class Speculator:
     def cached_prefix(self, seq: Sequence) -> int | None:
         """How many leading tokens of `seq` have final K/V in the drafter's own pool over the shared blocks;
         None when it keeps none there (see `Drafter.cached_prefix`)."""
+        if type(self.drafter).cached_prefix is Drafter.cached_prefix:  # keeps no K/V: asked per sequence and step
+            return None
         return self.drafter.cached_prefix(draft_request(seq))
