@@ -15,7 +15,7 @@ from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import retrieval
 from specdec.drafting.base import DraftRequest
-from specdec.drafting.retrieval import Datastore, RetrievalDrafter, count_trie, suffix_array
+from specdec.drafting.retrieval import Datastore, RetrievalDrafter, count_trie, evidence, suffix_array, voted_chain
 from specdec.drafting.suffix import grow
 
 
@@ -70,6 +70,49 @@ def test_the_drafter_takes_the_longest_match_and_respects_the_budget():
     assert draft.num_nodes() == [3, 1, 0]  # [1, 2, 3] once, then the document ends; [2, 3] thrice; 0 never
     assert draft.tokens[0, :3].tolist() == [4, 5, 6] and draft.parents[0, :3].tolist() == [-1, 0, 1]
     assert draft.tokens[1, 0].item() == 7  # 7 follows [2, 3] twice, 4 once
+
+
+def test_asked_for_its_whole_budget_the_drafter_proposes_the_voted_chain_and_names_its_match():
+    """`sized_by_plan` (the cost model cuts the draft): the chain most continuations agree on, token by token, with
+    its match length bucketed by powers of two; without it the tree of continuations, with the same evidence."""
+    docs = [[1, 2, 3, 4, 5, 6], [9, 2, 3, 7, 8], [2, 3, 7, 1], [2, 3, 7, 8, 5]]
+    tokens = np.array([t for d in docs for t in [*d, -1]], dtype=np.int32)
+    drafter = RetrievalDrafter(Datastore.build(tokens, 4, 4), num_speculative_tokens=4, max_match=4, min_match=1,
+                               min_token_prob=0.0)
+    draft = drafter.propose([DraftRequest(0, [0, 2, 3], 3, 4, sized_by_plan=True),
+                             DraftRequest(1, [0, 1, 2, 3], 4, 4, sized_by_plan=True),
+                             DraftRequest(2, [0, 0], 2, 4, sized_by_plan=True)])
+    # [2, 3]: followed by 4 once, 7 thrice; after 7: 8 twice, 1 once; after 7 8: the document ends, then 5
+    assert draft.host_rows() == ([[7, 8, 5], [4, 5, 6], []], [[-1, 0, 1], [-1, 0, 1], []])
+    assert draft.evidence == ["retrieval 2", "retrieval 2", None] and draft.scores is None
+    tree = drafter.propose([DraftRequest(0, [0, 2, 3], 3, 4)])
+    assert tree.num_nodes() == [4] and tree.tokens[0, :2].tolist() == [7, 8] and tree.evidence == ["retrieval 2"]
+    assert [evidence(m) for m in (2, 3, 4, 7, 8, 15, 16)] == \
+        ["retrieval 2", "retrieval 2", "retrieval 4", "retrieval 4", "retrieval 8", "retrieval 8", "retrieval 16"]
+    assert voted_chain(np.array([[5, 1, -1], [6, 2, 3], [5, 2, -1], [6, 4, 4]])) == [5, 1]  # ties: the first row's
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_the_drafters_bounded_lookup_finds_the_longest_match_at_every_step(seed):
+    """The drafter looks first at the longest a match can be (its last one plus the tokens added since): on sequences
+    growing by random steps, sometimes copying the corpus and sometimes not, it finds what a full bisection finds."""
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(20):
+        corpus += [rng.randrange(6) for _ in range(rng.randrange(5, 60))] + [-1]
+    store = Datastore.build(np.array(corpus, dtype=np.int32), 8, 4)
+    drafter = RetrievalDrafter(store, 4, max_match=8, min_match=2)
+    for seq_id in range(10):
+        context = [rng.randrange(6)]
+        for _ in range(40):
+            if rng.random() < 0.5:  # copy a stretch of the corpus
+                start = rng.randrange(len(corpus) - 8)
+                context += [t for t in corpus[start:start + rng.randrange(1, 6)] if t >= 0]
+            else:
+                context += [rng.randrange(6) for _ in range(rng.randrange(1, 4))]
+            assert drafter.match(DraftRequest(seq_id, list(context), 1, 4)) == store.longest_match(context, 2, 8)
+        drafter.release(seq_id)
+    assert not drafter.last
 
 
 def test_retrieval_is_lossless_and_drafts_from_the_corpus(target_dir, reference, tmp_path):
@@ -187,8 +230,8 @@ def test_bad_corpora_are_refused_and_nothing_is_cached(target_dir, tmp_path, pri
 
 
 # ---- the datastore against a brute-force scan of the corpus (the drafts' source, not only the output) ----------
-def retrieval_mismatches(seed: int, queries: int = 60) -> list[tuple]:
-    """A random corpus over a small alphabet (documents separated by -1) and random contexts: where the suffix
+def retrieval_mismatches(seed: int, queries: int = 60, ids: list[int] = (0, 1, 2, 3, 4)) -> list[tuple]:
+    """A random corpus over a small alphabet (`ids`; documents separated by -1) and random contexts: where the suffix
     array's longest match, its number of occurrences or the continuations after them differ from scanning the
     corpus for the longest suffix of the context (2..8 tokens) and reading what follows each occurrence (up to 4
     tokens, cut at a document's end)."""
@@ -197,11 +240,11 @@ def retrieval_mismatches(seed: int, queries: int = 60) -> list[tuple]:
     rng = random.Random(seed)
     corpus = []
     for _ in range(12):
-        corpus += [rng.randrange(5) for _ in range(rng.randrange(3, 40))] + [-1]
+        corpus += [rng.choice(ids) for _ in range(rng.randrange(3, 40))] + [-1]
     store = Datastore.build(np.array(corpus, dtype=np.int32), 8, 4)
     bad = []
     for _ in range(queries):
-        context = [rng.randrange(5) for _ in range(rng.randrange(2, 12))]
+        context = [rng.choice(ids) for _ in range(rng.randrange(2, 12))]
         want_m, places = 0, []
         for m in range(min(8, len(context)), 1, -1):
             places = [s for s in range(len(corpus) - m + 1) if corpus[s:s + m] == context[-m:]]
@@ -221,9 +264,13 @@ def until_negative(row: list[int]) -> tuple[int, ...]:
     return tuple(row[:next((i for i, t in enumerate(row) if t < 0), len(row))])
 
 
-def test_the_datastore_finds_what_a_brute_force_scan_finds():
+@pytest.mark.parametrize("ids", [(0, 1, 2, 3, 4), (0, 70_000, 150_000, 262_140, 5), (0, 1, 2 ** 30)],
+                         ids=["small vocabulary", "18-bit ids", "31-bit ids"])
+def test_the_datastore_finds_what_a_brute_force_scan_finds(ids):
+    """Its keys pack 64 // bits tokens each (4 of a 49k vocabulary, 3 of 18-bit ids, 2 of 31-bit ids): a query of 8
+    tokens narrows over 2 to 4 keys, the last one partly."""
     for seed in range(5):
-        assert retrieval_mismatches(seed) == []
+        assert retrieval_mismatches(seed, ids=list(ids)) == []
 
 
 def test_the_brute_force_scan_catches_a_planted_datastore_bug(monkeypatch):

@@ -169,6 +169,70 @@ def test_a_drafter_that_drafts_first_is_planned_by_what_drafts_of_its_evidence_k
     assert m["num_steps"] <= m_blind["num_steps"]
 
 
+class Offering(Drafter):
+    """Drafts first, offering two chains per request: a wrong one ("guess") as its row, the true continuation
+    ("sure") as an alternative (`Draft.alternatives`), or only the guess where `sure_every` says so."""
+
+    drafts_first = True
+
+    def __init__(self, prompt: tuple[int, ...], want: list[int], sure_every: int = 1):
+        self.prompt, self.want, self.sure_every = prompt, want, sure_every
+        self.offered = 0
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        rows, others = [], []
+        for r in requests:
+            done = len(r.token_ids) - len(self.prompt)
+            truth = self.want[done:done + r.max_tokens]
+            rows.append([(t + 1) % 300 for t in truth])
+            offer = truth and done % self.sure_every == 0
+            others.append([(truth, "sure")] if offer else [])
+            self.offered += bool(offer)
+        draft = Draft.chains(rows)
+        draft.evidence, draft.alternatives = ["guess"] * len(requests), others
+        return draft
+
+
+def test_the_chain_verified_is_the_one_its_evidence_prices_highest_and_the_other_is_still_measured(
+        tiny_llama_dir, plain):
+    """`Draft.alternatives`: each step the speculator verifies, per request, the chain whose evidence is expected to
+    keep most beyond its rows' cost. Offered a wrong row and the true continuation, it verifies the wrong one only at
+    the first step (the two evidences tie at the prior: the row), learns there what the passed-over truth would have
+    kept (read off the tokens committed), and verifies the truth from then on; the guesses it passes over are
+    measured all the same (nothing of theirs kept). Output is plain decoding's."""
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].token_ids
+    drafter = Offering(tuple(plain.encode(PROMPTS[0])[1]), want)
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": drafter})
+    made_up_costs(llm)
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids == want
+    m, source = out.metrics, llm.engine.speculator.source
+    assert m["num_draft_tokens"] - m["num_accepted_tokens"] <= 2  # the first step's guess (and no other) was wrong
+    sure, guess = source["sure"], source["guess"]
+    assert sure.kept[0] == sure.drafted[0] >= m["num_drafts"]  # verified every step but the first, and measured there
+    assert guess.kept[0] == 0 and guess.drafted[0] >= m["num_drafts"] - 1  # passed over (and once verified): measured
+    assert m["num_steps"] <= len(want) // 3  # 4 drafted tokens a step, nearly all kept
+
+
+def test_a_passed_over_chain_is_measured_where_only_it_was_offered(tiny_llama_dir, plain):
+    """Where the true chain is offered only every third step, the steps in between have the guess alone: the cost
+    model, having measured guesses (verified and passed over) keep nothing, verifies none of them beyond probes."""
+    params = SamplingParams(temperature=0, max_tokens=80, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].token_ids
+    drafter = Offering(tuple(plain.encode(PROMPTS[0])[1]), want, sure_every=3)
+    llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                       "drafter": drafter})
+    made_up_costs(llm)
+    out = llm.generate(PROMPTS[0], params)[0]
+    assert out.token_ids == want
+    m = out.metrics
+    wasted = m["num_draft_tokens"] - m["num_accepted_tokens"]
+    assert wasted <= 4 + 80 // PROBE_EVERY  # guesses: a first few, then probes
+    assert m["num_accepted_tokens"] >= 2 * drafter.offered // 3  # most offered truths verified and kept
+
+
 def test_a_chain_is_cut_where_the_requests_own_acceptance_stops_paying(tiny_llama_dir, plain, reference):
     """A drafter right at positions 1-2 and always wrong from 3 on, where a row costs 0.2 plain steps: the cost
     model verifies 2 tokens a step (3 on every PROBE_EVERY-th draft: a deeper probe), which keep all the drafter

@@ -4,17 +4,21 @@ from __future__ import annotations
 
 import time
 
+import numpy as np
 import pytest
 import torch
 from conftest import every_step
 from test_drafters import PROMPTS, other_draft_dir, target_dir  # noqa: F401 (module fixtures)
 from test_eagle3 import random_head
-from test_retrieval import assert_first_step_follows_plain, likely_corpus
+from test_retrieval import SAMPLED_PROMPT, assert_first_step_follows_plain, likely_corpus
+from test_speculative import made_up_costs
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft, Drafter, DraftRequest
 from specdec.drafting.eagle import EagleDrafter
+from specdec.drafting.ngram import NgramDrafter
 from specdec.drafting.registry import SpeculativeConfig
+from specdec.drafting.retrieval import Datastore, RetrievalDrafter
 from specdec.drafting.switch import CATCH_UP_ROWS, PRIOR_DRAFTS, PRIOR_KEPT, SwitchDrafter
 
 
@@ -164,6 +168,52 @@ def with_head(target_dir, tmp_path):
     path = tmp_path / "head"
     random_head(LLM(str(target_dir)).engine.model.config).save(path)
     return str(path)
+
+
+def test_sources_that_draft_first_are_all_asked_and_their_chains_offered_to_the_cost_model():
+    """Over sources that all draft first (n-gram, retrieval), a request asked for its whole budget gets every source's
+    chain: the first non-empty one as its row, the others as its alternatives, each with its evidence; the engine's
+    cost model chooses (`Speculator._choose`). Asked otherwise, or over a source that does not draft first, the
+    switch weighs the sources itself as before."""
+    store = Datastore.build(np.array([5, 6, 7, 8, 9, -1], dtype=np.int32), 4, 4)
+    drafter = switch(NgramDrafter(4), RetrievalDrafter(store, 4, max_match=4, min_match=2))
+    assert drafter.drafts_first and not drafter.sizes_own_drafts
+    requests = [DraftRequest(0, [5, 6, 1, 2, 5, 6], 6, 4, sized_by_plan=True),  # the n-gram matches [5, 6]: 1 2 5 6
+                DraftRequest(1, [3, 5, 6, 7], 4, 4, sized_by_plan=True)]  # no n-gram match; the corpus has 5 6 7
+    draft = drafter.propose(requests)
+    assert draft.host_rows()[0] == [[1, 2, 5, 6], [8, 9]]
+    assert draft.evidence == ["match 2", "retrieval 2"]
+    assert draft.alternatives == [[([7, 8, 9], "retrieval 2")], []]
+    assert drafter.propose([DraftRequest(0, [5, 6, 1, 2, 5, 6], 6, 4)]).alternatives is None  # its own weighing
+    mixed = switch(NgramDrafter(4), Fixed([7]))
+    assert not mixed.drafts_first and mixed.sizes_own_drafts
+
+
+@pytest.mark.parametrize("verification", ["greedy", "rejection"])
+def test_a_switch_over_ngram_and_retrieval_chosen_by_evidence_is_lossless(target_dir, tmp_path, verification):
+    """The cost model choosing per request and step between the n-gram's and retrieval's chains (batches of up to 4):
+    greedy output is plain decoding's (rows at 0.05 plain steps), with both sources' evidence measured; sampled output
+    (rejection sampling, rows free so that every draft is verified) keeps the first speculative step's
+    distribution."""
+    plain = LLM(str(target_dir), max_num_seqs=4)
+    config = {"method": "switch", "num_speculative_tokens": 4, "sampled_verification": "rejection", "sources": [
+        {"method": "ngram", "num_speculative_tokens": 4},
+        {"method": "retrieval", "corpus": likely_corpus(tmp_path / "c.npz", plain.engine.model),
+         "num_speculative_tokens": 4}]}
+    spec = LLM(str(target_dir), max_num_seqs=4, speculative_config=config)
+    made_up_costs(spec, 0.0 if verification == "rejection" else 0.05)  # sampled: every draft verified (free rows)
+    if verification == "rejection":
+        assert_first_step_follows_plain(plain, spec)
+        return
+    params = SamplingParams(temperature=0, max_tokens=48, ignore_eos=True)
+    prompts = [{"prompt_token_ids": SAMPLED_PROMPT}] + [{"prompt_token_ids": plain.encode(p)[1]} for p in PROMPTS]
+    want = [o.token_ids for o in plain.generate(prompts, params)]
+    outs = [spec.generate([p], params)[0] for p in prompts]
+    assert [o.token_ids for o in outs] == want
+    kinds = {str(e).split()[0] for e in spec.engine.speculator.source}
+    assert {"match", "retrieval"} <= kinds, kinds
+    assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
+    assert spec.engine.allocator.num_used == 0
 
 
 def test_switch_is_lossless_and_the_head_drafts_what_it_drafts_alone(target_dir, tmp_path, monkeypatch):

@@ -162,6 +162,9 @@ class Draft:
         # optional, per sequence: what its proposal rests on (the n-gram's match length), a hashable key; drafts of
         # one evidence keep alike, so the cost model tracks acceptance per evidence (None: no key)
         self.evidence: list[Hashable] | None = None
+        # optional, per sequence: other chains it could verify instead of its row, each with its evidence (a drafter
+        # over several sources that draft first: `switch`); the speculator verifies the one its rates price highest
+        self.alternatives: list[list[tuple[list[int], Hashable]]] | None = None
         self._rows = rows  # per sequence (tokens, parents), unpadded; valid until the tensors are handed out
 
     @property
@@ -239,6 +242,10 @@ class Draft:
             out.evidence = [None] * B
             for i, e in zip(rows, self.evidence):
                 out.evidence[i] = e
+        if self.alternatives is not None:
+            out.alternatives = [[] for _ in range(B)]
+            for i, a in zip(rows, self.alternatives):
+                out.alternatives[i] = a
         return out
 
     def validate(self, batch_size: int, vocab_size: int) -> None:
@@ -338,7 +345,8 @@ class Drafter(ABC):
     # the speculator asks it first for every request's whole budget (`DraftRequest.sized_by_plan`), then plans the
     # rows from what drafts of the same evidence kept. A request with no draft then costs no plan, and a long match
     # is priced as one (on the default model's Spec-Bench outputs, an n-gram draft after a 4-token match keeps its
-    # first token 82% of the time, after a 1-token match 29%; unconditioned, the plan saw their mix).
+    # first token 82% of the time, after a 1-token match 29%; unconditioned, the plan saw their mix). Its draft may
+    # offer each request other chains to choose from (`Draft.alternatives`).
     drafts_first: bool = False
 
     @abstractmethod
@@ -375,6 +383,11 @@ class Drafter(ABC):
         """Drop what was learnt from finished requests (called only while none runs). Benchmarks and
         `specdec tune` call it between passes over the same prompts, which a drafter with cross-request memory
         (a global suffix trie, a shared n-gram pool) would otherwise draft from their own earlier answers."""
+
+    @property
+    def keeps_kv(self) -> bool:
+        """Whether it keeps K/V of its own over the shared blocks (then `cached_prefix` says how far they hold)."""
+        return type(self).cached_prefix is not Drafter.cached_prefix
 
     def cached_prefix(self, request: DraftRequest) -> int | None:
         """How many leading tokens of the request's sequence have final K/V in this drafter's own pool over the

@@ -68,6 +68,10 @@ class NestedDrafter(Drafter):
             if d.observe_topk:
                 d.observe(seq_id, tokens, [c[:d.observe_topk] for c in candidates])
 
+    @property
+    def keeps_kv(self) -> bool:
+        return any(d.keeps_kv for d in self.drafters)
+
     def cached_prefix(self, request: DraftRequest) -> int | None:
         found = [n for n in (d.cached_prefix(request) for d in self.drafters) if n is not None]
         return min(found) if found else None

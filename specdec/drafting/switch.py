@@ -29,6 +29,13 @@ a node is accepted exactly when it is the target's own token), and what it would
 over, so every draft a source makes teaches its estimate, taken or not, and a source that lost at a size is still
 measured there.
 
+Sources that all draft first (`Drafter.drafts_first`: the n-gram's chains, retrieval; cheap host work that names
+what each draft rests on) are weighed by the engine's cost model instead: the switch asks every source for every
+request's whole budget and hands the engine each request's chains with their evidence (the first as its row, the
+others as `Draft.alternatives`); the cost model verifies the one it prices highest and measures the others against
+the tokens committed (`Speculator._choose`). The built-in model's default is such a switch, over the n-gram and
+retrieval over the model's own answers.
+
 Unlike `hybrid`, nothing is merged: a step verifies one source's chain (or static tree) per request, so a chain
 keeps the engine's causal fast path and a step costs one drafter.
 
@@ -185,6 +192,11 @@ class SwitchDrafter(NestedDrafter):
         self.nest([s.drafter for s in self.sources], "switch")
         self.featured = self.sources[self.featured_index] if self.featured_index is not None else None
         self.token_cost, self.context_cost = token_cost, context_cost
+        # Sources that all draft first (n-gram, retrieval: host work that names its evidence) are all asked, and the
+        # engine's cost model chooses each request's chain among theirs by what drafts of each evidence kept
+        # (`Draft.alternatives`), rather than this method's own weighing.
+        self.drafts_first = all(s.drafter.drafts_first for s in self.sources)
+        self.sizes_own_drafts = not self.drafts_first
         self.made: dict[int, list[_Made]] = {}  # seq_id -> its drafts not measured yet
         self.records: dict[int, list[list[float]]] = {}  # seq_id -> per source: [kept tokens, drafts] measured
         self.held: dict[int, _Held] = {}
@@ -214,6 +226,8 @@ class SwitchDrafter(NestedDrafter):
 
     # ---- drafting ------------------------------------------------------------------------------------
     def propose(self, requests: list[DraftRequest]) -> Draft:
+        if self.drafts_first and requests and requests[0].sized_by_plan:
+            return self.propose_all(requests)
         rows: list[tuple[list[int], list[int]]] = [([], []) for _ in requests]
         undecided = []
         for i, r in enumerate(requests):
@@ -252,6 +266,23 @@ class SwitchDrafter(NestedDrafter):
             undecided = left
         self.feed_head(requests, CATCH_UP_ROWS)
         return Draft.from_rows(rows)
+
+    def propose_all(self, requests: list[DraftRequest]) -> Draft:
+        """Every source's whole-budget chain for every request: each request's row is the first source's chain that
+        is not empty, the others its alternatives, each with its evidence (the cost model chooses among them)."""
+        options: list[list[tuple[list[int], object]]] = [[] for _ in requests]
+        for src in self.sources:
+            k = src.cfg.num_speculative_tokens
+            draft = src.drafter.propose([r if r.max_tokens <= k else dataclasses.replace(r, max_tokens=k)
+                                         for r in requests])
+            evidence = draft.evidence or [None] * len(requests)
+            for i, (tokens, e) in enumerate(zip(draft.host_rows()[0], evidence)):
+                if tokens:
+                    options[i].append((tokens, e))
+        out = Draft.chains([o[0][0] if o else [] for o in options])
+        out.evidence = [o[0][1] if o else None for o in options]
+        out.alternatives = [o[1:] for o in options]
+        return out
 
     def catch_up(self, requests: list[DraftRequest]) -> None:
         """The engine's catch-up (steps that drafted nothing, a finishing sequence): every row held for these

@@ -13,7 +13,7 @@ from __future__ import annotations
 
 import logging
 import time
-from collections.abc import Hashable
+from collections.abc import Callable, Hashable
 from typing import TYPE_CHECKING
 
 import torch
@@ -28,6 +28,7 @@ from specdec.engine.cost import (
     STALL,
     Acceptance,
     Calibration,
+    DraftingWorth,
     Item,
     Plan,
     Prediction,
@@ -85,6 +86,7 @@ class Speculator:
         self.acceptance: dict[int, dict[Hashable, Acceptance]] = {}
         self.idle: dict[int, int] = {}  # seq_id -> its steps since it last drafted
         self.draft_s: dict[tuple[int, int], Recent] = {}  # (batch size, largest budget) -> drafting seconds
+        self.worth: dict[int, DraftingWorth] = {}  # batch size -> what drafting first saved and spent there
         self.prediction = Prediction()
         self.calibration = Calibration()
         self.timing: dict[int, TimeCalibration] = {}  # batch size -> its drafting steps' measured / predicted time
@@ -97,6 +99,8 @@ class Speculator:
         self._plan: Plan | None = None
         self._early: Draft | None = None  # this step's draft when made before its plan (`Drafter.drafts_first`)
         self._evidence: list[Hashable] = []  # what each sequence's draft this step rests on (None: no key)
+        # seq_id -> (its length then, the chains passed over for the one verified, with their evidence): `_choose`
+        self._passed: dict[int, tuple[int, list[tuple[list[int], Hashable]]]] = {}
         self._step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
 
     def budget(self, seq: Sequence, shape: SpecShape) -> int:
@@ -138,6 +142,10 @@ class Speculator:
             return budgets
         whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
         if self.drafter.drafts_first and not whole and not self.feature_layers:
+            worth = self.worth.get(len(seqs))
+            if worth is not None and not worth.pays and (self.steps + 1) % PROBE_EVERY:  # its proposals cost more
+                self.steps += 1  # than its drafts saved: no proposal this step (drafted on probe steps)
+                return [0] * len(seqs)
             return self._plan_drafted(seqs, budgets, shape, context)
         quiet = (len(seqs), self._verified)
         if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:  # no draft paid at the last plan and nothing
@@ -165,34 +173,95 @@ class Speculator:
                       ) -> list[int]:
         """`plan_rows` for a drafter that `drafts_first`: its whole-budget draft now, then the rows of it the cost
         model expects to pay, each request's positions priced by what drafts of the same evidence kept (its own and
-        every request's). Drafting is already paid, so the plan weighs the rows alone; a step with no draft plans
-        nothing."""
+        every request's). Where the draft offers a request other chains (`Draft.alternatives`), the one priced
+        highest is verified (`_choose`). Drafting is already paid, so the plan weighs the rows alone; a step with no
+        draft plans nothing."""
         start = time.perf_counter()
         keyed = self.cfg.sampled_verification == "keyed"
         requests = [draft_request(s, b, shape, keyed) for s, b in zip(seqs, budgets)]
         for r in requests:
             r.sized_by_plan = True
+        self._learn_passed_over(seqs)
         draft = self.propose(seqs, requests)
-        lengths = [min(len(t), b) for t, b in zip(draft.host_rows()[0], budgets)]
-        self._early = draft
-        self._evidence = list(draft.evidence) if draft.evidence is not None else [None] * len(seqs)
-        seconds = time.perf_counter() - start
-        self._step = (0, self._step[1], seconds)
-        if not any(lengths):
-            return self._probe(seqs, lengths, [0] * len(seqs), False)
-        factor = self._factor = self.calibration.factor
-        items, every = [], {}
-        for i, (s, n, e) in enumerate(zip(seqs, lengths, self._evidence)):
-            if n:
-                if e not in every:  # once a step per evidence, shared by the batch
-                    every[e] = self.every_rates(max(lengths), e)
-                items += [Item(i, 1, g * factor) for g in self.rates(s.seq_id, n, every[e], e)]
         if context is None:
             context = sum(len(s.token_ids) for s in seqs) / len(seqs)
+        factor = self._factor = self.calibration.factor
+        every: dict[Hashable, list[float]] = {}  # evidence -> every request's rates, once a step
+
+        def rates(i: int, n: int, e: Hashable) -> list[float]:
+            if e not in every:
+                every[e] = self.every_rates(max(budgets), e)
+            return [g * factor for g in self.rates(seqs[i].seq_id, n, every[e], e)]
+
+        evidence = list(draft.evidence) if draft.evidence is not None else [None] * len(seqs)
+        if draft.alternatives is not None:
+            draft, evidence = self._choose(seqs, draft, evidence, budgets, context, rates)
+        lengths = [min(len(t), b) for t, b in zip(draft.host_rows()[0], budgets)]
+        self._early, self._evidence = draft, evidence
+        seconds = time.perf_counter() - start
+        self._step = (0, self._step[1], seconds)
+        worth = self.worth.setdefault(len(seqs), DraftingWorth())
+        if not any(lengths):
+            worth.record(0.0, seconds)
+            return self._probe(seqs, lengths, [0] * len(seqs), False)
+        items = []
+        for i, (n, e) in enumerate(zip(lengths, evidence)):
+            if n:
+                items += [Item(i, 1, g) for g in rates(i, n, e)]
         timing = self.timing.get(len(seqs))
         self._time_factor = timing.factor if timing is not None else 1.0
-        self._plan = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
+        self._plan = p = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
+        worth.record(p.tokens * p.plain_seconds / len(seqs) - p.seconds, min(seconds, p.plain_seconds))
         return self._probe(seqs, lengths, self._plan.rows, False)
+
+    def _choose(self, seqs: list[Sequence], draft: Draft, evidence: list[Hashable], budgets: list[int],
+                context: float, rates: Callable[[int, int, Hashable], list[float]]
+                ) -> tuple[Draft, list[Hashable]]:
+        """Each request's chain among its draft's row and its alternatives: the one whose positions are expected to
+        keep the most tokens beyond what their rows cost (the sum of max(0, g(j) - c), c the price of a row this step
+        in plain steps of one request; ties: the row). The others are kept to learn what they would have kept
+        (`_learn_passed_over`)."""
+        c = self.row_cost(len(seqs), 0, context)
+        chosen, chosen_evidence = [], []
+        for i, (row, e, others) in enumerate(zip(draft.host_rows()[0], evidence, draft.alternatives)):
+            options = [(row, e), *others]
+            values = [sum(max(0.0, g - c) for g in rates(i, min(len(t), budgets[i]), ev)) if t else -1.0
+                      for t, ev in options]
+            best = max(range(len(options)), key=values.__getitem__)  # the first maximum: the row among equals
+            chosen.append(options[best][0][:budgets[i]])
+            chosen_evidence.append(options[best][1] if options[best][0] else None)
+            passed = [(t[:budgets[i]], ev) for n, (t, ev) in enumerate(options) if n != best and t]
+            if passed:
+                self._passed[seqs[i].seq_id] = (len(seqs[i].token_ids), passed)
+        out = Draft.chains(chosen)
+        out.evidence = chosen_evidence
+        return out, chosen_evidence
+
+    def _learn_passed_over(self, seqs: list[Sequence]) -> None:
+        """What the chains passed over at a request's last step would have kept, read off the tokens committed since:
+        a draft token is kept exactly when it is the token the target emits there (greedy, and sampled too, where a
+        one-hot draft token is accepted with the target's own probability of it), so equality measures acceptance.
+        It is learnt as verified drafts of the same evidence are, so an evidence that lost keeps being measured. A
+        chain that matches every token committed since is measured as far as they go."""
+        for s in seqs:
+            passed = self._passed.pop(s.seq_id, None)
+            if passed is None:
+                continue
+            length, chains = passed
+            after = s.token_ids[length:]
+            if not after:
+                continue
+            for tokens, e in chains:
+                n = 0
+                while n < len(tokens) and n < len(after) and tokens[n] == after[n]:
+                    n += 1
+                self._record(s.seq_id, e, len(tokens) if n < len(after) else n, n)
+
+    def _record(self, seq_id: int, evidence: Hashable, depth: int, accepted: int) -> None:
+        """A draft resting on `evidence` kept `accepted` of its first `depth` tokens (or tree levels)."""
+        self.source.setdefault(evidence, Acceptance()).record(depth, accepted)
+        own = self.acceptance.setdefault(seq_id, {})
+        own.setdefault(evidence, Acceptance(decay=DECAY)).record(depth, accepted)
 
     def _probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool) -> list[int]:
         """The planned rows with this step's probes added (see `plan_rows`)."""
@@ -333,11 +402,8 @@ class Speculator:
             depth = n if tree is None else max(tree.rope)
             seq.spec.record(n, len(nodes), depth)
             if n:
-                e = self._evidence[i] if i < len(self._evidence) else None
-                self.source.setdefault(e, Acceptance()).record(depth, len(nodes))
+                self._record(seq.seq_id, self._evidence[i] if i < len(self._evidence) else None, depth, len(nodes))
                 self._verified += 1
-                own = self.acceptance.setdefault(seq.seq_id, {})
-                own.setdefault(e, Acceptance(decay=DECAY)).record(depth, len(nodes))
             self.totals.record(n, len(nodes))
             if self.trace is not None:
                 self.trace.append((nodes, n))
@@ -456,12 +522,13 @@ class Speculator:
         """The sequence finished or was aborted: the drafter drops what it kept for it."""
         self.acceptance.pop(seq_id, None)
         self.idle.pop(seq_id, None)
+        self._passed.pop(seq_id, None)
         self.drafter.release(seq_id)
 
     def forget(self) -> None:
         """The drafter drops what it learnt from finished requests (none may be running), and so does the cost model
-        (what drafts kept; not the costs, which describe the machine)."""
-        self.source, self.prediction = {}, Prediction()
+        (what drafts kept and what drafting was worth; not the costs, which describe the machine)."""
+        self.source, self.worth, self.prediction = {}, {}, Prediction()
         self.drafter.forget()
 
     @property
@@ -479,6 +546,6 @@ class Speculator:
     def cached_prefix(self, seq: Sequence) -> int | None:
         """How many leading tokens of `seq` have final K/V in the drafter's own pool over the shared blocks;
         None when it keeps none there (see `Drafter.cached_prefix`)."""
-        if type(self.drafter).cached_prefix is Drafter.cached_prefix:  # keeps no K/V: asked per sequence and step
+        if not self.drafter.keeps_kv:  # asked per sequence and step: no request built for a drafter without K/V
             return None
         return self.drafter.cached_prefix(draft_request(seq))

