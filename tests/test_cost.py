@@ -9,7 +9,18 @@ import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.engine import cost
-from specdec.engine.cost import Acceptance, Item, StepCost, TimeCalibration, plan, prior_rates, time_verification
+from specdec.engine.cost import (
+    STALL,
+    WORTH_DECAY,
+    Acceptance,
+    DraftingWorth,
+    Item,
+    StepCost,
+    TimeCalibration,
+    plan,
+    prior_rates,
+    time_verification,
+)
 
 LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
 
@@ -255,3 +266,19 @@ def test_a_plans_widths_are_the_step_costs_it_would_ask_one_by_one():
     assert cost.fits[4].coefficients()[1] != 1.0
     for context in (32, 300, 700):
         assert cost.widths(4, context, 20) == pytest.approx([cost(4 + n, context, 4) for n in range(21)])
+
+
+def test_proposing_first_pays_while_its_plans_saved_more_than_the_proposals_took():
+    """Decayed sums of what the plans expected to save and what proposing took; a proposal far over the recent
+    median (a first one indexing a prompt) counts at STALL times it, and a plan saves nothing below zero."""
+    worth = DraftingWorth()
+    assert worth.pays  # nothing measured yet
+    for _ in range(10):
+        worth.record(0.002, 0.001)
+    assert worth.pays
+    worth.record(0.0, 1.0)  # one stalled proposal: counted at STALL times the median
+    assert worth.spent == pytest.approx(0.001 * sum(WORTH_DECAY ** j for j in range(1, 11)) + STALL * 0.001)
+    assert worth.pays
+    for _ in range(20):
+        worth.record(-0.5, 0.001)  # plans that take nothing (or lose) save nothing
+    assert not worth.pays and worth.saved >= 0

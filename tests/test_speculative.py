@@ -1,6 +1,7 @@
 """Speculative decoding end to end: output never changes, whatever the drafter proposes."""
 from __future__ import annotations
 
+import time
 from pathlib import Path
 
 import pytest
@@ -10,7 +11,7 @@ from conftest import accelerator_checks, assert_logprobs_equal, every_step
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.engine.cost import PROBE_EVERY, StepCost
+from specdec.engine.cost import PROBE_EVERY, WORTH_PROBE, StepCost
 from specdec.engine.scheduler import ScheduledBatch
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
@@ -231,6 +232,49 @@ def test_a_passed_over_chain_is_measured_where_only_it_was_offered(tiny_llama_di
     wasted = m["num_draft_tokens"] - m["num_accepted_tokens"]
     assert wasted <= 4 + 80 // PROBE_EVERY  # guesses: a first few, then probes
     assert m["num_accepted_tokens"] >= 2 * drafter.offered // 3  # most offered truths verified and kept
+
+
+class Slow(Drafter):
+    """Drafts first: the true continuation (`right`) or a wrong one, taking `seconds` per call; counts its calls."""
+
+    drafts_first = True
+
+    def __init__(self, prompt: tuple[int, ...], want: list[int], right: bool, seconds: float):
+        self.prompt, self.want, self.right, self.seconds, self.calls = prompt, want, right, seconds, 0
+
+    def propose(self, requests: list[DraftRequest]) -> Draft:
+        self.calls += 1
+        time.sleep(self.seconds)
+        chains = []
+        for r in requests:
+            done = len(r.token_ids) - len(self.prompt)
+            truth = self.want[done:done + r.max_tokens]
+            chains.append(truth if self.right else [(t + 1) % 300 for t in truth])
+        draft = Draft.chains(chains)
+        draft.evidence = ["x"] * len(requests)
+        return draft
+
+
+def test_proposals_that_cost_more_than_their_drafts_save_are_made_one_step_in_a_few(tiny_llama_dir, plain):
+    """`DraftingWorth`: a plain step of 4 ms, rows at 0.2 of it, and proposals of about 0.5 ms (under the 1.9 ms the
+    prior expects 4 rows to save). Wrong drafts save nothing, so once measured the request is asked for a proposal only
+    one step in WORTH_PROBE; right drafts save more than they cost, so it is asked every step. Output is plain
+    decoding's either way."""
+    params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
+    want = plain.generate(PROMPTS[0], params)[0].token_ids
+    calls = {}
+    for right in (False, True):
+        drafter = Slow(tuple(plain.encode(PROMPTS[0])[1]), want, right, 0.0005)
+        llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
+                                                           "drafter": drafter})
+        llm.engine.speculator.cost = StepCost([1, 2], [32], [[0.004, 0.0048]], online=False)
+        out = llm.generate(PROMPTS[0], params)[0]
+        assert out.token_ids == want
+        calls[right] = (drafter.calls, out.metrics["num_steps"])
+    wrong_calls, wrong_steps = calls[False]
+    assert wrong_calls <= 4 + wrong_steps // WORTH_PROBE + 2, calls
+    right_calls, right_steps = calls[True]
+    assert right_calls >= right_steps - 2 and right_steps <= len(want) // 3, calls  # (the prefill step asks none)
 
 
 def test_a_chain_is_cut_where_the_requests_own_acceptance_stops_paying(tiny_llama_dir, plain, reference):

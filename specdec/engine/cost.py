@@ -75,7 +75,8 @@ SLOPE_RANGE = (0.5, 3.0)  # the fitted slope stays within these multiples of the
 CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
 TIME_PRIOR = 4.0  # drafting steps a batch size's time calibration starts from (at 1)
 CALIBRATION_PRIOR = 2.0  # expected tokens the ratio starts from (at 1)
-WORTH_DECAY = 0.9  # per drafted step, in what drafting first saved and spent at a batch size (`DraftingWorth`)
+WORTH_DECAY = 0.9  # per proposal, in what proposing first saved a request and cost it (`DraftingWorth`)
+WORTH_PROBE = 4  # a request whose proposals have not paid is asked for one once in this many steps
 
 
 def cpu_model() -> str | None:
@@ -451,18 +452,24 @@ class TimeCalibration:
 
 @dataclass
 class DraftingWorth:
-    """What drafting first (`Drafter.drafts_first`) has been worth at a batch size: the seconds its plans expected
-    to save over plain decoding of the same tokens, against the seconds the proposals took, over recent drafted steps
-    (decayed sums). Drafting first pays its host work every step, a proposal per sequence, whether a row pays or not;
-    at batch 16 on a Zen 3 that was 3.8 ms of a 60 ms step for 5% more tokens per step. Where it has spent more than
-    it saved, steps decode plainly, and every PROBE_EVERY-th step drafts anyway to keep the record live."""
+    """What proposing first (`Drafter.drafts_first`) has been worth to a request: the seconds its planned rows were
+    expected to save over plain decoding of as many tokens, against its share of the seconds the proposals took,
+    over its recent proposals (decayed sums). Proposing costs host work every step, a proposal per request, whether
+    a row pays or not (at batch 16 on a Zen 3: 3.9 ms of a 74 ms step, where the plans expected 0.98x plain); a
+    request whose proposals have cost more than they saved is asked for one only on every WORTH_PROBE-th step, which
+    keeps the record live (its text may start to repeat). A proposal taking STALL times the recent median counts at
+    that (a request's first one indexes its whole prompt)."""
 
     saved: float = 0.0
     spent: float = 0.0
+    times: Recent = field(default_factory=Recent)  # the proposals' seconds
+    skipped: int = 0  # steps it was not asked since its last proposal
 
     def record(self, saved: float, spent: float) -> None:
-        self.saved = WORTH_DECAY * self.saved + saved
-        self.spent = WORTH_DECAY * self.spent + spent
+        typical = self.times.value if self.times.values else spent
+        self.times.add(spent)
+        self.saved = WORTH_DECAY * self.saved + max(0.0, saved)
+        self.spent = WORTH_DECAY * self.spent + min(spent, STALL * typical)
 
     @property
     def pays(self) -> bool:

@@ -26,6 +26,7 @@ from specdec.engine.cost import (
     PROBE_EVERY,
     REQUEST_WEIGHT,
     STALL,
+    WORTH_PROBE,
     Acceptance,
     Calibration,
     DraftingWorth,
@@ -86,7 +87,7 @@ class Speculator:
         self.acceptance: dict[int, dict[Hashable, Acceptance]] = {}
         self.idle: dict[int, int] = {}  # seq_id -> its steps since it last drafted
         self.draft_s: dict[tuple[int, int], Recent] = {}  # (batch size, largest budget) -> drafting seconds
-        self.worth: dict[int, DraftingWorth] = {}  # batch size -> what drafting first saved and spent there
+        self.worth: dict[int, DraftingWorth] = {}  # seq_id -> what proposing first saved it and cost it
         self.prediction = Prediction()
         self.calibration = Calibration()
         self.timing: dict[int, TimeCalibration] = {}  # batch size -> its drafting steps' measured / predicted time
@@ -142,10 +143,6 @@ class Speculator:
             return budgets
         whole = shape.tree is not None or shape.dynamic is not None or self.drafter.sizes_own_drafts
         if self.drafter.drafts_first and not whole and not self.feature_layers:
-            worth = self.worth.get(len(seqs))
-            if worth is not None and not worth.pays and (self.steps + 1) % PROBE_EVERY:  # its proposals cost more
-                self.steps += 1  # than its drafts saved: no proposal this step (drafted on probe steps)
-                return [0] * len(seqs)
             return self._plan_drafted(seqs, budgets, shape, context)
         quiet = (len(seqs), self._verified)
         if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:  # no draft paid at the last plan and nothing
@@ -175,8 +172,13 @@ class Speculator:
         model expects to pay, each request's positions priced by what drafts of the same evidence kept (its own and
         every request's). Where the draft offers a request other chains (`Draft.alternatives`), the one priced
         highest is verified (`_choose`). Drafting is already paid, so the plan weighs the rows alone; a step with no
-        draft plans nothing."""
+        draft plans nothing. A request whose proposals have cost more than its drafts saved is asked for none, but on
+        one step in WORTH_PROBE (`DraftingWorth`)."""
         start = time.perf_counter()
+        budgets = [b if b and self._asks(s) else 0 for s, b in zip(seqs, budgets)]
+        asked = sum(1 for b in budgets if b)
+        if not asked:
+            return self._probe(seqs, budgets, [0] * len(seqs), False)
         keyed = self.cfg.sampled_verification == "keyed"
         requests = [draft_request(s, b, shape, keyed) for s, b in zip(seqs, budgets)]
         for r in requests:
@@ -200,19 +202,38 @@ class Speculator:
         self._early, self._evidence = draft, evidence
         seconds = time.perf_counter() - start
         self._step = (0, self._step[1], seconds)
-        worth = self.worth.setdefault(len(seqs), DraftingWorth())
-        if not any(lengths):
-            worth.record(0.0, seconds)
-            return self._probe(seqs, lengths, [0] * len(seqs), False)
-        items = []
-        for i, (n, e) in enumerate(zip(lengths, evidence)):
-            if n:
-                items += [Item(i, 1, g) for g in rates(i, n, e)]
-        timing = self.timing.get(len(seqs))
-        self._time_factor = timing.factor if timing is not None else 1.0
-        self._plan = p = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
-        worth.record(p.tokens * p.plain_seconds / len(seqs) - p.seconds, min(seconds, p.plain_seconds))
-        return self._probe(seqs, lengths, self._plan.rows, False)
+        gains: list[list[float]] = [rates(i, n, e) if n else [] for i, (n, e) in enumerate(zip(lengths, evidence))]
+        rows = [0] * len(seqs)
+        if any(lengths):
+            items = [Item(i, 1, g) for i, row in enumerate(gains) for g in row]
+            timing = self.timing.get(len(seqs))
+            self._time_factor = timing.factor if timing is not None else 1.0
+            self._plan = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
+            rows = list(self._plan.rows)
+        self._weigh_proposals(seqs, budgets, gains, rows, seconds / asked)
+        return self._probe(seqs, lengths, rows, False)
+
+    def _asks(self, seq: Sequence) -> bool:
+        """Whether the request is asked for a proposal this step: while its proposals have paid, and on every
+        WORTH_PROBE-th step once they have not."""
+        worth = self.worth.get(seq.seq_id)
+        if worth is None or worth.pays or worth.skipped + 1 >= WORTH_PROBE:
+            if worth is not None:
+                worth.skipped = 0
+            return True
+        worth.skipped += 1
+        return False
+
+    def _weigh_proposals(self, seqs: list[Sequence], budgets: list[int], gains: list[list[float]], rows: list[int],
+                         share: float) -> None:
+        """Each asked request's proposal against what its planned rows are expected to save: the tokens they add at
+        plain decoding's seconds per token, less its share of the rows' time; `share`: its part of the proposing."""
+        p = self._plan if any(rows) else None
+        extra = (p.seconds - p.plain_seconds) / sum(rows) if p is not None else 0.0  # seconds a row adds
+        for i, (s, b) in enumerate(zip(seqs, budgets)):
+            if b:
+                saved = sum(gains[i][:rows[i]]) * p.plain_seconds / len(seqs) - rows[i] * extra if rows[i] else 0.0
+                self.worth.setdefault(s.seq_id, DraftingWorth()).record(saved, share)
 
     def _choose(self, seqs: list[Sequence], draft: Draft, evidence: list[Hashable], budgets: list[int],
                 context: float, rates: Callable[[int, int, Hashable], list[float]]
@@ -523,12 +544,13 @@ class Speculator:
         self.acceptance.pop(seq_id, None)
         self.idle.pop(seq_id, None)
         self._passed.pop(seq_id, None)
+        self.worth.pop(seq_id, None)
         self.drafter.release(seq_id)
 
     def forget(self) -> None:
         """The drafter drops what it learnt from finished requests (none may be running), and so does the cost model
-        (what drafts kept and what drafting was worth; not the costs, which describe the machine)."""
-        self.source, self.worth, self.prediction = {}, {}, Prediction()
+        (what drafts kept; not the costs, which describe the machine)."""
+        self.source, self.prediction = {}, Prediction()
         self.drafter.forget()
 
     @property
