@@ -185,7 +185,8 @@ def test_bench_fails_loudly_when_requests_fail(tiny_model: Path, tmp_path: Path,
     monkeypatch.setattr(Speculator, "draft", broken)
     prompts = write_prompts(tmp_path / "q.jsonl", ROWS)
     code = main(["bench", "--model", str(tiny_model), "--prompts", str(prompts), "--num-prompts", "2",
-                 "--max-tokens", "6", "--speculative-config", '{"method": "ngram", "num_speculative_tokens": 2}',
+                 "--max-tokens", "6", "--speculative-config",  # every step drafts (not the cost model's choice)
+                 '{"method": "ngram", "num_speculative_tokens": 2, "adaptive": false}',
                  "--out", str(tmp_path / "b.json")])
     err = capsys.readouterr().err
     assert code != 0 and not (tmp_path / "b.json").exists()
