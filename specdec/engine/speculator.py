@@ -189,11 +189,14 @@ class Speculator:
             context = sum(len(s.token_ids) for s in seqs) / len(seqs)
         factor = self._factor = self.calibration.factor
         every: dict[Hashable, list[float]] = {}  # evidence -> every request's rates, once a step
+        known: dict[tuple[int, int, Hashable], list[float]] = {}  # (request, positions, evidence): `_choose` priced
 
         def rates(i: int, n: int, e: Hashable) -> list[float]:
-            if e not in every:
-                every[e] = self.every_rates(max(budgets), e)
-            return [g * factor for g in self.rates(seqs[i].seq_id, n, every[e], e)]
+            if (i, n, e) not in known:
+                if e not in every:
+                    every[e] = self.every_rates(max(budgets), e)
+                known[i, n, e] = [g * factor for g in self.rates(seqs[i].seq_id, n, every[e], e)]
+            return known[i, n, e]
 
         evidence = list(draft.evidence) if draft.evidence is not None else [None] * len(seqs)
         if draft.alternatives is not None:
