@@ -5,11 +5,16 @@ from __future__ import annotations
 import dataclasses
 import json
 
+import numpy as np
 import pytest
 
 from specdec import LLM, SamplingParams
 from specdec.engine import cost
 from specdec.engine.cost import (
+    INTERCEPT_PRIOR,
+    ONLINE,
+    SLOPE_PRIOR,
+    SLOPE_RANGE,
     STALL,
     WORTH_DECAY,
     Acceptance,
@@ -22,6 +27,22 @@ from specdec.engine.cost import (
     time_verification,
 )
 
+
+def ridge(steps: list[tuple[float, float]], a0: float) -> tuple[float, float]:
+    """`RowFit`'s (a, b) for steps (x, y), oldest first, solved independently: weighted least squares over the steps
+    (each older one weighing 1 - ONLINE less) and two pseudo-observations, a = a0 with the weight of INTERCEPT_PRIOR
+    steps and b = 1 with SLOPE_PRIOR times the steps' mean x^2; b clipped to SLOPE_RANGE, then a refitted."""
+    w = np.array([(1 - ONLINE) ** (len(steps) - 1 - i) for i in range(len(steps))])
+    x, y = np.array([s[0] for s in steps]), np.array([s[1] for s in steps])
+    slope_w = SLOPE_PRIOR * (w * x * x).sum() / w.sum()
+    rows = np.vstack([np.sqrt(w)[:, None] * np.c_[np.ones_like(x), x], [np.sqrt(INTERCEPT_PRIOR), 0],
+                      [0, np.sqrt(slope_w)]])
+    target = np.r_[np.sqrt(w) * y, np.sqrt(INTERCEPT_PRIOR) * a0, np.sqrt(slope_w)]
+    a, b = np.linalg.lstsq(rows, target, rcond=None)[0]
+    b = min(max(b, SLOPE_RANGE[0]), SLOPE_RANGE[1])
+    return (float((w * (y - b * x)).sum() + INTERCEPT_PRIOR * a0) / (w.sum() + INTERCEPT_PRIOR), float(b))
+
+
 LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
 
 
@@ -30,12 +51,16 @@ def test_step_costs_are_linear_between_and_beyond_the_measured_widths_and_contex
     assert c(1, 32) == 1.0 and c(3, 32) == 1.5 and c(8, 32) == 4.0  # beyond 4: the slope of the last two
     assert c(2, 272) == 2.0 and c(2, 992) == 5.0  # halfway between the contexts; beyond, the same slope
     assert c(1, 0) == 1 - 32 / 480  # below the short context too (never under half of it)
-    c.observe(2, 4, 32, 2.2)  # a drafting step of two sequences, 0.2 s beyond its forward: plain ones too, until
-    assert c(2, 32, batch=2) == pytest.approx(1.2) and c(4, 32, batch=2) == pytest.approx(2.2)  # one is measured
-    c.observe(1, 1, 32, 1.5)  # a plain step of one sequence measured 0.5 s beyond its forward
+    c.observe(2, 4, 32, 2.2)  # a drafting step of two sequences, 0.2 s beyond its forward (its extra rows: 1.0 s)
+    a, b = ridge([(1.0, 1.2)], 0.0)  # shrunk toward plain steps' overhead (none measured: 0) and the table's slope
+    assert 0 < a < 0.2 and 1 < b < 1.2
+    assert c(2, 32, batch=2) == pytest.approx(1.0 + a) and c(4, 32, batch=2) == pytest.approx(1.0 + a + b)  # plain
+    c.observe(1, 1, 32, 1.5)  # a plain step of one sequence measured 0.5 s beyond its forward   # ones as drafting
     assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == 2.5 and c(4, 32, batch=3) == 2.0  # drafting: as plain
-    c.observe(1, 4, 32, 2.2)  # until a drafting step is measured: 0.2 s beyond its forward
-    assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == 2.2
+    c.observe(1, 4, 32, 2.2)  # until a drafting step is measured: 0.2 s beyond its forward, shrunk toward the 0.5
+    a, b = ridge([(1.0, 1.2)], 0.5)
+    assert c(1, 32, batch=1) == 1.5 and c(4, 32, batch=1) == pytest.approx(1.0 + a + b)
+    assert 2.2 < c(4, 32, batch=1) < 2.5
     c.observe(1, 1, 32, 2.5)
     assert c.overhead[1].value == pytest.approx((0.5 + 1.5) / 2)  # the median of the recent ones
     assert not c.observe(1, 1, 32, 9.0)  # a stall, 4.5x what it expects: not learnt from
@@ -67,14 +92,34 @@ def test_drafting_steps_fit_what_their_extra_rows_really_cost():
         extra = table.forward(rows, 32) - 1.0
         table.observe(4, rows, 32, 1.0 + 0.3 + 2 * extra)
     a, b = table.fits[4].coefficients()
-    fit = table.fits[4]  # shrunk a little toward the table, the intercept taking up the rest at the mean width
-    assert 1.8 < b <= 2.0 and a == pytest.approx(0.3 + (2 - b) * fit.sx / fit.s0)
+    steps = [(table.forward(rows, 32) - 1.0, 0.3 + 2 * (table.forward(rows, 32) - 1.0)) for rows in [5, 6, 8, 12] * 20]
+    assert (a, b) == pytest.approx(ridge(steps, 0.0))  # shrunk a little toward the table and toward plain steps
+    assert 1.8 < b <= 2.0 and 0.2 < a < 0.4
     assert table(12, 32, batch=4) == pytest.approx(1.0 + 0.3 + 2 * 2.0, rel=0.03)
     assert table(4, 32, batch=4) == pytest.approx(1.0 + a)  # no plain step measured: the fit's intercept
     one_width = StepCost([1, 4, 8, 16], [32], [[1.0, 1.0, 2.0, 4.0]])
     for _ in range(10):
         one_width.observe(4, 8, 32, 1.0 + 0.3 + 2 * 1.0)
-    assert one_width.fits[4].coefficients() == pytest.approx((1.3, 1.0))  # all beyond the table read as overhead
+    a, b = one_width.fits[4].coefficients()
+    assert (a, b) == pytest.approx(ridge([(1.0, 2.3)] * 10, 0.0))
+    assert one_width(8, 32, batch=4) == pytest.approx(3.3, rel=0.03)  # what its steps took, split between the two
+
+
+def test_one_slow_drafting_step_cannot_price_every_row_out():
+    """A batch size's first drafting step may carry one-time work (here 5 s beyond a 1 s forward, under the stall
+    filter's 3x). Unshrunk, the fit's intercept took it all and priced the next row at 5 s where the table says 0.1,
+    so nothing drafted again and nothing corrected it; shrunk toward what plain steps add, the price stays within
+    a few times the table's and the steps after it bring it down."""
+    c = StepCost([1, 2, 4], [32], [[1.0, 1.1, 1.3]])
+    for _ in range(8):
+        c.observe(1, 1, 32, 1.0)  # plain steps: nothing beyond their forward
+    c.observe(1, 3, 32, 1.2 + 2.0)  # the first drafting step of two rows: 2 s of one-time work
+    assert c(2, 32, batch=1) - c(1, 32, batch=1) < 1.0
+    first = c(2, 32, batch=1) - c(1, 32, batch=1)
+    for _ in range(30):
+        c.observe(1, 3, 32, 1.2)
+    after = c(2, 32, batch=1) - c(1, 32, batch=1)
+    assert after == pytest.approx(0.1, abs=0.02) and after < first
 
 
 def test_acceptance_is_shrunk_toward_the_prior_and_never_rises_with_depth():

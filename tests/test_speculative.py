@@ -262,17 +262,21 @@ def test_proposals_that_cost_more_than_their_drafts_save_are_made_one_step_in_a_
     decoding's either way."""
     params = SamplingParams(temperature=0, max_tokens=64, ignore_eos=True)
     want = plain.generate(PROMPTS[0], params)[0].token_ids
-    calls = {}
+    calls, probes = {}, {}
     for right in (False, True):
         drafter = Slow(tuple(plain.encode(PROMPTS[0])[1]), want, right, 0.0005)
         llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
                                                            "drafter": drafter})
         llm.engine.speculator.cost = StepCost([1, 2], [32], [[0.004, 0.0048]], online=False)
-        out = llm.generate(PROMPTS[0], params)[0]
+        with llm.measuring.trace_speculation() as trace:
+            out = llm.generate(PROMPTS[0], params)[0]
         assert out.token_ids == want
         calls[right] = (drafter.calls, out.metrics["num_steps"])
+        probes[right] = [n for _, n in trace][2:]  # the drafts verified after the first two, which close the gate
     wrong_calls, wrong_steps = calls[False]
-    assert wrong_calls <= 4 + wrong_steps // WORTH_PROBE + 2, calls
+    assert wrong_calls <= 4 + wrong_steps // WORTH_PROBE + wrong_steps // PROBE_EVERY + 2, calls
+    # while not asked, it is idle all the same: it is still asked on the probe steps, whose row keeps measuring it
+    assert set(probes[False]) == {1} and len(probes[False]) >= wrong_steps // PROBE_EVERY - 2, probes
     right_calls, right_steps = calls[True]
     assert right_calls >= right_steps - 2 and right_steps <= len(want) // 3, calls  # (the prefill step asks none)
 

@@ -271,12 +271,15 @@ def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> 
     digest = hashlib.sha256(path.read_bytes()).hexdigest()[:16]
     key = f"{digest}-{fingerprint}-{opts.max_match + SORT_DEPTH_EXTRA}"
     cached = cache_dir() / f"{key}.npz"
+    loaded = (str(cached), opts.max_match, depth)
+    if (store := _LOADED.get(loaded)) is not None and store.n <= opts.max_corpus_tokens:
+        return store
     if cached.is_file():
         try:
             with np.load(cached) as z:
                 tokens, sa = z["tokens"], z["sa"]
             if len(tokens) <= opts.max_corpus_tokens:
-                return Datastore(tokens, sa, opts.max_match + depth, opts.max_match)
+                return _keep(loaded, Datastore(tokens, sa, opts.max_match + depth, opts.max_match))
         except (OSError, ValueError, KeyError):
             pass  # a damaged cache entry is rebuilt
     if env is None or env.tokenizer is None:
@@ -290,6 +293,20 @@ def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> 
         tmp.replace(cached)
     except OSError:
         pass  # a read-only home only costs the next load the build
+    return _keep(loaded, store)
+
+
+# (cache file, max_match, depth) -> its datastore, read-only once built: engines of one process share it (each LLM()
+# of the built-in model would pack the keys of its 1.5 M-token answers again, 0.3 s, and hold its own 60 MB)
+_LOADED: dict[tuple[str, int, int], Datastore] = {}
+LOADED_KEEP = 2
+
+
+def _keep(key: tuple[str, int, int], store: Datastore) -> Datastore:
+    _LOADED.pop(key, None)
+    _LOADED[key] = store
+    while len(_LOADED) > LOADED_KEEP:
+        _LOADED.pop(next(iter(_LOADED)))
     return store
 
 

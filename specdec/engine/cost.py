@@ -72,9 +72,10 @@ STALL = 3.0  # a step taking this many times what the model expects is a stall (
 # call's one-time work): not learnt from, once the batch size has an estimate
 SLOPE_PRIOR = 0.5  # the belief that extra rows cost what the table says, in steps of mean square x (`RowFit`)
 SLOPE_RANGE = (0.5, 3.0)  # the fitted slope stays within these multiples of the table's
+INTERCEPT_PRIOR = 2.0  # the belief that a drafting step adds to its forward what a plain step does, in steps
 CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
 TIME_PRIOR = 4.0  # drafting steps a batch size's time calibration starts from (at 1)
-CALIBRATION_PRIOR = 2.0  # expected tokens the ratio starts from (at 1)
+CALIBRATION_PRIOR = 8.0  # expected tokens the ratio starts from (at 1)
 WORTH_DECAY = 0.9  # per proposal, in what proposing first saved a request and cost it (`DraftingWorth`)
 WORTH_PROBE = 4  # a request whose proposals have not paid is asked for one once in this many steps
 
@@ -110,11 +111,10 @@ class StepCost:
 
     def __call__(self, rows: int, context: float, batch: int = 1) -> float:
         forward = self.forward(rows, context)
-        fit = self.fits.get(batch)
+        fit, recent = self.fits.get(batch), self.overhead.get(batch)
         if rows > batch and fit is not None:  # a drafting step: a plain forward, then its rows at the fitted slope
             base = self.forward(batch, context)
-            return max(base + fit.seconds(forward - base), 0.25 * forward)
-        recent = self.overhead.get(batch)
+            return max(base + fit.seconds(forward - base, recent.value if recent is not None else 0.0), 0.25 * forward)
         extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0  # not measured:
         return max(forward + extra, 0.25 * forward)                                   # as the other kind of step
 
@@ -136,7 +136,7 @@ class StepCost:
         out = [max(base + plain_extra, 0.25 * base)]
         if fit is None:
             return out + [max(f + plain_extra, 0.25 * f) for f in forwards[1:]]
-        a, b = fit.coefficients()
+        a, b = fit.coefficients(recent.value if recent is not None else 0.0)
         return out + [max(base + a + b * (f - base), 0.25 * f) for f in forwards[1:]]
 
     def forward(self, rows: int, context: float) -> float:
@@ -198,8 +198,10 @@ class Recent:
 class RowFit:
     """A batch size's drafting steps: seconds beyond a plain forward ~ a + b x, x the table's time for their extra
     rows, fitted by least squares over recent steps (each older one weighs 1 - ONLINE less), b shrunk toward 1 (the
-    table is right) by SLOPE_PRIOR times the mean x^2. While the steps' rows do not vary, b stays 1 and a is the moving
-    mean of what they took beyond the table."""
+    table is right) by SLOPE_PRIOR times the mean x^2 and a toward `a0`, what plain steps add beyond their forward,
+    by INTERCEPT_PRIOR steps. While the steps' rows do not vary, b stays 1 and a is the moving mean of what they took
+    beyond the table. (Unshrunk, one drafting step's one-time work set a: on a Zen 4 the next row then cost 1.4 plain
+    steps where the table says 0.05, nothing drafted again, and so nothing corrected it.)"""
 
     s0: float = 0.0  # decayed sums of 1, x, y, x^2, xy
     sx: float = 0.0
@@ -212,21 +214,20 @@ class RowFit:
         self.s0, self.sx, self.sy = keep * self.s0 + 1, keep * self.sx + x, keep * self.sy + y
         self.sxx, self.sxy = keep * self.sxx + x * x, keep * self.sxy + x * y
 
-    def coefficients(self) -> tuple[float, float]:
-        """(a, b): the ridge solution of [s0 sx; sx sxx + l] [a b] = [sy, sxy + l], l = SLOPE_PRIOR mean x^2."""
-        prior = SLOPE_PRIOR * self.sxx / self.s0
-        det = self.s0 * (self.sxx + prior) - self.sx * self.sx
-        if det <= 0:
-            return (self.sy - self.sx) / self.s0, 1.0
-        b = (self.s0 * (self.sxy + prior) - self.sx * self.sy) / det
-        b = min(max(b, SLOPE_RANGE[0]), SLOPE_RANGE[1])
-        return (self.sy - b * self.sx) / self.s0, b
+    def coefficients(self, a0: float = 0.0) -> tuple[float, float]:
+        """(a, b): the ridge solution of [s0 + m, sx; sx, sxx + l] [a b] = [sy + m a0, sxy + l], l = SLOPE_PRIOR mean
+        x^2, m = INTERCEPT_PRIOR."""
+        prior, m = SLOPE_PRIOR * self.sxx / self.s0, INTERCEPT_PRIOR
+        det = (self.s0 + m) * (self.sxx + prior) - self.sx * self.sx
+        b = (self.s0 + m) * (self.sxy + prior) - self.sx * (self.sy + m * a0)
+        b = min(max(b / det, SLOPE_RANGE[0]), SLOPE_RANGE[1]) if det > 0 else 1.0
+        return (self.sy + m * a0 - b * self.sx) / (self.s0 + m), b
 
     def intercept(self) -> float:
         return self.coefficients()[0]
 
-    def seconds(self, x: float) -> float:
-        a, b = self.coefficients()
+    def seconds(self, x: float, a0: float = 0.0) -> float:
+        a, b = self.coefficients(a0)
         return a + b * x
 
 

@@ -175,10 +175,11 @@ class Speculator:
         draft plans nothing. A request whose proposals have cost more than its drafts saved is asked for none, but on
         one step in WORTH_PROBE (`DraftingWorth`)."""
         start = time.perf_counter()
-        budgets = [b if b and self._asks(s) else 0 for s, b in zip(seqs, budgets)]
+        waiting = [bool(b) and not self._asks(s) for s, b in zip(seqs, budgets)]  # not asked: still idle
+        budgets = [0 if w else b for b, w in zip(budgets, waiting)]
         asked = sum(1 for b in budgets if b)
         if not asked:
-            return self._probe(seqs, budgets, [0] * len(seqs), False)
+            return self._probe(seqs, budgets, [0] * len(seqs), False, waiting)
         keyed = self.cfg.sampled_verification == "keyed"
         requests = [draft_request(s, b, shape, keyed) for s, b in zip(seqs, budgets)]
         for r in requests:
@@ -214,13 +215,15 @@ class Speculator:
             self._plan = plan(items, len(seqs), context, self.cost, 0.0, self._time_factor)
             rows = list(self._plan.rows)
         self._weigh_proposals(seqs, budgets, gains, rows, seconds / asked)
-        return self._probe(seqs, lengths, rows, False)
+        return self._probe(seqs, lengths, rows, False, waiting)
 
     def _asks(self, seq: Sequence) -> bool:
-        """Whether the request is asked for a proposal this step: while its proposals have paid, and on every
-        WORTH_PROBE-th step once they have not."""
+        """Whether the request is asked for a proposal this step: while its proposals have paid, on every
+        WORTH_PROBE-th step once they have not, and on a probe step once it has been idle for PROBE_EVERY (`_probe`:
+        without the probe's row nothing it drafts could ever be measured again, and its proposals would never pay)."""
         worth = self.worth.get(seq.seq_id)
-        if worth is None or worth.pays or worth.skipped + 1 >= WORTH_PROBE:
+        probe = self.idle.get(seq.seq_id, 0) >= PROBE_EVERY and (self.steps + 1) % PROBE_EVERY == 0
+        if worth is None or worth.pays or worth.skipped + 1 >= WORTH_PROBE or probe:
             if worth is not None:
                 worth.skipped = 0
             return True
@@ -287,12 +290,14 @@ class Speculator:
         own = self.acceptance.setdefault(seq_id, {})
         own.setdefault(evidence, Acceptance(decay=DECAY)).record(depth, accepted)
 
-    def _probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool) -> list[int]:
-        """The planned rows with this step's probes added (see `plan_rows`)."""
+    def _probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool,
+               waiting: list[bool] | None = None) -> list[int]:
+        """The planned rows with this step's probes added (see `plan_rows`). `waiting`: the requests not asked for a
+        proposal this step (`_asks`), idle all the same."""
         self.steps += 1
         for i, (s, b) in enumerate(zip(seqs, budgets)):
-            idle = 0 if rows[i] or not b else self.idle.get(s.seq_id, 0) + 1
-            if idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0:  # a probe: one row (or the tree)
+            idle = 0 if rows[i] or not (b or (waiting and waiting[i])) else self.idle.get(s.seq_id, 0) + 1
+            if b and idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0:  # a probe: one row (or the tree)
                 rows[i], idle = (b if whole else 1), 0
             elif not whole and 0 < rows[i] < b and s.spec.num_drafts % PROBE_EVERY == PROBE_EVERY - 1:
                 rows[i] += 1  # a deeper probe: the position after the ones that pay

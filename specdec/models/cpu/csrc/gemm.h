@@ -257,14 +257,13 @@ void x8_rows(const torch::Tensor& packed, const QAct& x, float* y, int64_t ldy, 
 inline __m512i join(__m256i a, __m256i b) { return _mm512_inserti64x4(_mm512_castsi256_si512(a), b, 1); }
 inline __m512 join(__m256 a, __m256 b) { return _mm512_insertf32x8(_mm512_castps256_ps512(a), b, 1); }
 
-// Below this many activation rows the 256-bit tiles are faster: with AVX-512's 32 registers they take 8 rows at
-// once (x8_rows), one sequential stream of records where a pair of groups is two. Whole verification steps at
-// context 300 on the default Q4_1 file (Zen 4, thresholds alternated in one process): 5 rows 7.0 ms on 256-bit
-// tiles against 8.9 on 512-bit ones, 8 rows 11.0 against 11.8, 12 rows 16.1 against 16.4; from 16 rows 512-bit
-// ahead (16 rows 19.8 against 20.7 ms, 64 rows 68 against 80). At 8B width (4096 x 14336 products, Q4_K_M) 5 and 8
-// rows cost the same either way (43.5 / 54.5 ms). One matrix that fits the L3 cache (tools/kernel_bench.py) favours
-// the 512-bit tiles at 8 rows, half the broadcasts per product; in a forward the weights come from memory.
-constexpr int64_t X16_MIN_ROWS = 16;
+// Below this many activation rows the 256-bit tiles (x8_rows: 8 rows at once with AVX-512's 32 registers, one
+// sequential stream of records where a pair of groups is two) are as fast; from it the 512-bit ones, half the
+// broadcasts per product, are ahead. Whole verification steps at context 300 on the default Q4_1 file (Zen 4, the
+// threshold alternated in one process, 6 rounds, medians): 8 rows 11.1 ms on 256-bit tiles against 8.9-9.5 on
+// 512-bit ones, 10 rows 13.7 against 10.6-12.3, 12 rows 15.6 against 13.4-14.0; 3 to 6 rows within the rounds'
+// spread (+-5%) either way. (An earlier build put 5 rows at 7.0 ms on 256-bit tiles against 8.9.)
+constexpr int64_t X16_MIN_ROWS = 8;
 
 template <int E0, int E1>
 inline __m512i dot_words16(const __m512i* u, const int32_t* xw, __m512i s0) {
