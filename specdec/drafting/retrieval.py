@@ -273,7 +273,7 @@ def load_datastore(opts: RetrievalOptions, env: DraftEnv | None, depth: int) -> 
     cached = cache_dir() / f"{key}.npz"
     loaded = (str(cached), opts.max_match, depth)
     if (store := _LOADED.get(loaded)) is not None and store.n <= opts.max_corpus_tokens:
-        return store
+        return _keep(loaded, store)
     if cached.is_file():
         try:
             with np.load(cached) as z:

@@ -114,7 +114,7 @@ class StepCost:
         fit, recent = self.fits.get(batch), self.overhead.get(batch)
         if rows > batch and fit is not None:  # a drafting step: a plain forward, then its rows at the fitted slope
             base = self.forward(batch, context)
-            return max(base + fit.seconds(forward - base, recent.value if recent is not None else 0.0), 0.25 * forward)
+            return max(base + fit.seconds(forward - base, self.plain_extra(batch)), 0.25 * forward)
         extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0  # not measured:
         return max(forward + extra, 0.25 * forward)                                   # as the other kind of step
 
@@ -136,8 +136,14 @@ class StepCost:
         out = [max(base + plain_extra, 0.25 * base)]
         if fit is None:
             return out + [max(f + plain_extra, 0.25 * f) for f in forwards[1:]]
-        a, b = fit.coefficients(recent.value if recent is not None else 0.0)
+        a, b = fit.coefficients(self.plain_extra(batch))
         return out + [max(base + a + b * (f - base), 0.25 * f) for f in forwards[1:]]
+
+    def plain_extra(self, batch: int) -> float:
+        """What this batch size's plain steps add beyond their forward (0 before one is measured): where its drafting
+        steps' fitted intercept is shrunk to (`RowFit`)."""
+        recent = self.overhead.get(batch)
+        return recent.value if recent is not None else 0.0
 
     def forward(self, rows: int, context: float) -> float:
         """The table's seconds (no overhead): each context's row read off a dense copy (a plan asks for many widths a
