@@ -1,6 +1,9 @@
 """The public API: prompts, chat, stop conditions, per-prompt params, and clear errors for bad input."""
 from __future__ import annotations
 
+import gc
+import weakref
+
 import pytest
 from conftest import every_step
 
@@ -246,3 +249,18 @@ def test_as_completed_feeds_requests_as_others_finish_and_aborts_what_is_left(ll
     assert not engine.has_unfinished() and engine.allocator.num_used == 0
     with pytest.raises(SpecdecError, match="in_flight"):
         next(llm.as_completed([], in_flight=0))
+
+
+def test_an_engine_hides_the_startup_heap_from_the_collector_and_frees_one_dropped_since(tiny_llama_dir):
+    """A full collection walks only what was allocated after the engine was built (`freeze_heap`), and an engine
+    dropped later, even in a reference cycle, is freed when the next one is built."""
+    first = LLM(str(tiny_llama_dir), max_model_len=64)
+    assert gc.get_freeze_count() > 1000
+    dropped = weakref.ref(first.engine)
+    first.engine.itself = first.engine  # only the cyclic collector can free it now
+    del first
+    gc.collect()
+    assert dropped() is not None  # frozen: a collection does not look at it
+    second = LLM(str(tiny_llama_dir), max_model_len=64)
+    assert dropped() is None
+    assert second.generate(["hi"], GREEDY)[0].token_ids
