@@ -156,6 +156,25 @@ def test_the_plan_takes_the_rows_that_maximize_tokens_per_second():
     assert plan(batch, 3, 32, flat).rows == [2, 4, 1]
 
 
+def test_a_batch_prices_the_row_that_starts_a_kernel_pass_at_what_it_costs():
+    """The CPU kernels multiply 8 rows per pass over the weights, so 17 rows cost a step more than 16: the measured
+    widths take the width past each multiple of 8, and a batch of 16 with two near-certain drafts pays for them only
+    where the pass it starts is priced in (times: 1.0 + 0.04 a row, 0.2 more per pass begun after the first)."""
+    def step(w: int) -> float:
+        return 1.0 + 0.04 * (w - 1) + 0.2 * ((w - 1) // 8)
+
+    table = cost.measure(lambda context, widths, repeats: {w: step(w) for w in widths}, 24, 600)
+    assert {8, 9, 16, 17, 24} <= set(table.rows)
+    assert table(17, 32, 16) == pytest.approx(step(17)) and table(20, 32, 16) == pytest.approx(step(20))
+    sure = [Item(i, 1, 0.95) for i in range(2)]  # 17.9 tokens in 2.08 s: 8.61/s against 16 / 1.8 = 8.89/s
+    assert plan(sure, 16, 32, table).rows == [0] * 16
+    # interpolated from 16 to 24 rows, they would seem to pay: 17.9 / 1.93 = 9.27/s
+    blind = StepCost([w for w in table.rows if w % 8 != 1], [32], [[step(w) for w in table.rows if w % 8 != 1]])
+    assert plan(sure, 16, 32, blind).rows[:2] == [1, 1]
+    # a whole pass of near-certain rows pays either way: 16 + 8 * 0.95 = 23.6 tokens in 2.32 s
+    assert plan([Item(i, 1, 0.95) for i in range(8)], 16, 32, table).rows[:8] == [1] * 8
+
+
 def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     measured = []
@@ -172,7 +191,7 @@ def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_l
     monkeypatch.setattr(cost, "SPOT_CHECK_SLACK_S", 1.0)  # nor for the spot check of the cached table (its own test)
     llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
     table = llm.engine.speculator.cost
-    assert len(measured) == 1 and table.rows[:8] == [1, 2, 3, 4, 5, 6, 8, 10] and len(table.contexts) == 2
+    assert len(measured) == 1 and table.rows[:8] == [1, 2, 3, 4, 5, 6, 8, 9] and len(table.contexts) == 2
     assert all(s > 0 for row in table.seconds for s in row)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
     e = llm.engine  # scratch blocks, given back in their order: no request, no prefix entry, no counter

@@ -50,7 +50,12 @@ if TYPE_CHECKING:
 
 log = logging.getLogger("specdec.engine")
 
-ROWS = (1, 2, 3, 4, 5, 6, 8, 10, 12, 16, 24, 32, 48, 64)  # verification widths measured (up to what a step needs)
+# Verification widths measured (up to what a step needs). The CPU kernels multiply up to 8 activation rows per pass
+# over a block of weights (csrc/gemm.h unpacks it once a pass), so the width past a multiple of 8 starts a pass:
+# on a Zen 4 with the default file 16 -> 17 rows took 1.7 ms, 24 -> 25 1.1 ms, a row within a pass 0.6 ms. Each
+# multiple of 8 and the width after it are measured, so the table's linear interpolation keeps those steps (without
+# 17 a batch of 16 priced its first draft row at 0.7 ms and drafted where the step cost 1.7).
+ROWS = (1, 2, 3, 4, 5, 6, 8, 9, 12, 16, 17, 24, 25, 32, 33, 48, 49, 64)
 SHORT_CONTEXT, LONG_CONTEXT = 32, 512  # the contexts measured (others: linear between and beyond)
 MEASURE_BUDGET_S = 4.0  # widths beyond the smallest eight are measured while the measurement took less than this
 REPEATS = 3
@@ -58,7 +63,7 @@ MEASURE_ATTEMPTS = 3  # a table a busy machine measured (not `StepCost.plausible
 SLOW_FORWARD_S = 0.1  # a forward slower than this is timed once per shape
 SPOT_CHECK_RATIO = 1.75  # a cached table whose one-row forward a fresh timing puts off by more is measured again
 SPOT_CHECK_SLACK_S = 1e-3  # ... and by more than this many seconds (a tiny model's forwards jitter by multiples)
-FORMAT = 1  # of the cached tables: a change to what is measured makes old ones stale
+FORMAT = 2  # of the cached tables: a change to what is measured makes old ones stale
 
 PRIOR = (0.5, 0.35, 0.25, 0.18, 0.13, 0.1)  # g(j) before any draft is measured (then 0.7 times the last)
 PRIOR_WEIGHT = 4.0  # the prior counts as this many drafts per position
