@@ -113,7 +113,7 @@ def test_tune_sets_a_hybrids_min_score_from_the_measured_verification_cost(tiny_
 def test_token_cost_times_the_engines_own_steps(tiny_llama_dir):
     from specdec import LLM, SamplingParams, SpecdecError
     from specdec.bench.verify_cost import token_cost
-    from specdec.engine.cost import time_verification
+    from specdec.engine.step_cost import time_verification
 
     llm = LLM(str(tiny_llama_dir), speculative_config="off")
     engine = llm.engine

@@ -11,8 +11,9 @@ from conftest import accelerator_checks, assert_logprobs_equal, every_step
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.engine.cost import PROBE_EVERY, WORTH_PROBE, StepCost
+from specdec.engine.cost import PROBE_EVERY, WORTH_PROBE
 from specdec.engine.scheduler import ScheduledBatch
+from specdec.engine.step_cost import StepCost
 
 PROMPTS = ["The quick brown fox jumps over the lazy dog. The quick brown fox",
            "1 2 3 4 5 6 7 8 9 10 1 2 3 4", "def add(a, b):\n    return a + b\n\ndef add(",

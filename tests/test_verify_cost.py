@@ -1,4 +1,4 @@
-"""tools/verify_cost.py: times a step feeding n tokens against a plain step (`engine.cost.time_verification`)."""
+"""tools/verify_cost.py: times a step feeding n tokens against a plain step (`engine.step_cost.time_verification`)."""
 from __future__ import annotations
 
 import re

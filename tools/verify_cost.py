@@ -1,6 +1,6 @@
 """What verification costs on this machine: one target forward (all layers, LM head, argmax) feeding n
 tokens of one sequence, against a plain decode step (n = 1), at several context lengths
-(`engine.cost.time_verification`, which `specdec tune` uses to size hybrid trees).
+(`engine.step_cost.time_verification`, which `specdec tune` uses to size hybrid trees).
 
     python tools/verify_cost.py --contexts 300,768 --tokens 1,2,3,4,5,9,16 [--dtype float32] [--compare-llamacpp]
 

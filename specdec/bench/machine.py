@@ -11,7 +11,7 @@ from typing import Any
 
 import torch
 
-from specdec.engine.cost import cpu_model
+from specdec.engine.step_cost import cpu_model
 
 BANDWIDTH_BUFFER_BYTES = 512 * 2**20  # far beyond any CPU cache, so the bandwidth is DRAM's
 BANDWIDTH_REPEATS = 5

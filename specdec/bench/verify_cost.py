@@ -17,8 +17,8 @@ if TYPE_CHECKING:
 
 
 def llamacpp_step_times(model: Llama, context: int, tokens: list[int], repeats: int = 9) -> dict[int, float]:
-    """`engine.cost.time_verification` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed row's
-    logits, as verification needs): the same committed ids, each step evaluated after them and dropped again."""
+    """`engine.step_cost.time_verification` for llama.cpp (a `load_llamacpp(..., logits_all=True)` model: every fed
+    row's logits, as verification needs): the same committed ids, each step evaluated after them and dropped again."""
     vocab = model.n_vocab()
     model.reset()
     model.eval([(1000 + i) % vocab for i in range(context)])

@@ -17,7 +17,6 @@ import torch
 from specdec.config import EngineConfig, SamplingParams, SpecdecError
 from specdec.drafting import DraftEnv, ForwardClock, SpeculativeConfig, build_drafter
 from specdec.engine.commit import StepOutput, keep
-from specdec.engine.cost import engine_costs
 from specdec.engine.graphs import GraphRunner
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
@@ -26,6 +25,7 @@ from specdec.engine.parallel import TPRunner, Workers
 from specdec.engine.scheduler import ScheduledBatch, Scheduler
 from specdec.engine.sequence import Sequence
 from specdec.engine.speculator import Speculator
+from specdec.engine.step_cost import engine_costs
 from specdec.engine.step_times import StepTimes
 from specdec.engine.token_choice import Choice, StepDrafts, choose_tokens
 from specdec.kv_cache import BlockAllocator, KVPool

@@ -10,7 +10,7 @@ What it reads:
     prediction()               the cost model's predictions beside the steps' measured times, or None
 What it drives:
     forget_finished()          no drafter remembers earlier requests (each timed pass starts alike)
-    time_verification(c, ns)   one sequence's verification forwards of n rows after c tokens (`cost`)
+    time_verification(c, ns)   one sequence's verification forwards of n rows after c tokens (`step_cost`)
     pin_draft_shape(shape)     the speculator drafts `shape` at every step, whatever the batch size
     trace_speculation()        every verification appends (accepted node indices, nodes drafted) per sequence
     inject_fault(fault)        `fault(seqs)` runs before each step computes; what it raises is that step's fault
@@ -28,10 +28,10 @@ import torch
 
 from specdec.config import SpecdecError
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.engine.cost import time_verification
 from specdec.engine.llm_engine import LLMEngine
 from specdec.engine.scheduler import ScheduledBatch
 from specdec.engine.sequence import Sequence
+from specdec.engine.step_cost import time_verification
 from specdec.engine.step_times import StepTimes
 from specdec.tree import SpecShape
 

@@ -25,7 +25,6 @@ from specdec.engine.cost import (
     PRIOR_WEIGHT,
     PROBE_EVERY,
     REQUEST_WEIGHT,
-    STALL,
     WORTH_PROBE,
     Acceptance,
     Calibration,
@@ -33,8 +32,6 @@ from specdec.engine.cost import (
     Item,
     Plan,
     Prediction,
-    Recent,
-    StepCost,
     TimeCalibration,
     plan,
     prior_rates,
@@ -42,6 +39,7 @@ from specdec.engine.cost import (
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
 from specdec.engine.sequence import Sequence, SpecStats
+from specdec.engine.step_cost import STALL, Recent, StepCost
 from specdec.engine.token_choice import Choice, StepDrafts
 from specdec.structured import apply_bitmask, charge_grammar_time
 from specdec.tree import PAD, SpecShape, TreeFeed
