@@ -69,7 +69,7 @@ def test_every_model_speculates_by_default_and_decodes_what_plain_decoding_does(
     assert sum(o.metrics["num_drafts"] for o in outs) > 0  # repeating text: drafts paid
     seeded = SamplingParams(temperature=0.8, seed=7, max_tokens=32, ignore_eos=True)
     assert llm.generate(prompts, seeded)[0].token_ids == off.generate(prompts, seeded)[0].token_ids
-    predicted = llm.engine.speculator.prediction.summary()
+    predicted = llm.engine.speculator.planner.prediction.summary()
     # the predictions against the steps: tokens as expected (timing on a loaded machine may put a tiny model's
     # predicted speedup either side of 1, since its proposals cost a fifth of a 0.5 ms step)
     assert predicted["steps"] > 0 and predicted["predicted_speedup"] > 0.5 and predicted["seconds_ratio"] > 0
@@ -96,7 +96,7 @@ def test_drafters_that_size_their_own_drafts_are_given_the_measured_row_cost(tin
         recorder = Recorder()
         llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 2,
                                                            "adaptive": adaptive, "drafter": recorder})
-        llm.engine.speculator.cost = LINEAR
+        llm.engine.speculator.planner.cost = LINEAR
         llm.generate({"prompt_token_ids": [5, 6, 7]}, SamplingParams(temperature=0, max_tokens=6, ignore_eos=True))
         assert recorder.costs and all(c == (pytest.approx(want) if want else None) for c in recorder.costs)
         assert all(p == (1.0 if want else None) for p in recorder.plain)  # a plain step of one: 1 s in LINEAR

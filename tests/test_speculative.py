@@ -88,7 +88,7 @@ def test_wrong_drafts_never_change_the_output(tiny_llama_dir, plain, reference):
 
 def made_up_costs(llm: LLM, row_cost: float = 0.2) -> None:
     """Verifying each row beyond a plain step's costs `row_cost` plain steps, whatever this machine measures."""
-    llm.engine.speculator.cost = StepCost([1, 2], [32], [[1.0, 1.0 + row_cost]], online=False)
+    llm.engine.speculator.planner.cost = StepCost([1, 2], [32], [[1.0, 1.0 + row_cost]], online=False)
 
 
 def test_requests_whose_drafts_keep_failing_stop_drafting_and_probe(tiny_llama_dir, plain, reference):
@@ -159,7 +159,7 @@ def test_a_drafter_that_drafts_first_is_planned_by_what_drafts_of_its_evidence_k
         made_up_costs(llm)
         out = llm.generate(PROMPTS[0], params)[0]
         assert out.token_ids == want
-        runs[first] = drafter, llm.engine.speculator.source, out.metrics
+        runs[first] = drafter, llm.engine.speculator.planner.source, out.metrics
     drafter, source, m = runs[True]
     sure, guess = source["sure"], source["guess"]
     assert sure.drafted[0] == sure.kept[0] == drafter.asked["sure"]  # every sure draft verified, and kept
@@ -210,7 +210,7 @@ def test_the_chain_verified_is_the_one_its_evidence_prices_highest_and_the_other
     made_up_costs(llm)
     out = llm.generate(PROMPTS[0], params)[0]
     assert out.token_ids == want
-    m, source = out.metrics, llm.engine.speculator.source
+    m, source = out.metrics, llm.engine.speculator.planner.source
     assert m["num_draft_tokens"] - m["num_accepted_tokens"] <= 2  # the first step's guess (and no other) was wrong
     sure, guess = source["sure"], source["guess"]
     assert sure.kept[0] == sure.drafted[0] >= m["num_drafts"]  # verified every step but the first, and measured there
@@ -268,7 +268,7 @@ def test_proposals_that_cost_more_than_their_drafts_save_are_made_one_step_in_a_
         drafter = Slow(tuple(plain.encode(PROMPTS[0])[1]), want, right, 0.0005)
         llm = LLM(str(tiny_llama_dir), speculative_config={"method": "custom", "num_speculative_tokens": 4,
                                                            "drafter": drafter})
-        llm.engine.speculator.cost = StepCost([1, 2], [32], [[0.004, 0.0048]], online=False)
+        llm.engine.speculator.planner.cost = StepCost([1, 2], [32], [[0.004, 0.0048]], online=False)
         with llm.measuring.trace_speculation() as trace:
             out = llm.generate(PROMPTS[0], params)[0]
         assert out.token_ids == want

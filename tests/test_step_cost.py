@@ -148,7 +148,7 @@ def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_l
     monkeypatch.setattr(cost.StepCost, "plausible", lambda self: True)
     monkeypatch.setattr(cost, "SPOT_CHECK_SLACK_S", 1.0)  # nor for the spot check of the cached table (its own test)
     llm = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
-    table = llm.engine.speculator.cost
+    table = llm.engine.speculator.planner.cost
     assert len(measured) == 1 and table.rows[:8] == [1, 2, 3, 4, 5, 6, 8, 9] and len(table.contexts) == 2
     assert all(s > 0 for row in table.seconds for s in row)
     assert len(list((tmp_path / "costs").glob("*.json"))) == 1
@@ -156,7 +156,7 @@ def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_l
     assert e.allocator.num_used == 0 and e.allocator.free_blocks == list(range(e.allocator.num_blocks - 1, 0, -1))
     assert e.stats()["prefix_cache_queried_tokens"] == 0 and not e.has_unfinished()
     again = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
-    assert len(measured) == 1 and again.engine.speculator.cost.seconds == table.seconds  # read from the cache
+    assert len(measured) == 1 and again.engine.speculator.planner.cost.seconds == table.seconds  # read from the cache
     assert time_verification(e, 8, [1, 3], repeats=1).keys() == {1, 3}
 
 

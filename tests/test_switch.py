@@ -210,7 +210,7 @@ def test_a_switch_over_ngram_and_retrieval_chosen_by_evidence_is_lossless(target
     want = [o.token_ids for o in plain.generate(prompts, params)]
     outs = [spec.generate([p], params)[0] for p in prompts]
     assert [o.token_ids for o in outs] == want
-    kinds = {str(e).split()[0] for e in spec.engine.speculator.source}
+    kinds = {str(e).split()[0] for e in spec.engine.speculator.planner.source}
     assert {"match", "retrieval"} <= kinds, kinds
     assert sum(o.metrics["num_accepted_tokens"] for o in outs) > 0
     assert spec.engine.allocator.num_used == 0

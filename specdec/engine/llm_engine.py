@@ -99,7 +99,7 @@ class LLMEngine:
         self._grammars: GrammarCompiler | None = None  # built at the first structured request (0.3 s)
         self.num_failed = 0  # requests failed by a step that raised with them alone
         if self.speculator is not None:  # what verifying n rows costs here (cached, else measured now)
-            self.speculator.cost = engine_costs(self)
+            self.speculator.planner.cost = engine_costs(self)
         freeze_heap()
 
     def grammar_state(self, params: SamplingParams) -> GrammarState | None:

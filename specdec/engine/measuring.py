@@ -66,7 +66,7 @@ class Measuring:
         """The cost model's predicted speedup and its measured tokens and seconds per predicted ones (None: no cost
         model decides this engine's drafts)."""
         spec = self._engine.speculator
-        return spec.prediction.summary() if spec is not None and spec.cost is not None else None
+        return spec.planner.prediction.summary() if spec is not None and spec.planner.cost is not None else None
 
     def sampled_verification(self) -> str | None:
         spec = self._engine.speculator

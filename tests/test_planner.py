@@ -1,0 +1,61 @@
+"""engine/planner.py: the cost model's decisions on plain values: which chain a request verifies among its
+alternatives (and what the passed-over ones teach), the probes, and what a step's time and tokens teach."""
+from __future__ import annotations
+
+from types import SimpleNamespace
+
+import pytest
+
+from specdec.drafting import Draft
+from specdec.engine.cost import PROBE_EVERY
+from specdec.engine.planner import Planner
+from specdec.engine.step_cost import StepCost
+
+LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
+
+
+def seq(seq_id: int, tokens: list[int], drafts: int = 0) -> SimpleNamespace:
+    """What the planner reads of a sequence."""
+    return SimpleNamespace(seq_id=seq_id, token_ids=tokens, spec=SimpleNamespace(num_drafts=drafts))
+
+
+def test_a_request_verifies_the_chain_worth_most_and_learns_what_the_others_would_have_kept():
+    planner = Planner()
+    planner.cost = LINEAR
+    s = seq(0, [1, 2, 3])
+    draft = Draft.chains([[7, 8]])
+    draft.evidence, draft.alternatives = ["weak"], [[([5, 6, 9], "strong")]]
+    rates = {"weak": [0.3, 0.1], "strong": [0.9, 0.8, 0.1]}  # past the row price 0.2: 0.1 against 1.3
+    chosen, evidence = planner.choose([s], draft, list(draft.evidence), [3], 32, lambda i, n, e: rates[e][:n])
+    assert chosen.host_rows()[0] == [[5, 6, 9]] and evidence == ["strong"]
+    s.token_ids += [7, 8, 4]  # the target went the passed-over chain's way for two tokens
+    planner.learn_passed_over([s])
+    weak = planner.source["weak"]
+    assert weak.drafted[:2] == [1, 1] and weak.kept[:2] == [1, 1]  # both of its tokens would have been kept
+    planner.learn_passed_over([s])  # learnt once
+    assert planner.source["weak"].drafted[:2] == [1, 1]
+
+
+def test_an_idle_request_is_probed_with_one_row_on_every_probe_every_th_step():
+    planner = Planner()
+    s = seq(0, [1, 2, 3])
+    rows = [planner.probe([s], [4], [0], False)[0] for _ in range(2 * PROBE_EVERY)]
+    assert [i + 1 for i, r in enumerate(rows) if r] == [PROBE_EVERY, 2 * PROBE_EVERY] and set(rows) == {0, 1}
+    whole = Planner()  # a tree is probed whole
+    assert [whole.probe([s], [6], [0], True)[0] for _ in range(PROBE_EVERY)][-1] == 6
+    deeper = Planner()  # every PROBE_EVERY-th draft verifies one position past the ones that pay
+    assert deeper.probe([seq(1, [1], drafts=PROBE_EVERY - 1)], [4], [2], False) == [3]
+
+
+def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
+    planner = Planner()
+    planner.cost = StepCost([1, 2, 3], [32], [[0.004, 0.0044, 0.0048]])
+    s = seq(0, list(range(32)))
+    planner.start_step(32.0)
+    rows = planner.plan_budgets([s], [2], 2, False, 32.0)
+    assert rows == [2] and planner.plan.tokens == pytest.approx(1 + 0.5 + 0.35)  # the prior
+    planner.drafted(1, 2, 2, 0.0002, early=False)
+    assert planner.plan.seconds == pytest.approx(0.0048 + 0.0002)
+    planner.record_step(1, True, 3, 0.0050)  # both drafts kept
+    assert planner.calibration.factor > 1 and planner.prediction.measured_tokens == 3
+    assert planner.plan is None and planner.step == (0, 0.0, 0.0)
