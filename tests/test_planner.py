@@ -7,7 +7,7 @@ from types import SimpleNamespace
 import pytest
 
 from specdec.drafting import Draft
-from specdec.engine.cost import PROBE_EVERY
+from specdec.engine.cost import CALIBRATION_DECAY, PROBE_EVERY, Plan, TimeCalibration
 from specdec.engine.planner import Planner
 from specdec.engine.step_cost import StepCost
 
@@ -59,3 +59,25 @@ def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
     planner.record_step(1, True, 3, 0.0050)  # both drafts kept
     assert planner.calibration.factor > 1 and planner.prediction.measured_tokens == 3
     assert planner.plan is None and planner.step == (0, 0.0, 0.0)
+
+
+def test_a_batch_size_without_drafting_steps_of_its_own_is_priced_as_its_nearest():
+    planner = Planner()
+    planner.cost = StepCost([1, 2, 4, 16, 17, 20], [32], [[0.004, 0.0044, 0.005, 0.012, 0.0135, 0.015]])
+    slow = TimeCalibration()
+    for _ in range(20):
+        slow.record(1.5, 1.0)  # batch 16's drafting steps take 1.5x their costs
+    planner.timing[16] = slow
+    assert planner.time_calibration(15) is slow and planner.time_calibration(2) is slow
+    planner.timing[4] = TimeCalibration()
+    assert planner.time_calibration(2) is planner.timing[4] and planner.time_calibration(10) is planner.timing[4]
+    seqs = [seq(i, list(range(32))) for i in range(15)]
+    planner.start_step(32.0)
+    planner.plan_budgets(seqs, [1] * 15, 1, False, 32.0)
+    assert planner._time_factor == pytest.approx(slow.factor)  # priced at batch 16's 1.5x
+    # batch 15's first drafting step: its own calibration starts from batch 16's, then learns
+    planner.plan, planner.step = Plan([1] + [0] * 14, 15.5, 0.013 * slow.factor, 0.0114), (1, 32.0, 0.0)
+    planner.record_step(15, True, 16, 0.013)
+    own = planner.timing[15]
+    assert own is not slow and own.weight == pytest.approx(slow.weight * CALIBRATION_DECAY + 1)
+    assert 1.0 < own.factor < slow.factor  # (a step that ran to its costs, after 20 at 1.5x)

@@ -201,3 +201,21 @@ def test_a_table_a_busy_machine_measured_is_measured_again_and_never_cached(tmp_
     assert kept.seconds == fresh.seconds
     assert cost.load_or_measure(key, never, spot_check=lambda context: 0.0049).seconds == fresh.seconds  # 1 ms slack
     assert cost.load_or_measure(key, lambda: quiet, spot_check=lambda context: 0.02) is quiet  # 5x: measured again
+
+
+def test_a_quiet_tables_noise_is_lowered_to_what_wider_and_longer_forwards_took():
+    """A plausible table whose narrower width (or shorter context) timed above a wider (longer) one by noise is
+    lowered to the least of those: noise slows a forward, it never speeds one. A busy machine's table stays as
+    measured (it is measured again and never cached)."""
+    ms = 1e-3
+    noisy = {32: {1: 1.00, 2: 1.05, 3: 1.30, 4: 1.25, 5: 1.40}, 512: {1: 1.30, 2: 1.20, 3: 1.50, 4: 1.55, 5: 1.35}}
+    table = cost.measure(lambda context, widths, repeats: {w: noisy[context][w] * ms for w in widths}, 5, 600)
+    short, long = table.seconds  # each entry the least of the wider and longer ones
+    assert short == pytest.approx([x * ms for x in (1.0, 1.05, 1.25, 1.25, 1.35)])
+    assert long == pytest.approx([x * ms for x in (1.2, 1.2, 1.35, 1.35, 1.35)])
+    busy = {32: {1: 5.0, 2: 1.05, 3: 1.10, 4: 1.2, 5: 1.3}, 512: {1: 5.0, 2: 1.2, 3: 1.5, 4: 1.55, 5: 1.6}}
+    stays = cost.measure(lambda context, widths, repeats: {w: busy[context][w] * ms for w in widths}, 5, 600)
+    assert not stays.plausible() and stays.seconds[0][0] == 5.0 * ms
+    # a model whose forward takes over SLOW_FORWARD_S is timed once per shape, at any number of widths
+    slow = cost.measure(lambda context, widths, repeats: {w: noisy[context][w] for w in widths}, 3, 600)
+    assert slow.rows == [1, 2, 3] and slow.seconds[0] == [1.0, 1.05, 1.30]
