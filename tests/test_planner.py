@@ -8,7 +8,7 @@ import pytest
 
 from specdec.drafting import Draft
 from specdec.engine.cost import CALIBRATION_DECAY, PROBE_EVERY, Plan, TimeCalibration
-from specdec.engine.planner import Planner
+from specdec.engine.planner import DraftPlanner
 from specdec.engine.step_cost import StepCost
 
 LINEAR = StepCost([1, 2], [32], [[1.0, 1.2]], online=False)  # each row past the first costs 0.2 plain steps
@@ -20,7 +20,7 @@ def seq(seq_id: int, tokens: list[int], drafts: int = 0) -> SimpleNamespace:
 
 
 def test_a_request_verifies_the_chain_worth_most_and_learns_what_the_others_would_have_kept():
-    planner = Planner()
+    planner = DraftPlanner()
     planner.cost = LINEAR
     s = seq(0, [1, 2, 3])
     draft = Draft.chains([[7, 8]])
@@ -37,18 +37,18 @@ def test_a_request_verifies_the_chain_worth_most_and_learns_what_the_others_woul
 
 
 def test_an_idle_request_is_probed_with_one_row_on_every_probe_every_th_step():
-    planner = Planner()
+    planner = DraftPlanner()
     s = seq(0, [1, 2, 3])
     rows = [planner.probe([s], [4], [0], False)[0] for _ in range(2 * PROBE_EVERY)]
     assert [i + 1 for i, r in enumerate(rows) if r] == [PROBE_EVERY, 2 * PROBE_EVERY] and set(rows) == {0, 1}
-    whole = Planner()  # a tree is probed whole
+    whole = DraftPlanner()  # a tree is probed whole
     assert [whole.probe([s], [6], [0], True)[0] for _ in range(PROBE_EVERY)][-1] == 6
-    deeper = Planner()  # every PROBE_EVERY-th draft verifies one position past the ones that pay
+    deeper = DraftPlanner()  # every PROBE_EVERY-th draft verifies one position past the ones that pay
     assert deeper.probe([seq(1, [1], drafts=PROBE_EVERY - 1)], [4], [2], False) == [3]
 
 
 def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
-    planner = Planner()
+    planner = DraftPlanner()
     planner.cost = StepCost([1, 2, 3], [32], [[0.004, 0.0044, 0.0048]])
     s = seq(0, list(range(32)))
     planner.start_step(32.0)
@@ -62,7 +62,7 @@ def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
 
 
 def test_a_batch_size_without_drafting_steps_of_its_own_is_priced_as_its_nearest():
-    planner = Planner()
+    planner = DraftPlanner()
     planner.cost = StepCost([1, 2, 4, 16, 17, 20], [32], [[0.004, 0.0044, 0.005, 0.012, 0.0135, 0.015]])
     slow = TimeCalibration()
     for _ in range(20):

@@ -173,7 +173,7 @@ def with_head(target_dir, tmp_path):
 def test_sources_that_draft_first_are_all_asked_and_their_chains_offered_to_the_cost_model():
     """Over sources that all draft first (n-gram, retrieval), a request asked for its whole budget gets every source's
     chain: the first non-empty one as its row, the others as its alternatives, each with its evidence; the engine's
-    cost model chooses (`Planner.choose`). Asked otherwise, or over a source that does not draft first, the
+    cost model chooses (`DraftPlanner.choose`). Asked otherwise, or over a source that does not draft first, the
     switch weighs the sources itself as before."""
     store = Datastore.build(np.array([5, 6, 7, 8, 9, -1], dtype=np.int32), 4, 4)
     drafter = switch(NgramDrafter(4), RetrievalDrafter(store, 4, max_match=4, min_match=2))

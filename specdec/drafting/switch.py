@@ -33,7 +33,7 @@ Sources that all draft first (`Drafter.drafts_first`: the n-gram's chains, retri
 what each draft rests on) are weighed by the engine's cost model instead: the switch asks every source for every
 request's whole budget and hands the engine each request's chains with their evidence (the first as its row, the
 others as `Draft.alternatives`); the cost model verifies the one it prices highest and measures the others against
-the tokens committed (`Planner.choose`). The built-in model's default is such a switch, over the n-gram and
+the tokens committed (`DraftPlanner.choose`). The built-in model's default is such a switch, over the n-gram and
 retrieval over the model's own answers.
 
 Unlike `hybrid`, nothing is merged: a step verifies one source's chain (or static tree) per request, so a chain

@@ -39,7 +39,7 @@ from specdec.engine.sequence import Sequence
 from specdec.engine.step_cost import STALL, Recent, StepCost
 
 
-class Planner:
+class DraftPlanner:
     def __init__(self) -> None:
         # The verification costs the engine measured (None: every draft takes its whole budget), what drafts kept
         # per position by their evidence (`Draft.evidence`, None for a drafter that gives none; every request's, and

@@ -22,7 +22,7 @@ from specdec.config import SpecdecError
 from specdec.drafting import Draft, Drafter, DraftRequest, SpeculativeConfig
 from specdec.engine.layout import StepLayout
 from specdec.engine.model_runner import ModelRunner
-from specdec.engine.planner import Planner
+from specdec.engine.planner import DraftPlanner
 from specdec.engine.sequence import Sequence, SpecStats
 from specdec.engine.token_choice import Choice, StepDrafts
 from specdec.structured import apply_bitmask, charge_grammar_time
@@ -60,7 +60,7 @@ class Speculator:
         self.pinned: SpecShape | None = None  # a shape every step drafts, whatever the batch size (tune)
         self.trace: list[tuple[list[int], int]] | None = None  # when a list: (accepted nodes, drafted) per sequence
         self.totals = SpecStats()  # every request's drafts since the engine started (for /metrics)
-        self.planner = Planner()  # the cost model: what drafts keep and cost, and the rows each step verifies
+        self.planner = DraftPlanner()  # the cost model: what drafts keep and cost, and the rows each step verifies
         self._rows: list[int] = []  # this step's draft budget per sequence (`drafts`)
         self._early: Draft | None = None  # this step's draft when made before its plan (`Drafter.drafts_first`)
         self._evidence: list[Hashable] = []  # what each sequence's draft this step rests on (None: no key)
@@ -77,7 +77,7 @@ class Speculator:
         return max(0, min(shape.num_tokens, room_in_context, shape.nodes_within(room_in_output)))
 
     def plan_rows(self, seqs: list[Sequence], context: float | None = None) -> list[int]:
-        """Each sequence's draft budget this step: the rows the cost model expects to pay (`Planner`), with its
+        """Each sequence's draft budget this step: the rows the cost model expects to pay (`DraftPlanner`), with its
         probes, the whole budget where a shape is pinned or no costs are measured or the config is not adaptive. A
         tree (or a drafter that sizes its own drafts) is all its nodes or none."""
         shape = self.shape_for(len(seqs))
@@ -96,8 +96,8 @@ class Speculator:
     def _plan_drafted(self, seqs: list[Sequence], budgets: list[int], shape: SpecShape, context: float
                       ) -> list[int]:
         """`plan_rows` for a drafter that `drafts_first`: its whole-budget draft now, then the rows of it that pay
-        (`Planner.plan_proposed`); a step with no draft plans nothing. A request whose proposals have cost more
-        than its drafts saved is asked for none, but on one step in WORTH_PROBE (`Planner.asks`)."""
+        (`DraftPlanner.plan_proposed`); a step with no draft plans nothing. A request whose proposals have cost more
+        than its drafts saved is asked for none, but on one step in WORTH_PROBE (`DraftPlanner.asks`)."""
         start = time.perf_counter()
         planner = self.planner
         waiting = [bool(b) and not planner.asks(s) for s, b in zip(seqs, budgets)]  # not asked: still idle
@@ -122,7 +122,7 @@ class Speculator:
         return self.cfg.shape_for(batch_size)
 
     def record_step(self, batch_size: int, speculated: bool, tokens: int, seconds: float) -> None:
-        """A decode step of `batch_size` sequences ran, emitting `tokens` in `seconds` (`Planner.record_step`; a
+        """A decode step of `batch_size` sequences ran, emitting `tokens` in `seconds` (`DraftPlanner.record_step`; a
         pinned shape's steps are not the plans')."""
         if self.pinned is None:
             self.planner.record_step(batch_size, speculated, tokens, seconds)
