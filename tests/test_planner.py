@@ -47,6 +47,30 @@ def test_an_idle_request_is_probed_with_one_row_on_every_probe_every_th_step():
     assert deeper.probe([seq(1, [1], drafts=PROBE_EVERY - 1)], [4], [2], False) == [3]
 
 
+def test_probes_spend_only_their_credit_longest_idle_first_and_are_part_of_the_plan():
+    planner = DraftPlanner()
+    planner.cost = StepCost([1, 4, 5, 7, 8], [32], [[0.004, 0.010, 0.015, 0.018, 0.024]], online=False)
+    seqs = [seq(i, list(range(32))) for i in range(4)]
+    planner.idle = {2: 5}  # request 2 has been idle longest
+    planner.probe_credit = 0.006  # one probe row (5 ms) of the four
+    for _ in range(PROBE_EVERY):
+        planner.start_step(32.0)
+        rows = planner.probe(seqs, [4] * 4, [0] * 4, False, gain=lambda i, a, b: 0.5 * (b - a))
+    assert rows == [0, 0, 1, 0] and planner.plan.rows == rows
+    assert planner.plan.seconds == pytest.approx(0.015) and planner.plan.tokens == pytest.approx(4.5)
+    assert planner.probe_credit == pytest.approx(0.001)
+    for _ in range(PROBE_EVERY):  # the others wait for credit: none at the next probe step
+        planner.start_step(32.0)
+        rows = planner.probe(seqs, [4] * 4, [0] * 4, False)
+    assert rows == [0] * 4 and planner.plan is None
+    planner.record_step(4, False, 4, 0.5)  # a step's share of credit, at most two steps' worth
+    assert planner.probe_credit == pytest.approx(0.001 + 0.01)
+    for _ in range(PROBE_EVERY):
+        planner.start_step(32.0)
+        rows = planner.probe(seqs, [4] * 4, [0] * 4, False)
+    assert rows == [1, 1, 0, 1] and planner.plan.seconds == pytest.approx(0.018)  # 8 ms of the 11 (four: 14)
+
+
 def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
     planner = DraftPlanner()
     planner.cost = StepCost([1, 2, 3], [32], [[0.004, 0.0044, 0.0048]])

@@ -20,7 +20,9 @@ speed. A tree is one item of all its nodes, worth the tokens its request's trees
 
 A request whose drafts stopped paying is still given one row once it has drafted nothing for PROBE_EVERY steps,
 on every PROBE_EVERY-th step of the engine (the probes of a batch fall on one step, which alone runs the drafter),
-so a text that starts to repeat is seen.
+so a text that starts to repeat is seen; the probes spend at most PROBE_SHARE of the decode time, priced like any
+row (at batch 16 on a Zen 4 a probe of every request opened a second kernel pass: 22 ms on a 32 ms step), and are
+part of their step's plan, so what they cost and keep is predicted and learnt like the rows that pay.
 
 Outputs never depend on the choice: greedy and keyed-sampled tokens are plain decoding's whatever is drafted.
 """
@@ -35,6 +37,7 @@ PRIOR_WEIGHT = 4.0  # the prior counts as this many drafts per position
 REQUEST_WEIGHT = 4.0  # a request's own drafts weigh against every request's as if these were this many
 DECAY = 0.9  # a request's older drafts weigh this much less per draft (its text changes character)
 PROBE_EVERY = 16  # a request that drafts nothing is given one row once in so many of its steps
+PROBE_SHARE = 0.02  # ... while the probes' rows (and the drafting they add) take at most this share of the decode time
 MARGIN = 1.01  # a plan must beat plain decoding's tokens per second by this much
 CALIBRATION_DECAY = 0.98  # per drafting step, in the moving ratio of the tokens drafts added to those expected
 TIME_PRIOR = 4.0  # drafting steps a batch size's time calibration starts from (at 1)

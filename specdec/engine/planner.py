@@ -23,6 +23,7 @@ from specdec.engine.cost import (
     DECAY,
     PRIOR_WEIGHT,
     PROBE_EVERY,
+    PROBE_SHARE,
     REQUEST_WEIGHT,
     WORTH_PROBE,
     Acceptance,
@@ -55,6 +56,7 @@ class DraftPlanner:
         self.calibration = Calibration()
         self.timing: dict[int, TimeCalibration] = {}  # batch size -> its drafting steps' measured / predicted time
         self.steps = 0  # decode steps planned (probes fall on every PROBE_EVERY-th)
+        self.probe_credit = 0.0  # the seconds probes may still spend: PROBE_SHARE of every decode step's
         self.plan: Plan | None = None  # this step's
         self.step = (0, 0.0, 0.0)  # this step's drafted rows, mean context and drafting seconds
         self._factor = 1.0  # the calibration this step's plan took its gains at
@@ -102,20 +104,31 @@ class DraftPlanner:
         measured time. Where no draft paid at the last plan of this batch size and nothing was learnt since, none
         pays now either (planned again on every probe step)."""
         quiet = (len(seqs), self._verified)
-        if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:
-            return self.probe(seqs, budgets, [0] * len(seqs), whole)
-        items, factor = [], self.calibration.factor
-        self._factor = factor
+        factor = self._factor = self.calibration.factor
         levels = max(min(b, depth) if whole else b for b in budgets)
-        every = self.every_rates(levels)  # once a step, shared by the batch
-        for i, (s, b) in enumerate(zip(seqs, budgets)):
-            if not b:
-                continue
-            g = [x * factor for x in self.rates(s.seq_id, min(b, depth) if whole else b, every)]
-            items += [Item(i, b, sum(g))] if whole else [Item(i, 1, x) for x in g]
-        self.plan = self._plan(items, len(seqs), context, self.draft_seconds(len(seqs), max(budgets)))
+        every: list[float] = []  # every request's rates, once a step (when anything is priced)
+        known: dict[int, list[float]] = {}
+
+        def gains(i: int) -> list[float]:  # request i's chain positions (a tree's levels) at the calibration
+            if i not in known:
+                every[:] = every or self.every_rates(levels)
+                b = budgets[i]
+                known[i] = [x * factor for x in self.rates(seqs[i].seq_id, min(b, depth) if whole else b, every)]
+            return known[i]
+
+        def gain(i: int, a: int, b: int) -> float:  # what request i's rows a..b-1 are expected to add
+            return (sum(gains(i)) if a == 0 else 0.0) if whole else sum(gains(i)[a:b])
+
+        draft_s = self.draft_seconds(len(seqs), max(budgets))
+        if self._quiet == quiet and (self.steps + 1) % PROBE_EVERY:
+            return self.probe(seqs, budgets, [0] * len(seqs), whole, gain=gain, draft_seconds=draft_s)
+        items = []
+        for i, b in enumerate(budgets):
+            if b:
+                items += [Item(i, b, sum(gains(i)))] if whole else [Item(i, 1, x) for x in gains(i)]
+        self.plan = self._plan(items, len(seqs), context, draft_s)
         self._quiet = None if self.plan.drafts else quiet
-        return self.probe(seqs, budgets, self.plan.rows, whole)
+        return self.probe(seqs, budgets, list(self.plan.rows), whole, gain=gain, draft_seconds=draft_s)
 
     def plan_proposed(self, seqs: list[Sequence], budgets: list[int], draft: Draft, start: float, context: float,
                       waiting: list[bool]) -> tuple[Draft, list[Hashable], list[int]]:
@@ -148,12 +161,16 @@ class DraftPlanner:
                                    0.0)
             rows = list(self.plan.rows)
         self.weigh_proposals(seqs, budgets, gains, rows, seconds / sum(1 for b in budgets if b))
-        return draft, evidence, self.probe(seqs, lengths, rows, False, waiting)
+        return draft, evidence, self.probe(seqs, lengths, rows, False, waiting,
+                                           gain=lambda i, a, b: sum(gains[i][a:b]))
 
     def _plan(self, items: list[Item], batch: int, context: float, draft_seconds: float) -> Plan:
-        timing = self.time_calibration(batch)
-        self._time_factor = timing.factor if timing is not None else 1.0
+        self._time_factor = self._timing(batch)
         return plan(items, batch, context, self.cost, draft_seconds, self._time_factor)
+
+    def _timing(self, batch: int) -> float:
+        timing = self.time_calibration(batch)
+        return timing.factor if timing is not None else 1.0
 
     def time_calibration(self, batch: int) -> TimeCalibration | None:
         """The batch size's drafting-step time calibration, else the nearest batch size's (the smaller of two as
@@ -231,20 +248,57 @@ class DraftPlanner:
                 self._record(s.seq_id, e, len(tokens) if n < len(after) else n, n)
 
     def probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool,
-              waiting: list[bool] | None = None) -> list[int]:
+              waiting: list[bool] | None = None, gain: Callable[[int, int, int], float] | None = None,
+              draft_seconds: float = 0.0) -> list[int]:
         """The planned rows with this step's probes added: one row (or the whole tree) for a request idle for
         PROBE_EVERY steps, on every PROBE_EVERY-th step (a position's estimate learns only from drafts that reach
-        it), and one more on every PROBE_EVERY-th draft. `waiting`: the requests not asked for a proposal this step
-        (`asks`), idle all the same."""
+        it), and one more on every PROBE_EVERY-th draft; the longest idle first, as many as the probe credit pays
+        for (`afford`). `waiting`: the requests not asked for a proposal this step (`asks`), idle all the same.
+        `gain(i, a, b)`: what request i's rows a..b-1 are expected to add; `draft_seconds`: what drafting adds to a
+        step that drafted nothing."""
         self.steps += 1
+        wanted = []  # (steps idle, request, rows)
         for i, (s, b) in enumerate(zip(seqs, budgets)):
             idle = 0 if rows[i] or not (b or (waiting and waiting[i])) else self.idle.get(s.seq_id, 0) + 1
             if b and idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0:  # a probe: one row (or the tree)
-                rows[i], idle = (b if whole else 1), 0
+                wanted.append((idle, i, b if whole else 1))
             elif not whole and 0 < rows[i] < b and s.spec.num_drafts % PROBE_EVERY == PROBE_EVERY - 1:
-                rows[i] += 1  # a deeper probe: the position after the ones that pay
+                wanted.append((0, i, 1))  # a deeper probe: the position after the ones that pay
             self.idle[s.seq_id] = idle
+        if wanted:
+            self.afford(seqs, rows, sorted(wanted, key=lambda w: -w[0]), gain, draft_seconds)
         return rows
+
+    def afford(self, seqs: list[Sequence], rows: list[int], wanted: list[tuple[int, int, int]],
+               gain: Callable[[int, int, int], float] | None, draft_seconds: float) -> None:
+        """The probes `wanted` (steps idle, request, rows) in order, while the seconds they add to the step stay
+        within the credit (all of them before the costs are measured); then the step's plan is theirs too."""
+        batch, context = len(seqs), self.step[1]
+        before, planned = list(rows), sum(rows)
+        time_factor = self._time_factor if self.plan is not None else self._timing(batch)
+        base = self.cost(batch + planned, context, batch) if self.cost is not None else 0.0
+        spent, added = 0.0, 0
+        for _, i, n in wanted:
+            if self.cost is not None:
+                extra = self.cost(batch + planned + added + n, context, batch) - base
+                extra = (extra + (0.0 if planned else draft_seconds)) * time_factor
+                if extra > self.probe_credit:
+                    break
+                spent = extra
+            rows[i] += n
+            added += n
+            self.idle[seqs[i].seq_id] = 0
+        if not added or self.cost is None:
+            return
+        self.probe_credit -= spent
+        plain = self.cost(batch, context, batch)
+        p = self.plan = self.plan or Plan([0] * batch, float(batch), plain, plain)
+        self._time_factor = time_factor
+        if not planned:
+            p.draft_seconds = draft_seconds
+        p.rows = list(rows)
+        p.tokens += sum(gain(i, before[i], rows[i]) for i in range(batch) if rows[i] > before[i]) if gain else 0.0
+        p.seconds = (self.cost(batch + sum(rows), context, batch) + p.draft_seconds) * time_factor
 
     # ---- costs --------------------------------------------------------------------------------------------
     def row_cost(self, batch: int, rows: int, context: float) -> float:
@@ -284,6 +338,8 @@ class DraftPlanner:
         model's (less the drafting), and a drafting step's plan is checked against it."""
         if self.cost is None:
             return
+        self.probe_credit = min(self.probe_credit + PROBE_SHARE * seconds, 2 * seconds)  # (two steps' worth: no
+        # more than a round of probes saved up)
         rows, context, draft_s = self.step if speculated else (0, *self.step[1:])  # (a draft made first and cut to
         # no rows took its drafting time all the same)
         planned = self.plan if speculated and rows and self.plan is not None else None
