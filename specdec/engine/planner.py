@@ -272,14 +272,16 @@ class DraftPlanner:
     def afford(self, seqs: list[Sequence], rows: list[int], wanted: list[tuple[int, int, int]],
                gain: Callable[[int, int, int], float] | None, draft_seconds: float) -> None:
         """The probes `wanted` (steps idle, request, rows) in order, while the seconds they add to the step stay
-        within the credit (all of them before the costs are measured); then the step's plan is theirs too."""
+        within the credit (all of them where the costs are not this machine's measured ones); then the step's plan is
+        theirs too."""
         batch, context = len(seqs), self.step[1]
         before, planned = list(rows), sum(rows)
         time_factor = self._time_factor if self.plan is not None else self._timing(batch)
-        base = self.cost(batch + planned, context, batch) if self.cost is not None else 0.0
+        priced = self.cost is not None and self.cost.online  # (a made-up table's seconds are not this machine's)
+        base = self.cost(batch + planned, context, batch) if priced else 0.0
         spent, added = 0.0, 0
         for _, i, n in wanted:
-            if self.cost is not None:
+            if priced:
                 extra = self.cost(batch + planned + added + n, context, batch) - base
                 extra = (extra + (0.0 if planned else draft_seconds)) * time_factor
                 if extra > self.probe_credit:
