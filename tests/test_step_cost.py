@@ -133,7 +133,7 @@ def test_a_batch_prices_the_row_that_starts_a_kernel_pass_at_what_it_costs():
     assert plan([Item(i, 1, 0.95) for i in range(8)], 16, 32, table).rows[:8] == [1] * 8
 
 
-def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
+def test_costs_are_measured_once_per_model_machine_and_kernel_build_and_leave_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     measured = []
     real = cost.measure
@@ -158,6 +158,10 @@ def test_costs_are_measured_once_per_model_and_machine_and_leave_no_trace(tiny_l
     again = LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
     assert len(measured) == 1 and again.engine.speculator.planner.cost.seconds == table.seconds  # read from the cache
     assert time_verification(e, 8, [1, 3], repeats=1).keys() == {1, 3}
+    # other kernels (a changed source, flags or instruction set) cost otherwise: their table is measured anew
+    monkeypatch.setattr(cost.native, "build_key", lambda isa=None: "another-build")
+    LLM(str(tiny_llama_dir), speculative_config={"method": "ngram", "num_speculative_tokens": 3}, block_size=4)
+    assert len(measured) == 2 and len(list((tmp_path / "costs").glob("*.json"))) == 2
 
 
 def test_a_table_a_busy_machine_measured_is_measured_again_and_never_cached(tmp_path, monkeypatch):

@@ -28,6 +28,7 @@ from typing import Protocol
 
 from specdec.config import SpecdecError, cache_root
 from specdec.kv_cache import BlockTable
+from specdec.models.cpu import native
 
 log = logging.getLogger("specdec.engine")
 
@@ -307,17 +308,19 @@ def time_verification(engine: MeasuredEngine, context_len: int, num_rows: list[i
 
 
 def engine_costs(engine: MeasuredEngine) -> StepCost | None:
-    """The engine's table: cached per model shape and formats, device, threads and CPU, else measured now (once;
-    about a second on the default model) at the widths its steps may verify. None on the meta device (nothing
-    runs there)."""
+    """The engine's table: cached per model shape and formats, device, threads, CPU and kernel build, else measured
+    now (once; about a second on the default model) at the widths its steps may verify. None on the meta device
+    (nothing runs there)."""
     model = engine.model
     if model.device.type == "meta":
         return None
     max_rows = min(engine.cfg.max_num_seqs * (1 + engine.scheduler.lookahead), ROWS[-1], engine.max_model_len // 2)
     max_context = max(1, engine.max_model_len - max_rows - 2)
     formats = [getattr(linear.weight, "formats", str(linear.weight.dtype)) for linear in model.layers[0].linears]
+    # the kernels' build (their sources, flags and instruction set): a faster kernel makes a table stale
+    kernels = native.build_key() if model.device.type == "cpu" and native.available() else ""
     key = cache_key(repr(model.config), str(model.dtype), str(model.kv_dtype), str(model.device), formats,
-                    type(engine.runner).__name__, engine.cfg.block_size, max_rows, max_context)
+                    type(engine.runner).__name__, engine.cfg.block_size, max_rows, max_context, kernels)
     return load_or_measure(key, lambda: measure(lambda c, w, r: time_verification(engine, c, w, r), max_rows,
                                                 max_context),
                            spot_check=lambda c: min(time_verification(engine, c, [1], 1)[1] for _ in range(5)))

@@ -154,6 +154,15 @@ inline __m256i dot_words(const __m256i* u, const __m256i* au, const int32_t* xw,
   __m256i s = s0;
 #ifdef SPECDEC_VNNI
   (void)au;
+  if constexpr (E1 - E0 >= 4) {  // two chains: a product's 4-cycle latency no longer serialises a tile of few rows
+    __m256i s1 = _mm256_setzero_si256();
+    for (int e = E0; e + 1 < E1; e += 2) {
+      s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
+      s1 = SPECDEC_DPBUSD(s1, u[e + 1], _mm256_set1_epi32(xw[e + 1]));
+    }
+    if constexpr ((E1 - E0) % 2) s = SPECDEC_DPBUSD(s, u[E1 - 1], _mm256_set1_epi32(xw[E1 - 1]));
+    return _mm256_add_epi32(s, s1);  // int32: exact, so the same bits as one chain
+  }
   for (int e = E0; e < E1; e++) s = SPECDEC_DPBUSD(s, u[e], _mm256_set1_epi32(xw[e]));
 #else
   const __m256i ones = _mm256_set1_epi16(1);
