@@ -264,13 +264,37 @@ def until_negative(row: list[int]) -> tuple[int, ...]:
     return tuple(row[:next((i for i, t in enumerate(row) if t < 0), len(row))])
 
 
+@pytest.mark.parametrize("path", ["native", "numpy"])
 @pytest.mark.parametrize("ids", [(0, 1, 2, 3, 4), (0, 70_000, 150_000, 262_140, 5), (0, 1, 2 ** 30)],
                          ids=["small vocabulary", "18-bit ids", "31-bit ids"])
-def test_the_datastore_finds_what_a_brute_force_scan_finds(ids):
+def test_the_datastore_finds_what_a_brute_force_scan_finds(ids, path, monkeypatch):
     """Its keys pack 64 // bits tokens each (4 of a 49k vocabulary, 3 of 18-bit ids, 2 of 31-bit ids): a query of 8
-    tokens narrows over 2 to 4 keys, the last one partly."""
+    tokens narrows over 2 to 4 keys, the last one partly; the native lookup (csrc/suffix.h) and numpy's alike."""
+    if path == "numpy":
+        monkeypatch.setattr(Datastore, "native_views", lambda self: None)
+    else:
+        assert Datastore.build(np.array([1, 2, -1], dtype=np.int32), 8, 4).native_views() is not None
     for seed in range(5):
         assert retrieval_mismatches(seed, ids=list(ids)) == []
+
+
+@pytest.mark.parametrize("seed", range(4))
+def test_the_native_voted_chain_is_the_voted_chain_of_the_continuations(seed):
+    """Every match of a random corpus of few distinct tokens (many occurrences, ties, documents ending inside the
+    depth): the chain of csrc/suffix.h equals `voted_chain` over numpy's continuations, with few or many candidates."""
+    rng = random.Random(seed)
+    corpus = []
+    for _ in range(40):
+        corpus += [rng.randrange(4) for _ in range(rng.randrange(1, 30))] + [-1]
+    store = Datastore.build(np.array(corpus, dtype=np.int32), 8, 6)
+    assert store.native_views() is not None
+    for _ in range(200):
+        context = [rng.randrange(4) for _ in range(rng.randrange(2, 10))]
+        m, lo, hi = store.longest_match(context, 1, 8)
+        if m:
+            for depth, candidates in ((1, 1), (6, 3), (6, 64), (4, 10**6)):
+                want = voted_chain(store.continuations(lo, hi, m, depth, candidates))
+                assert store.voted_chain(lo, hi, m, depth, candidates) == want
 
 
 def test_the_brute_force_scan_catches_a_planted_datastore_bug(monkeypatch):

@@ -133,7 +133,8 @@ def test_a_batch_prices_the_row_that_starts_a_kernel_pass_at_what_it_costs():
     assert plan([Item(i, 1, 0.95) for i in range(8)], 16, 32, table).rows[:8] == [1] * 8
 
 
-def test_costs_are_measured_once_per_model_machine_and_kernel_build_and_leave_no_trace(tiny_llama_dir, tmp_path, monkeypatch):
+def test_costs_are_measured_once_per_model_machine_and_kernels_and_leave_no_trace(tiny_llama_dir, tmp_path,
+                                                                                 monkeypatch):
     monkeypatch.setenv("SPECDEC_CACHE", str(tmp_path))
     measured = []
     real = cost.measure

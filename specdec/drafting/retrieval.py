@@ -27,11 +27,13 @@ from pathlib import Path
 from typing import TYPE_CHECKING
 
 import numpy as np
+import torch
 
 from specdec.config import SpecdecError, cache_root
 from specdec.drafting.base import Draft, DraftEnv, Drafter, DraftRequest, check_int, check_number
 from specdec.drafting.registry import SpeculativeConfig, register_method
 from specdec.drafting.suffix import Node, grow
+from specdec.models.cpu import native
 
 if TYPE_CHECKING:
     from transformers import PreTrainedTokenizerBase
@@ -193,6 +195,17 @@ class Datastore:
             for j in range(self.per_key):
                 key = (key << np.uint64(self.bits)) | rank[starts + c * self.per_key + j]
             self.keys.append(key)
+        self._native = None  # the native lookups' views of the arrays (`native_views`), made on the first lookup
+
+    def native_views(self) -> tuple | None:
+        """(the native module, its views of the keys, suffix array and tokens): the lookups in one call each
+        (csrc/suffix.h, the same answers); None where the kernels cannot be built (the numpy path then)."""
+        if self._native is None:
+            ok = native.available() and self.sa.dtype == np.int32 and self.tokens.dtype == np.int32
+            self._native = (native.ops(), [torch.from_numpy(k.view(np.int64)) for k in self.keys],
+                            torch.from_numpy(np.ascontiguousarray(self.sa)), torch.from_numpy(self.tokens)) if ok \
+                else False
+        return self._native or None
 
     @classmethod
     def build(cls, tokens: np.ndarray, max_match: int, depth: int) -> Datastore:
@@ -223,6 +236,9 @@ class Datastore:
     def longest_match(self, context: list[int], min_match: int, max_match: int) -> tuple[int, int, int]:
         """(length, lo, hi) of the longest suffix of `context` (min_match..max_match tokens) found in the corpus;
         length 0 when none is."""
+        if (views := self.native_views()) is not None:
+            m, lo, hi = views[0].suffix_longest_match(views[1], context[-max_match:], self.bits, min_match, max_match)
+            return m, lo, hi
         lo_m, hi_m = min_match - 1, min(max_match, len(context))
         best = (0, 0, 0)
         while lo_m < hi_m:  # bisection on the length: a present suffix's shorter suffixes are present too
@@ -243,6 +259,12 @@ class Datastore:
             np.array([lo], dtype=np.int64)
         starts = self.sa[idx].astype(np.int64) + m
         return self.tokens[starts[:, None] + np.arange(depth)]
+
+    def voted_chain(self, lo: int, hi: int, m: int, depth: int, max_candidates: int) -> list[int]:
+        """`voted_chain` of `continuations`, in one native call where the kernels run."""
+        if (views := self.native_views()) is not None:
+            return views[0].suffix_voted_chain(views[2], views[3], lo, hi, m, depth, max_candidates)
+        return voted_chain(self.continuations(lo, hi, m, depth, max_candidates))
 
 
 def count_trie(rows: np.ndarray) -> Node:
@@ -392,9 +414,9 @@ class RetrievalDrafter(Drafter):
         m, lo, hi = self.match(r)
         if m == 0:
             return ([], [], []), None
-        rows = self.store.continuations(lo, hi, m, depth, self.max_candidates)
         if r.sized_by_plan:
-            chain = voted_chain(rows)
+            chain = self.store.voted_chain(lo, hi, m, depth, self.max_candidates)
             return (chain, list(range(-1, len(chain) - 1)), [1.0] * len(chain)), evidence(m) if chain else None
+        rows = self.store.continuations(lo, hi, m, depth, self.max_candidates)
         tokens, parents, scores = grow(count_trie(rows), budget, depth, self.min_prob)
         return (tokens, parents, scores), evidence(m) if tokens else None

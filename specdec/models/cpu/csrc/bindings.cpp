@@ -24,6 +24,7 @@
 //   rows.h         argmax_rows, logprob_rows, mask_rows, race_rows, race_logit_row
 //   head.h         an EAGLE-3 head's whole draft step (Eagle3Step)
 //   inputs.h       a step's causal layout over the paged cache (causal_inputs)
+//   suffix.h       a retrieval datastore's lookups (suffix_longest_match, suffix_voted_chain)
 #include "memory.h"
 #include "formats.h"
 #include "attention.h"
@@ -33,6 +34,7 @@
 #include "rows.h"
 #include "head.h"
 #include "inputs.h"
+#include "suffix.h"
 
 namespace {
 
@@ -200,6 +202,12 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_inputs", &causal_inputs, py::arg("tables"), py::arg("starts"), py::arg("feeds"), py::arg("block_size"),
         py::arg("null_block"), "a step's causal layout over the paged cache: tokens, positions, slot_mapping, "
         "context_slots, mask, query_starts (kv_cache.paged_inputs without trees)");
+  m.def("suffix_longest_match", &suffix_longest_match, py::arg("keys"), py::arg("context"), py::arg("bits"),
+        py::arg("min_match"), py::arg("max_match"), "(length, lo, hi) of the longest suffix of context found in a "
+        "retrieval datastore's suffix array (retrieval.Datastore.longest_match)");
+  m.def("suffix_voted_chain", &suffix_voted_chain, py::arg("sa"), py::arg("tokens"), py::arg("lo"), py::arg("hi"),
+        py::arg("m"), py::arg("depth"), py::arg("max_candidates"), "the chain most continuations of a suffix-array "
+        "range agree on (retrieval.voted_chain over Datastore.continuations)");
   m.def("isa", &isa);
   m.def("huge_empty", [](std::vector<int64_t> sizes, at::ScalarType dtype) { return huge_empty(sizes, dtype); },
         py::arg("sizes"), py::arg("dtype"), "an uninitialized CPU tensor on 2 MB pages where Linux gives them");
