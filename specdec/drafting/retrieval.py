@@ -173,38 +173,45 @@ def suffix_array(tokens: np.ndarray, depth: int) -> np.ndarray:
 class Datastore:
     """A corpus and its suffix array: occurrences of a token sequence and what follows them.
 
-    A lookup is a few binary searches in C (`np.searchsorted`), not a Python loop over windows: each sorted suffix's
-    first `max_match` tokens are packed into keys of `per_key` tokens each (their ranks, `bits` bits apiece, in a
-    uint64), so the keys of chunk c ascend within every range of equal earlier chunks, and a query narrows its range
-    chunk by chunk (on the default model's 1.5 M-token answers: 296 us a longest-match lookup as Python bisection over
-    windows, tens of microseconds by keys)."""
+    A lookup is binary searches in the suffix array: natively, comparing the suffixes' tokens in place (csrc/suffix.h);
+    without the native kernels, in C by `np.searchsorted`, not a Python loop over windows: each sorted suffix's first
+    `max_match` tokens are packed into keys of `per_key` tokens each (their ranks, `bits` bits apiece, in a uint64), so
+    the keys of chunk c ascend within every range of equal earlier chunks, and a query narrows its range chunk by chunk
+    (on the default model's 1.5 M-token answers: 296 us a longest-match lookup as Python bisection over windows, tens
+    of microseconds by keys, packed on the first such lookup: 8 bytes a token per key)."""
 
     def __init__(self, tokens: np.ndarray, sa: np.ndarray, pad: int, max_match: int = 16) -> None:
         self.n, self.sa = len(tokens), sa
         # ranks as the suffix array sorts them: end of text (padding) 0, separator 1, token t: t + 2
         self.bits = max(2, int(tokens.max(initial=0)) + 2).bit_length()
         self.per_key = 64 // self.bits
-        chunks = -(-max_match // self.per_key)
-        pad = max(pad, chunks * self.per_key)  # windows and keys never run off the end
+        self.chunks = -(-max_match // self.per_key)
+        pad = max(pad, self.chunks * self.per_key)  # windows and keys never run off the end
         self.tokens = np.concatenate([tokens, np.full(pad, -2, dtype=np.int32)])
-        rank = (self.tokens.astype(np.int64) + 2).astype(np.uint64)
-        starts = sa.astype(np.int64)
-        self.keys = []  # per chunk of per_key tokens: [n] uint64, in suffix-array order
-        for c in range(chunks):
-            key = np.zeros(self.n, dtype=np.uint64)
-            for j in range(self.per_key):
-                key = (key << np.uint64(self.bits)) | rank[starts + c * self.per_key + j]
-            self.keys.append(key)
+        self._keys: list[np.ndarray] | None = None
         self._native = None  # the native lookups' views of the arrays (`native_views`), made on the first lookup
 
+    @property
+    def keys(self) -> list[np.ndarray]:
+        """Per chunk of per_key tokens: [n] uint64, in suffix-array order (the numpy lookups')."""
+        if self._keys is None:
+            rank = (self.tokens.astype(np.int64) + 2).astype(np.uint64)
+            starts = self.sa.astype(np.int64)
+            self._keys = []
+            for c in range(self.chunks):
+                key = np.zeros(self.n, dtype=np.uint64)
+                for j in range(self.per_key):
+                    key = (key << np.uint64(self.bits)) | rank[starts + c * self.per_key + j]
+                self._keys.append(key)
+        return self._keys
+
     def native_views(self) -> tuple | None:
-        """(the native module, its views of the keys, suffix array and tokens): the lookups in one call each
+        """(the native module, its views of the suffix array and tokens): the lookups in one call each
         (csrc/suffix.h, the same answers); None where the kernels cannot be built (the numpy path then)."""
         if self._native is None:
             ok = native.available() and self.sa.dtype == np.int32 and self.tokens.dtype == np.int32
-            self._native = (native.ops(), [torch.from_numpy(k.view(np.int64)) for k in self.keys],
-                            torch.from_numpy(np.ascontiguousarray(self.sa)), torch.from_numpy(self.tokens)) if ok \
-                else False
+            self._native = (native.ops(), torch.from_numpy(np.ascontiguousarray(self.sa)),
+                            torch.from_numpy(self.tokens)) if ok else False
         return self._native or None
 
     @classmethod
@@ -237,7 +244,9 @@ class Datastore:
         """(length, lo, hi) of the longest suffix of `context` (min_match..max_match tokens) found in the corpus;
         length 0 when none is."""
         if (views := self.native_views()) is not None:
-            m, lo, hi = views[0].suffix_longest_match(views[1], context[-max_match:], self.bits, min_match, max_match)
+            if max_match > self.chunks * self.per_key:
+                raise ValueError(f"a query of {max_match} tokens is longer than the datastore's keys")
+            m, lo, hi = views[0].suffix_longest_match(views[1], views[2], context[-max_match:], min_match, max_match)
             return m, lo, hi
         lo_m, hi_m = min_match - 1, min(max_match, len(context))
         best = (0, 0, 0)
@@ -263,7 +272,7 @@ class Datastore:
     def voted_chain(self, lo: int, hi: int, m: int, depth: int, max_candidates: int) -> list[int]:
         """`voted_chain` of `continuations`, in one native call where the kernels run."""
         if (views := self.native_views()) is not None:
-            return views[0].suffix_voted_chain(views[2], views[3], lo, hi, m, depth, max_candidates)
+            return views[0].suffix_voted_chain(views[1], views[2], lo, hi, m, depth, max_candidates)
         return voted_chain(self.continuations(lo, hi, m, depth, max_candidates))
 
 

@@ -202,7 +202,7 @@ PYBIND11_MODULE(TORCH_EXTENSION_NAME, m) {
   m.def("causal_inputs", &causal_inputs, py::arg("tables"), py::arg("starts"), py::arg("feeds"), py::arg("block_size"),
         py::arg("null_block"), "a step's causal layout over the paged cache: tokens, positions, slot_mapping, "
         "context_slots, mask, query_starts (kv_cache.paged_inputs without trees)");
-  m.def("suffix_longest_match", &suffix_longest_match, py::arg("keys"), py::arg("context"), py::arg("bits"),
+  m.def("suffix_longest_match", &suffix_longest_match, py::arg("sa"), py::arg("tokens"), py::arg("context"),
         py::arg("min_match"), py::arg("max_match"), "(length, lo, hi) of the longest suffix of context found in a "
         "retrieval datastore's suffix array (retrieval.Datastore.longest_match)");
   m.def("suffix_voted_chain", &suffix_voted_chain, py::arg("sa"), py::arg("tokens"), py::arg("lo"), py::arg("hi"),

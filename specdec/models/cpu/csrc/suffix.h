@@ -1,7 +1,9 @@
 // A retrieval datastore's lookups (drafting/retrieval.py's `Datastore`): the longest suffix of a sequence found in
 // the corpus's suffix array, and the chain most of its continuations agree on. The same answers as the numpy path,
 // in one call each: after a forward has pushed the interpreter's data out of cache, that path's dozens of small
-// array operations took 200 us a request on a Zen 4, a step's largest host cost.
+// array operations took 200 us a request on a Zen 4, a step's largest host cost. Tokens are compared in place, so
+// the numpy path's packed keys (8 bytes a corpus token per 64 bits of query, 2 s to pack 5.6 M tokens) are not
+// needed.
 #pragma once
 #include <algorithm>
 #include <cstdint>
@@ -11,50 +13,48 @@
 
 namespace {
 
-// [lo, hi) of the suffixes starting with `query` (tokens), keys: per chunk of per_key tokens, [n] uint64 (stored as
-// int64) in suffix-array order, each token ranked t + 2 in `bits` bits. Empty (lo, lo) for a token outside the ranks.
-inline std::pair<int64_t, int64_t> suffix_find(const std::vector<const uint64_t*>& keys, int64_t n,
-                                               const int64_t* query, int64_t len, int64_t bits) {
-  const int64_t per = 64 / bits;
-  const uint64_t top = (uint64_t(1) << bits) - 1;
-  int64_t lo = 0, hi = n;
-  for (int64_t c = 0; c < len; c += per) {
-    const int64_t part = std::min(per, len - c);
-    uint64_t low = 0;
-    for (int64_t j = 0; j < part; j++) {
-      const int64_t t = query[c + j] + 2;
-      if (t < 0 || (uint64_t)t > top) return {lo, lo};
-      low = (low << bits) | (uint64_t)t;
-    }
-    const int64_t free = bits * (per - part);
-    const uint64_t first = low << free, last = first | ((free ? (uint64_t(1) << free) : uint64_t(1)) - 1);
-    const uint64_t* k = keys[c / per];
-    const int64_t a = std::lower_bound(k + lo, k + hi, first) - k;
-    const int64_t b = std::upper_bound(k + lo, k + hi, free ? last : first) - k;
-    lo = a, hi = b;
-    if (lo >= hi) return {lo, lo};
+// Where the suffix at `at` stands against `query` (its first len tokens): -1 before, 0 starting with it, 1 after.
+// Token ids order as the suffix array's ranks do (end of text -2 < separator -1 < tokens), and the padding after
+// the corpus (max_match tokens at least) keeps every read inside the array.
+inline int suffix_compare(const int32_t* tok, int64_t at, const int64_t* query, int64_t len) {
+  for (int64_t j = 0; j < len; j++) {
+    const int64_t t = tok[at + j];
+    if (t != query[j]) return t < query[j] ? -1 : 1;
   }
-  return {lo, hi};
+  return 0;
+}
+
+// [lo, hi) of the suffixes that start with `query`: two binary searches over the suffix array, comparing tokens.
+inline std::pair<int64_t, int64_t> suffix_find(const int32_t* sa, const int32_t* tok, int64_t n, const int64_t* query,
+                                               int64_t len) {
+  int64_t lo = 0, hi = n;
+  while (lo < hi) {  // the first suffix not before the query
+    const int64_t mid = lo + (hi - lo) / 2;
+    if (suffix_compare(tok, sa[mid], query, len) < 0) lo = mid + 1; else hi = mid;
+  }
+  int64_t a = lo, b = n;
+  while (a < b) {  // the first suffix after every one starting with it
+    const int64_t mid = a + (b - a) / 2;
+    if (suffix_compare(tok, sa[mid], query, len) <= 0) a = mid + 1; else b = mid;
+  }
+  return {lo, a};
 }
 
 // (length, lo, hi) of the longest suffix of `context` of min_match..max_match tokens in the corpus (0, 0, 0: none),
-// by bisection on the length as `Datastore.longest_match`.
-std::vector<int64_t> suffix_longest_match(const std::vector<torch::Tensor>& keys, const std::vector<int64_t>& context,
-                                          int64_t bits, int64_t min_match, int64_t max_match) {
-  TORCH_CHECK(!keys.empty() && bits > 0 && bits <= 32, "suffix_longest_match needs keys and 1-32 bits a token");
-  std::vector<const uint64_t*> k;
-  for (const auto& t : keys) {
-    TORCH_CHECK(t.scalar_type() == torch::kInt64 && t.is_contiguous() && t.numel() == keys[0].numel(),
-                "the datastore's keys: contiguous int64 views of equal length");
-    k.push_back(reinterpret_cast<const uint64_t*>(t.data_ptr<int64_t>()));
-  }
-  const int64_t n = keys[0].numel(), size = (int64_t)context.size();
-  TORCH_CHECK(max_match <= (64 / bits) * (int64_t)keys.size(), "a query longer than the datastore's keys");
+// by bisection on the length as `Datastore.longest_match` (a present suffix's shorter suffixes are present too).
+std::vector<int64_t> suffix_longest_match(const torch::Tensor& sa, const torch::Tensor& tokens,
+                                          const std::vector<int64_t>& context, int64_t min_match, int64_t max_match) {
+  TORCH_CHECK(sa.scalar_type() == torch::kInt32 && tokens.scalar_type() == torch::kInt32 && sa.is_contiguous() &&
+              tokens.is_contiguous() && tokens.numel() >= sa.numel() + max_match,
+              "suffix_longest_match: int32 suffix array and tokens padded by max_match");
+  const int32_t* s = sa.data_ptr<int32_t>();
+  const int32_t* tok = tokens.data_ptr<int32_t>();
+  const int64_t n = sa.numel(), size = (int64_t)context.size();
   int64_t lo_m = min_match - 1, hi_m = std::min(max_match, size);
   std::vector<int64_t> best = {0, 0, 0};
   while (lo_m < hi_m) {
     const int64_t mid = (lo_m + hi_m + 1) / 2;
-    const auto [a, b] = suffix_find(k, n, context.data() + size - mid, mid, bits);
+    const auto [a, b] = suffix_find(s, tok, n, context.data() + size - mid, mid);
     if (b > a) {
       lo_m = mid;
       best = {mid, a, b};
