@@ -201,6 +201,23 @@ def test_the_default_model_speculates_with_the_tuned_default_unless_off():
     assert LLM("smollm2-135m", speculative_config="off").engine.speculative is None
 
 
+def test_the_default_retrieval_corpus_is_every_answer_of_the_repository_packed(tmp_path):
+    """The shipped corpus is `specdec distill`'s `pack` of every answer file in `data/answers/` and the package's
+    distilled answers (specdec/data/answers/README.md has the command): new answers mean packing again."""
+    import numpy as np
+
+    from specdec.training.distill import pack
+
+    root = Path(__file__).resolve().parents[1]
+    shipped = json.loads((HEADS_DIR / "smollm2-135m.json").read_text())
+    corpus = root / "specdec" / "data" / next(s["corpus"] for s in shipped["sources"] if s["method"] == "retrieval")
+    packed = pack([root / "data" / "answers" / "smollm2-135m", DISTILLED], tmp_path / "again.npz")
+    with np.load(corpus) as a, np.load(tmp_path / "again.npz") as b:
+        assert len(a["offsets"]) - 1 == packed["answers"]
+        assert np.array_equal(a["tokens"], b["tokens"]) and np.array_equal(a["offsets"], b["offsets"]), \
+            "new answers: pack them again (specdec/data/answers/README.md)"
+
+
 @pytest.fixture(scope="module")
 def random_heads(llm, tmp_path_factory) -> dict[str, str]:
     """Randomly initialised eagle, mtp and medusa heads for the real model (the trained ones are not shipped):

@@ -15,7 +15,8 @@ from test_speculative import MIN_P_VALUE, chi_square_two_sample, p_value
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting import retrieval
 from specdec.drafting.base import DraftRequest
-from specdec.drafting.retrieval import Datastore, RetrievalDrafter, count_trie, evidence, suffix_array, voted_chain
+from specdec.drafting.datastore import Datastore, count_trie, suffix_array, voted_chain
+from specdec.drafting.retrieval import RetrievalDrafter, evidence
 from specdec.drafting.suffix import grow
 
 
@@ -235,8 +236,6 @@ def retrieval_mismatches(seed: int, queries: int = 60, ids: list[int] = (0, 1, 2
     array's longest match, its number of occurrences or the continuations after them differ from scanning the
     corpus for the longest suffix of the context (2..8 tokens) and reading what follows each occurrence (up to 4
     tokens, cut at a document's end)."""
-    from specdec.drafting.retrieval import Datastore
-
     rng = random.Random(seed)
     corpus = []
     for _ in range(12):
@@ -300,8 +299,8 @@ def test_the_native_voted_chain_is_the_voted_chain_of_the_continuations(seed):
 def test_the_brute_force_scan_catches_a_planted_datastore_bug(monkeypatch):
     """Planted: the suffix array sorted by 2 tokens instead of max_match + 32, so a longer query's occurrences are
     not contiguous in it: the scan tells at once, where output equality never would (verification corrects drafts)."""
-    from specdec.drafting import retrieval
+    from specdec.drafting import datastore
 
-    real = retrieval.suffix_array
-    monkeypatch.setattr(retrieval, "suffix_array", lambda tokens, depth: real(tokens, 2))
+    real = datastore.suffix_array
+    monkeypatch.setattr(datastore, "suffix_array", lambda tokens, depth: real(tokens, 2))
     assert sum(len(retrieval_mismatches(seed)) for seed in range(5)) >= 5

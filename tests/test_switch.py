@@ -15,10 +15,11 @@ from test_speculative import made_up_costs
 
 from specdec import LLM, SamplingParams, SpecdecError
 from specdec.drafting.base import Draft, Drafter, DraftRequest
+from specdec.drafting.datastore import Datastore
 from specdec.drafting.eagle import EagleDrafter
 from specdec.drafting.ngram import NgramDrafter
 from specdec.drafting.registry import SpeculativeConfig
-from specdec.drafting.retrieval import Datastore, RetrievalDrafter
+from specdec.drafting.retrieval import RetrievalDrafter
 from specdec.drafting.switch import CATCH_UP_ROWS, PRIOR_DRAFTS, PRIOR_KEPT, SwitchDrafter
 
 
