@@ -106,3 +106,26 @@ def test_a_batch_size_without_drafting_steps_of_its_own_is_priced_as_its_nearest
     own = planner.timing[15]
     assert own is not slow and own.weight == pytest.approx(slow.weight * CALIBRATION_DECAY + 1)
     assert 1.0 < own.factor < slow.factor  # (a step that ran to its costs, after 20 at 1.5x)
+
+
+def test_plain_decoding_is_predicted_without_the_planning_a_plain_engine_never_does():
+    planner = DraftPlanner()
+    planner.cost = StepCost([1, 2], [32], [[0.004, 0.0044]])
+    s = seq(0, list(range(32)))
+    planner.start_step(32.0)
+    planner.planned(0.0003)  # the speculator's own host work this step, no draft made first
+    planner.record_step(1, False, 1, 0.0048)  # a plain step: 0.8 ms past the forward, 0.3 of them planning
+    assert planner.cost.overhead[1].value == pytest.approx(0.0008)  # plans price plain steps as this engine runs them
+    assert planner.prediction.seconds == pytest.approx(0.004) and planner.prediction.plain_seconds == \
+        pytest.approx(0.0037)  # (predicted before it taught anything: the table's forward)
+    planner.start_step(32.0)
+    rows = planner.plan_budgets([s], [1], 1, False, 32.0)  # one row at the prior 0.5 for 0.4 ms: it pays
+    assert rows == [1] and planner.plan.plain_seconds == pytest.approx(0.0048)
+    planner.planned(0.0002)
+    planner.drafted(1, 1, 1, 0.0, early=False)
+    planner.record_step(1, True, 2, 0.0052)
+    assert planner.prediction.plain_seconds == pytest.approx(0.0037 + 1.5 * (0.0048 - 0.0003))
+    planner.start_step(32.0)
+    planner.step = (0, 32.0, 0.00005)  # a draft made first: 0.05 ms of the 0.1 are drafting, not planning
+    planner.planned(0.0001)
+    assert planner._planning_s == pytest.approx(0.00005)

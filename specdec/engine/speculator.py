@@ -132,11 +132,13 @@ class Speculator:
         every one samples and the config drafts for greedy requests only), a drafter that watches the target at
         every step (recycling, Jacobi) whatever it drafts, or the text a structured request's grammar forces
         (jump-forward)."""
+        start = time.perf_counter()
         drafting = self.cfg.sampled or any(s.params.greedy for s in seqs)
         context = sum(len(s.token_ids) for s in seqs) / len(seqs)
         self.planner.start_step(context)
         self._early, self._evidence = None, [None] * len(seqs)
         self._rows = self.plan_rows(seqs, context) if drafting else [0] * len(seqs)
+        self.planner.planned(time.perf_counter() - start)
         watching = (self.drafter.observe_topk or self.drafter.observe_drafts) and self.shape_for(len(seqs)).k
         return any(self._rows) or bool(watching) or (self.cfg.jump_forward > 0 and
                                                       any(s.grammar is not None for s in seqs))
