@@ -29,10 +29,10 @@ def test_a_request_verifies_the_chain_worth_most_and_learns_what_the_others_woul
     chosen, evidence = planner.choose([s], draft, list(draft.evidence), [3], 32, lambda i, n, e: rates[e][:n])
     assert chosen.host_rows()[0] == [[5, 6, 9]] and evidence == ["strong"]
     s.token_ids += [7, 8, 4]  # the target went the passed-over chain's way for two tokens
-    planner.learn_passed_over([s])
+    planner.learn_shadows([s])
     weak = planner.source["weak"]
     assert weak.drafted[:2] == [1, 1] and weak.kept[:2] == [1, 1]  # both of its tokens would have been kept
-    planner.learn_passed_over([s])  # learnt once
+    planner.learn_shadows([s])  # learnt once
     assert planner.source["weak"].drafted[:2] == [1, 1]
 
 
@@ -82,7 +82,8 @@ def test_a_steps_tokens_and_time_correct_the_plan_they_were_predicted_by():
     planner.drafted(1, 2, 2, 0.0002, early=False)
     assert planner.plan.seconds == pytest.approx(0.0048 + 0.0002)
     planner.record_step(1, True, 3, 0.0050)  # both drafts kept
-    assert planner.calibration.factor > 1 and planner.prediction.measured_tokens == 3
+    assert planner.calibration[1].factor > 1 and planner.prediction.measured_tokens == 3
+    assert planner.token_calibration(4) is planner.calibration[1]  # a size without drafting steps: the nearest's
     assert planner.plan is None and planner.step == (0, 0.0, 0.0)
 
 
@@ -129,3 +130,28 @@ def test_plain_decoding_is_predicted_without_the_planning_a_plain_engine_never_d
     planner.step = (0, 32.0, 0.00005)  # a draft made first: 0.05 ms of the 0.1 are drafting, not planning
     planner.planned(0.0001)
     assert planner._planning_s == pytest.approx(0.00005)
+
+
+def test_a_proposal_not_verified_is_learnt_once_the_tokens_after_it_decide_it():
+    """`shadow`: a chain whose first token matched the one token committed since is not learnt yet (learnt then, as
+    a draft that reached one position, the positions after it would be learnt from the chains that failed early
+    alone); it is learnt when a token differs or every token matched."""
+    planner = DraftPlanner()
+    s = seq(0, [1, 2, 3])
+    planner.shadow(s, [7, 8, 9], "a")
+    planner.shadow(s, [5, 6], "b")
+    s.token_ids.append(7)  # a plain step: "a" matches so far, "b" is decided (kept 0 of 2)
+    planner.learn_shadows([s])
+    assert "a" not in planner.source and planner.source["b"].drafted == [1, 1] and planner.source["b"].kept == [0, 0]
+    s.token_ids += [8, 4]  # a drafting step of two tokens: "a" kept 2 of its 3
+    planner.learn_shadows([s])
+    a = planner.source["a"]
+    assert a.drafted == [1, 1, 1] and a.kept == [1, 1, 0] and planner._shadows[0] == []
+    planner.shadow(s, [1, 2], "c")
+    s.token_ids += [1, 2]  # every token matched: kept both
+    planner.learn_shadows([s])
+    assert planner.source["c"].kept == [1, 1]
+    planner.shadow(s, [1], "d")
+    planner.release(0)  # a finished request's pending shadows go with it
+    assert 0 not in planner._shadows
+

@@ -229,6 +229,24 @@ class Draft:
         """This draft's rows as rows `rows` of a batch of `batch_size`, the others empty."""
         if rows == list(range(batch_size)):
             return self
+        if self._rows is not None and self.probs is None and self.scores is None:  # host lists stay host lists
+            spread: list[tuple[list[int], list[int]]] = [([], []) for _ in range(batch_size)]
+            for i, row in zip(rows, self._rows):
+                spread[i] = row
+            out = Draft(rows=spread)
+        else:
+            out = self._spread_tensors(rows, batch_size)
+        if self.evidence is not None:
+            out.evidence = [None] * batch_size
+            for i, e in zip(rows, self.evidence):
+                out.evidence[i] = e
+        if self.alternatives is not None:
+            out.alternatives = [[] for _ in range(batch_size)]
+            for i, a in zip(rows, self.alternatives):
+                out.alternatives[i] = a
+        return out
+
+    def _spread_tensors(self, rows: list[int], batch_size: int) -> Draft:
         B, N = batch_size, self.tokens.shape[1]
         out = Draft(torch.zeros(B, N, dtype=torch.long), torch.full((B, N), PAD, dtype=torch.long))
         out.tokens[rows], out.parents[rows] = self.tokens, self.parents
@@ -238,14 +256,6 @@ class Draft:
         if self.scores is not None:
             out.scores = self.scores.new_zeros(B, N)
             out.scores[rows] = self.scores
-        if self.evidence is not None:
-            out.evidence = [None] * B
-            for i, e in zip(rows, self.evidence):
-                out.evidence[i] = e
-        if self.alternatives is not None:
-            out.alternatives = [[] for _ in range(B)]
-            for i, a in zip(rows, self.alternatives):
-                out.alternatives[i] = a
         return out
 
     def validate(self, batch_size: int, vocab_size: int) -> None:

@@ -22,7 +22,9 @@ A request whose drafts stopped paying is still given one row once it has drafted
 on every PROBE_EVERY-th step of the engine (the probes of a batch fall on one step, which alone runs the drafter),
 so a text that starts to repeat is seen; the probes spend at most PROBE_SHARE of the decode time, priced like any
 row (at batch 16 on a Zen 4 a probe of every request opened a second kernel pass: 22 ms on a 32 ms step), and are
-part of their step's plan, so what they cost and keep is predicted and learnt like the rows that pay.
+part of their step's plan, so what they cost and keep is predicted and learnt like the rows that pay. A drafter that
+drafts first (`Drafter.drafts_first`: the n-gram, retrieval, the switch) is not probed: the proposals its plans give
+no rows are learnt from the tokens committed after them (`DraftPlanner.shadow`), at no forward's cost.
 
 Outputs never depend on the choice: greedy and keyed-sampled tokens are plain decoding's whatever is drafted.
 """
@@ -130,14 +132,17 @@ class DraftingWorth:
     expected to save over plain decoding of as many tokens, against its share of the seconds the proposals took,
     over its recent proposals (decayed sums). Proposing costs host work every step, a proposal per request, whether
     a row pays or not (at batch 16 on a Zen 3: 3.9 ms of a 74 ms step, where the plans expected 0.98x plain); a
-    request whose proposals have cost more than they saved is asked for one only on every WORTH_PROBE-th step, which
-    keeps the record live (its text may start to repeat). A proposal taking STALL times the recent median counts at
-    that (a request's first one indexes its whole prompt)."""
+    request whose proposals have cost more than they saved is asked for one only about every WORTH_PROBE-th step,
+    which keeps the record live (its text may start to repeat; what a proposal would have kept is learnt without
+    verifying it, `DraftPlanner.shadow`). A proposal taking STALL times the recent median counts at that (a
+    request's first one indexes its whole prompt). (Saved as the verified drafts measured it instead, batch 4 on a
+    Zen 3 ran at 0.93-1.02x plain over five runs against 0.95-0.98x: no better, and not kept.)"""
 
     saved: float = 0.0
     spent: float = 0.0
     times: Recent = field(default_factory=Recent)  # the proposals' seconds
     skipped: int = 0  # steps it was not asked since its last proposal
+    rounds: int = 0  # proposals asked for after skipping (`DraftPlanner.asks`)
 
     def record(self, saved: float, spent: float) -> None:
         typical = self.times.value if self.times.values else spent

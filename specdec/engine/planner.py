@@ -6,6 +6,7 @@ request's alternatives; whether proposing still pays for a request; the probes; 
     plan_proposed(...)   the rows of drafts made first (`Drafter.drafts_first`) that pay, after choosing among their
                          alternatives; what proposing was worth to each request it asked
     probe(...)           the planned rows with this step's probes added
+    learn_shadows(...)   what the proposals not verified would have kept, read off the tokens committed since
     drafted(...)         what drafting took this step (the plan's expected time becomes the measured one)
     record(...)          a verified draft's kept tokens, per evidence
     record_step(...)     a whole step's tokens and seconds, against its plan
@@ -39,6 +40,8 @@ from specdec.engine.cost import (
 from specdec.engine.sequence import Sequence
 from specdec.engine.step_cost import STALL, Recent, StepCost
 
+SHADOWS = 16  # unverified proposals a request keeps pending (each is decided within its length in committed tokens)
+
 
 class DraftPlanner:
     def __init__(self) -> None:
@@ -53,7 +56,7 @@ class DraftPlanner:
         self.draft_s: dict[tuple[int, int], Recent] = {}  # (batch size, largest budget) -> drafting seconds
         self.worth: dict[int, DraftingWorth] = {}  # seq_id -> what proposing first saved it and cost it
         self.prediction = Prediction()
-        self.calibration = Calibration()
+        self.calibration: dict[int, Calibration] = {}  # batch size -> its drafts' added / expected tokens
         self.timing: dict[int, TimeCalibration] = {}  # batch size -> its drafting steps' measured / predicted time
         self.steps = 0  # decode steps planned (probes fall on every PROBE_EVERY-th)
         self.probe_credit = 0.0  # the seconds probes may still spend: PROBE_SHARE of every decode step's
@@ -67,8 +70,9 @@ class DraftPlanner:
         self._time_factor = 1.0  # and its drafting steps' time at (`TimeCalibration`)
         self._verified = 0  # drafts verified so far (what the plans learn from)
         self._quiet: tuple[int, int] | None = None  # (batch size, drafts verified) at a plan that drafted nothing
-        # seq_id -> (its length then, the chains passed over for the one verified, with their evidence): `choose`
-        self._passed: dict[int, tuple[int, list[tuple[list[int], Hashable]]]] = {}
+        # seq_id -> the proposals it made and did not verify, pending until the tokens committed since decide them:
+        # (its length then, the chain, its evidence), `shadow`
+        self._shadows: dict[int, list[tuple[int, list[int], Hashable]]] = {}
 
     def start_step(self, context: float) -> None:
         """A decode step begins, its batch's mean context `context`: nothing planned or drafted yet."""
@@ -118,7 +122,7 @@ class DraftPlanner:
         measured time. Where no draft paid at the last plan of this batch size and nothing was learnt since, none
         pays now either (planned again on every probe step)."""
         quiet = (len(seqs), self._verified)
-        factor = self._factor = self.calibration.factor
+        factor = self._factor = self.token_calibration(len(seqs)).factor
         levels = max(min(b, depth) if whole else b for b in budgets)
         every: list[float] = []  # every request's rates, once a step (when anything is priced)
         known: dict[int, list[float]] = {}
@@ -150,8 +154,10 @@ class DraftPlanner:
         priced by what drafts of the same evidence kept (its own and every request's); where the draft offers other
         chains (`Draft.alternatives`) the one priced highest is verified (`choose`). Drafting is already paid, so the
         plan weighs the rows alone; each asked request's proposal is weighed against what its rows are expected to
-        save (`DraftingWorth`). Returns the draft, its evidence per request and the rows with this step's probes."""
-        factor = self._factor = self.calibration.factor
+        save (`DraftingWorth`). A proposal given no rows is learnt from the tokens committed after it (`shadow`), so
+        a request's proposals are measured without verifying them: no forward probes. Returns the draft, its
+        evidence per request and the rows with this step's (deeper) probes."""
+        factor = self._factor = self.token_calibration(len(seqs)).factor
         every: dict[Hashable, list[float]] = {}  # evidence -> every request's rates, once a step
         known: dict[tuple[int, int, Hashable], list[float]] = {}  # (request, positions, evidence): `choose` priced
 
@@ -175,8 +181,11 @@ class DraftPlanner:
                                    0.0)
             rows = list(self.plan.rows)
         self.weigh_proposals(seqs, budgets, gains, rows, seconds / sum(1 for b in budgets if b))
-        return draft, evidence, self.probe(seqs, lengths, rows, False, waiting,
-                                           gain=lambda i, a, b: sum(gains[i][a:b]))
+        rows = self.probe(seqs, lengths, rows, False, waiting, gain=lambda i, a, b: sum(gains[i][a:b]), shadowed=True)
+        for i, (chain, n) in enumerate(zip(draft.host_rows()[0], lengths)):
+            if n and not rows[i]:
+                self.shadow(seqs[i], chain[:n], evidence[i])
+        return draft, evidence, rows
 
     def _plan(self, items: list[Item], batch: int, context: float, draft_seconds: float) -> Plan:
         self._time_factor = self._timing(batch)
@@ -185,6 +194,16 @@ class DraftPlanner:
     def _timing(self, batch: int) -> float:
         timing = self.time_calibration(batch)
         return timing.factor if timing is not None else 1.0
+
+    def token_calibration(self, batch: int) -> Calibration:
+        """The batch size's ratio of the tokens its drafts added to those its plans expected, else the nearest batch
+        size's (the smaller of two as near), else none measured (1). Per batch size because a plan overrates what it
+        picks the more, the more candidates it picks among: at batch 16 on a Zen 3 (64 chain positions a step) drafts
+        of 8 rows kept half of what the plan expected, while the ratio over every batch size, batch 1's steps
+        outnumbering them, stayed at 1.00."""
+        if batch in self.calibration or not self.calibration:
+            return self.calibration.get(batch) or Calibration()
+        return self.calibration[min(self.calibration, key=lambda b: (abs(b - batch), b))]
 
     def time_calibration(self, batch: int) -> TimeCalibration | None:
         """The batch size's drafting-step time calibration, else the nearest batch size's (the smaller of two as
@@ -196,14 +215,15 @@ class DraftPlanner:
         return self.timing[min(self.timing, key=lambda b: (abs(b - batch), b))]
 
     def asks(self, seq: Sequence) -> bool:
-        """Whether the request is asked for a proposal this step: while its proposals have paid, on every
-        WORTH_PROBE-th step once they have not, and on a probe step once it has been idle for PROBE_EVERY (`probe`:
-        without the probe's row nothing it drafts could ever be measured again, and its proposals would never pay)."""
+        """Whether the request is asked for a proposal this step: while its proposals have paid, else once in
+        WORTH_PROBE steps and once in WORTH_PROBE + 1 in turn (a fixed period can meet a text that alternates in
+        one phase every time: a draft right on even lengths only, asked on odd ones), which keeps its record live:
+        what a proposal would have kept is learnt without verifying it (`shadow`)."""
         worth = self.worth.get(seq.seq_id)
-        probe = self.idle.get(seq.seq_id, 0) >= PROBE_EVERY and (self.steps + 1) % PROBE_EVERY == 0
-        if worth is None or worth.pays or worth.skipped + 1 >= WORTH_PROBE or probe:
-            if worth is not None:
-                worth.skipped = 0
+        if worth is None or worth.pays:
+            return True
+        if worth.skipped + 1 >= WORTH_PROBE + worth.rounds % 2:
+            worth.skipped, worth.rounds = 0, worth.rounds + 1
             return True
         worth.skipped += 1
         return False
@@ -224,7 +244,7 @@ class DraftPlanner:
         """Each request's chain among its draft's row and its alternatives: the one whose positions are expected to
         keep the most tokens beyond what their rows cost (the sum of max(0, g(j) - c), c the price of a row this step
         in plain steps of one request; ties: the row). The others are kept to learn what they would have kept
-        (`learn_passed_over`)."""
+        (`shadow`)."""
         c = self.row_cost(len(seqs), 0, context)
         chosen, chosen_evidence = [], []
         for i, (row, e, others) in enumerate(zip(draft.host_rows()[0], evidence, draft.alternatives)):
@@ -234,47 +254,62 @@ class DraftPlanner:
             best = max(range(len(options)), key=values.__getitem__)  # the first maximum: the row among equals
             chosen.append(options[best][0][:budgets[i]])
             chosen_evidence.append(options[best][1] if options[best][0] else None)
-            passed = [(t[:budgets[i]], ev) for n, (t, ev) in enumerate(options) if n != best and t]
-            if passed:
-                self._passed[seqs[i].seq_id] = (len(seqs[i].token_ids), passed)
+            for n, (t, ev) in enumerate(options):
+                if n != best and t:
+                    self.shadow(seqs[i], t[:budgets[i]], ev)
         out = Draft.chains(chosen)
         out.evidence = chosen_evidence
         return out, chosen_evidence
 
-    def learn_passed_over(self, seqs: list[Sequence]) -> None:
-        """What the chains passed over at a request's last step would have kept, read off the tokens committed since:
-        a draft token is kept exactly when it is the token the target emits there (greedy, and sampled too, where a
-        one-hot draft token is accepted with the target's own probability of it), so equality measures acceptance.
-        It is learnt as verified drafts of the same evidence are, so an evidence that lost keeps being measured. A
-        chain that matches every token committed since is measured as far as they go."""
+    def shadow(self, seq: Sequence, tokens: list[int], evidence: Hashable) -> None:
+        """A proposal of `seq` that is not verified (a chain passed over, or one the plan gave no rows): learnt once
+        the tokens committed after it decide it (`learn_shadows`)."""
+        pending = self._shadows.setdefault(seq.seq_id, [])
+        pending.append((len(seq.token_ids), list(tokens), evidence))
+        del pending[:-SHADOWS]
+
+    def learn_shadows(self, seqs: list[Sequence]) -> None:
+        """What the requests' unverified proposals would have kept, read off the tokens committed since: a draft token
+        is kept exactly when it is the token the target emits there (greedy, and sampled too, where a one-hot draft
+        token is accepted with the target's own probability of it), so equality measures acceptance. A chain is
+        learnt once decided: a token that differs, or every token matched; until then it waits (learnt after one
+        plain step, a chain whose first token matched would count as a draft that reached one position, and the
+        positions after it would be learnt from the chains that failed early alone). Learnt as verified drafts of
+        the same evidence are, so an evidence that is not verified keeps being measured."""
         for s in seqs:
-            passed = self._passed.pop(s.seq_id, None)
-            if passed is None:
+            pending = self._shadows.get(s.seq_id)
+            if not pending:
                 continue
-            length, chains = passed
-            after = s.token_ids[length:]
-            if not after:
-                continue
-            for tokens, e in chains:
+            waiting = []
+            for length, tokens, e in pending:
+                after = s.token_ids[length:]
                 n = 0
                 while n < len(tokens) and n < len(after) and tokens[n] == after[n]:
                     n += 1
-                self._record(s.seq_id, e, len(tokens) if n < len(after) else n, n)
+                if n == len(after) < len(tokens):  # every token since matched and the chain goes on
+                    waiting.append((length, tokens, e))
+                else:
+                    self._record(s.seq_id, e, len(tokens), n)
+            self._shadows[s.seq_id] = waiting
 
     def probe(self, seqs: list[Sequence], budgets: list[int], rows: list[int], whole: bool,
               waiting: list[bool] | None = None, gain: Callable[[int, int, int], float] | None = None,
-              draft_seconds: float = 0.0) -> list[int]:
+              draft_seconds: float = 0.0, shadowed: bool = False) -> list[int]:
         """The planned rows with this step's probes added: one row (or the whole tree) for a request idle for
         PROBE_EVERY steps, on every PROBE_EVERY-th step (a position's estimate learns only from drafts that reach
         it), and one more on every PROBE_EVERY-th draft; the longest idle first, as many as the probe credit pays
         for (`afford`). `waiting`: the requests not asked for a proposal this step (`asks`), idle all the same.
         `gain(i, a, b)`: what request i's rows a..b-1 are expected to add; `draft_seconds`: what drafting adds to a
-        step that drafted nothing."""
+        step that drafted nothing. `shadowed`: the requests' proposals not verified are learnt all the same
+        (`learn_shadows`), so an idle one is not probed (only the deeper probes past the rows that pay remain: a
+        shadow is learnt from its whole chain only while it is given no rows). The probes of idle requests may spend
+        PROBE_SHARE (2%) of the decode time, and at batch 4 on a Zen 3, where a row costs a sixth of a plain step,
+        they spent it on rows that the shadows measure for free."""
         self.steps += 1
         wanted = []  # (steps idle, request, rows)
         for i, (s, b) in enumerate(zip(seqs, budgets)):
             idle = 0 if rows[i] or not (b or (waiting and waiting[i])) else self.idle.get(s.seq_id, 0) + 1
-            if b and idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0:  # a probe: one row (or the tree)
+            if b and idle >= PROBE_EVERY and self.steps % PROBE_EVERY == 0 and not shadowed:  # one row (a tree)
                 wanted.append((idle, i, b if whole else 1))
             elif not whole and 0 < rows[i] < b and s.spec.num_drafts % PROBE_EVERY == PROBE_EVERY - 1:
                 wanted.append((0, i, 1))  # a deeper probe: the position after the ones that pay
@@ -361,7 +396,9 @@ class DraftPlanner:
         # no rows took its drafting time all the same)
         planned = self.plan if speculated and rows and self.plan is not None else None
         if planned is not None and any(planned.rows):  # what the drafts added against what the plan expected
-            self.calibration.record(tokens - batch_size, (planned.tokens - batch_size) / self._factor)
+            if batch_size not in self.calibration:  # a new size starts from its nearest's
+                self.calibration[batch_size] = dataclasses.replace(self.token_calibration(batch_size))
+            self.calibration[batch_size].record(tokens - batch_size, (planned.tokens - batch_size) / self._factor)
             # and what the step took against its costs (not the time factor the plan priced it at)
             if self.cost.online:  # (a made-up table's seconds are not this machine's); a new size starts from its
                 if batch_size not in self.timing:  # nearest's
@@ -382,7 +419,7 @@ class DraftPlanner:
         """The sequence finished or was aborted."""
         self.acceptance.pop(seq_id, None)
         self.idle.pop(seq_id, None)
-        self._passed.pop(seq_id, None)
+        self._shadows.pop(seq_id, None)
         self.worth.pop(seq_id, None)
 
     def forget(self) -> None:

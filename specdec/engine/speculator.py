@@ -97,19 +97,21 @@ class Speculator:
                       ) -> list[int]:
         """`plan_rows` for a drafter that `drafts_first`: its whole-budget draft now, then the rows of it that pay
         (`DraftPlanner.plan_proposed`); a step with no draft plans nothing. A request whose proposals have cost more
-        than its drafts saved is asked for none, but on one step in WORTH_PROBE (`DraftPlanner.asks`)."""
+        than its drafts saved is asked for none, but on one step in WORTH_PROBE (`DraftPlanner.asks`). What the
+        proposals not verified would have kept is learnt from the tokens committed since (`DraftPlanner.shadow`)."""
         start = time.perf_counter()
         planner = self.planner
+        planner.learn_shadows(seqs)
         waiting = [bool(b) and not planner.asks(s) for s, b in zip(seqs, budgets)]  # not asked: still idle
         budgets = [0 if w else b for b, w in zip(budgets, waiting)]
         if not any(budgets):
-            return planner.probe(seqs, budgets, [0] * len(seqs), False, waiting)
+            return planner.probe(seqs, budgets, [0] * len(seqs), False, waiting, shadowed=True)
         keyed = self.cfg.sampled_verification == "keyed"
-        requests = [draft_request(s, b, shape, keyed) for s, b in zip(seqs, budgets)]
+        asked = [i for i, b in enumerate(budgets) if b]  # the drafter sees these alone (the others' text waits)
+        requests = [draft_request(seqs[i], budgets[i], shape, keyed) for i in asked]
         for r in requests:
             r.sized_by_plan = True
-        planner.learn_passed_over(seqs)
-        draft = self.propose(seqs, requests)
+        draft = self.propose([seqs[i] for i in asked], requests).spread(asked, len(seqs))
         draft, self._evidence, rows = planner.plan_proposed(seqs, budgets, draft, start, context, waiting)
         self._early = draft
         return rows

@@ -86,9 +86,9 @@ class StepCost:
     def __call__(self, rows: int, context: float, batch: int = 1) -> float:
         forward = self.forward(rows, context)
         fit, recent = self.fits.get(batch), self.overhead.get(batch)
-        if rows > batch and fit is not None:  # a drafting step: a plain forward, then its rows at the fitted slope
+        if rows > batch and fit is not None:  # a drafting step: a plain step now, then its rows at the fitted slope
             base = self.forward(batch, context)
-            return max(base + fit.seconds(forward - base, self.plain_extra(batch)), 0.25 * forward)
+            return max(base + self.plain_extra(batch) + fit.seconds(forward - base), 0.25 * forward)
         extra = recent.value if recent is not None else fit.intercept() if fit is not None else 0.0  # not measured:
         return max(forward + extra, 0.25 * forward)                                   # as the other kind of step
 
@@ -110,7 +110,8 @@ class StepCost:
         out = [max(base + plain_extra, 0.25 * base)]
         if fit is None:
             return out + [max(f + plain_extra, 0.25 * f) for f in forwards[1:]]
-        a, b = fit.coefficients(self.plain_extra(batch))
+        a, b = fit.coefficients()
+        a += self.plain_extra(batch)
         return out + [max(base + a + b * (f - base), 0.25 * f) for f in forwards[1:]]
 
     def plain_extra(self, batch: int) -> float:
@@ -164,8 +165,9 @@ class StepCost:
         if (batch in self.overhead or batch in self.fits) and seconds > STALL * self(rows, context, batch):
             return False
         base = self.forward(batch, context)
-        if rows > batch:
-            self.fits.setdefault(batch, RowFit()).add(self.forward(rows, context) - base, seconds - base)
+        if rows > batch:  # beyond a plain step of now (a busy moment slows both kinds of step alike)
+            self.fits.setdefault(batch, RowFit()).add(self.forward(rows, context) - base,
+                                                      seconds - base - self.plain_extra(batch))
         else:
             self.overhead.setdefault(batch, Recent()).add(seconds - base)
         return True
