@@ -77,7 +77,7 @@ class StepCost:
     # batch size -> seconds its plain steps add to their forward (the median of recent ones): scheduling, token
     # choice, commit
     overhead: dict[int, Recent] = field(default_factory=dict)
-    # batch size -> its drafting steps' seconds beyond a plain forward, fitted to the extra rows' forward time
+    # batch size -> its drafting steps' seconds beyond a plain step of now, fitted to the extra rows' forward time
     # (`RowFit`): a drafting step's token choice, settling and bookkeeping, and its rows as they really cost there
     # (B sequences of a few rows each are not the table's one sequence of as many)
     fits: dict[int, RowFit] = field(default_factory=dict)
@@ -115,8 +115,8 @@ class StepCost:
         return out + [max(base + a + b * (f - base), 0.25 * f) for f in forwards[1:]]
 
     def plain_extra(self, batch: int) -> float:
-        """What this batch size's plain steps add beyond their forward (0 before one is measured): where its drafting
-        steps' fitted intercept is shrunk to (`RowFit`)."""
+        """What this batch size's plain steps add beyond their forward (0 before one is measured): what its drafting
+        steps are fitted beyond (`RowFit`, `observe`)."""
         recent = self.overhead.get(batch)
         return recent.value if recent is not None else 0.0
 
@@ -192,12 +192,13 @@ class Recent:
 
 @dataclass
 class RowFit:
-    """A batch size's drafting steps: seconds beyond a plain forward ~ a + b x, x the table's time for their extra
-    rows, fitted by least squares over recent steps (each older one weighs 1 - ONLINE less), b shrunk toward 1 (the
-    table is right) by SLOPE_PRIOR times the mean x^2 and a toward `a0`, what plain steps add beyond their forward,
-    by INTERCEPT_PRIOR steps. While the steps' rows do not vary, b stays 1 and a is the moving mean of what they took
-    beyond the table. (Unshrunk, one drafting step's one-time work set a: on a Zen 4 the next row then cost 1.4 plain
-    steps where the table says 0.05, nothing drafted again, and so nothing corrected it.)"""
+    """A batch size's drafting steps: seconds beyond a plain step of now (its forward and what plain steps add beyond
+    it) ~ a + b x, x the table's time for their extra rows, fitted by least squares over recent steps (each older one
+    weighs 1 - ONLINE less), b shrunk toward 1 (the table is right) by SLOPE_PRIOR times the mean x^2 and a toward 0
+    (a drafting step adds its rows alone) by INTERCEPT_PRIOR steps. While the steps' rows do not vary, b stays 1 and
+    a is the moving mean of what they took beyond the table. (Unshrunk, one drafting step's one-time work set a: on a
+    Zen 4 the next row then cost 1.4 plain steps where the table says 0.05, nothing drafted again, and so nothing
+    corrected it.)"""
 
     s0: float = 0.0  # decayed sums of 1, x, y, x^2, xy
     sx: float = 0.0
@@ -210,20 +211,20 @@ class RowFit:
         self.s0, self.sx, self.sy = keep * self.s0 + 1, keep * self.sx + x, keep * self.sy + y
         self.sxx, self.sxy = keep * self.sxx + x * x, keep * self.sxy + x * y
 
-    def coefficients(self, a0: float = 0.0) -> tuple[float, float]:
-        """(a, b): the ridge solution of [s0 + m, sx; sx, sxx + l] [a b] = [sy + m a0, sxy + l], l = SLOPE_PRIOR mean
-        x^2, m = INTERCEPT_PRIOR."""
+    def coefficients(self) -> tuple[float, float]:
+        """(a, b): the ridge solution of [s0 + m, sx; sx, sxx + l] [a b] = [sy, sxy + l], l = SLOPE_PRIOR mean x^2,
+        m = INTERCEPT_PRIOR."""
         prior, m = SLOPE_PRIOR * self.sxx / self.s0, INTERCEPT_PRIOR
         det = (self.s0 + m) * (self.sxx + prior) - self.sx * self.sx
-        b = (self.s0 + m) * (self.sxy + prior) - self.sx * (self.sy + m * a0)
+        b = (self.s0 + m) * (self.sxy + prior) - self.sx * self.sy
         b = min(max(b / det, SLOPE_RANGE[0]), SLOPE_RANGE[1]) if det > 0 else 1.0
-        return (self.sy + m * a0 - b * self.sx) / (self.s0 + m), b
+        return (self.sy - b * self.sx) / (self.s0 + m), b
 
     def intercept(self) -> float:
         return self.coefficients()[0]
 
-    def seconds(self, x: float, a0: float = 0.0) -> float:
-        a, b = self.coefficients(a0)
+    def seconds(self, x: float) -> float:
+        a, b = self.coefficients()
         return a + b * x
 
 
